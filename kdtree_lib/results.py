@@ -1,0 +1,70 @@
+"""Results rows: one CSV per topic in data/results/, append-only, written atomically.
+
+Every row carries date, commit, device and backend next to its parameters and metrics, so runs on
+different machines (the H200 here, the Blackwell box) can be compared and plotted from the files.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .backend import device_name
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "data" / "results"
+STAMP_COLUMNS = ("date", "commit", "device")
+
+
+def git_commit() -> str:
+    """The commit being measured: $KDTREE_COMMIT (set where the tree travels without .git), else git."""
+    if os.environ.get("KDTREE_COMMIT"):
+        return os.environ["KDTREE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def stamp() -> dict:
+    return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": git_commit(), "device": device_name()}
+
+
+def append_rows(topic: str, rows: list[dict], *, results_dir: Path | None = None) -> Path:
+    """Append rows (stamped with date/commit/device) to <results_dir>/<topic>.csv atomically.
+
+    Earlier rows are never rewritten: the file is copied with the new rows added and renamed over
+    the old one, so a crash leaves either the old file or the new one. New columns widen the file
+    (earlier rows get empty cells).
+    """
+    if not rows:
+        raise ValueError("rows: expected at least one row")
+    directory = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{topic}.csv"
+    stamp_values = stamp()
+    new_rows = [{**stamp_values, **row} for row in rows]
+    old_rows = read_rows(topic, results_dir=directory) if path.exists() else []
+    columns = list(STAMP_COLUMNS)
+    for row in old_rows + new_rows:
+        columns += [c for c in row if c not in columns]
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False, newline="") as tmp:
+        writer = csv.DictWriter(tmp, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(old_rows + new_rows)
+    os.replace(tmp.name, path)
+    return path
+
+
+def read_rows(topic: str, *, results_dir: Path | None = None) -> list[dict]:
+    """All rows of a topic as dicts of strings (empty list when there is no file yet)."""
+    path = (Path(results_dir) if results_dir is not None else RESULTS_DIR) / f"{topic}.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))

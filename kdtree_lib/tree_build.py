@@ -1,0 +1,276 @@
+"""Draft trees: per-position top-k of the drafter, and DDTree's best-first tree build.
+
+The layouts are DESIGN.md §3's and shared by every backend, so a test compares arrays directly:
+
+    DraftTopK   logp float32 [B, D, K] (log-softmax, rows sorted descending), ids int32 [B, D, K]
+    Tree        tokens/parents/depths/first_child/next_sibling int32 [B, N], n_nodes int32 [B],
+                mask uint32 [B, N, ceil(N/32)] (bit j of row i: node j is node i or an ancestor),
+                log_weights float64 [B, N] (log-probability of the root-to-node path)
+
+Node 0 is the root (the last committed token); nodes are numbered in heap-pop order, so a parent
+always precedes its children. Slots past n_nodes are padding: token 0, parent -1, depth 0,
+log-weight -inf, no children, and a mask row holding only the node itself (so every attention row
+has at least one key).
+
+The build is the paper's best-first heap (arXiv 2604.12989), reproduced operation for operation so
+the tree is identical to the official code's, ties included. The one addition: an entry whose
+log-probability is -inf (a token the drafter gives zero mass, e.g. a masked vocabulary slot) is
+never pushed, where the official arithmetic would produce NaN weights.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from . import backend as _backend
+from .checks import (check_array, check_finite, check_positive_int, check_same_device, framework,
+                     to_numpy)
+
+MAX_BUDGET = 1024  # kernel capacity (issue 3); the reference has no such limit but keeps the contract
+MAX_DEPTH = 32
+MAX_TOPK = 1024
+
+
+@dataclass
+class DraftTopK:
+    """The drafter's top-k log-probabilities per draft position."""
+    logp: object  # float32 [B, D, K], rows sorted descending
+    ids: object   # int32   [B, D, K]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.logp.shape)
+
+
+@dataclass
+class Tree:
+    """A batch of draft trees at fixed capacity N (see the module docstring)."""
+    tokens: object        # int32   [B, N]
+    parents: object       # int32   [B, N]
+    depths: object        # int32   [B, N]
+    n_nodes: object       # int32   [B]
+    mask: object          # uint32  [B, N, ceil(N/32)]
+    first_child: object   # int32   [B, N]
+    next_sibling: object  # int32   [B, N]
+    log_weights: object   # float64 [B, N]
+    max_depth: int        # D: the deepest a node can be (paths have at most D+1 nodes)
+
+    @property
+    def batch(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def to_numpy(self) -> "Tree":
+        return Tree(**{f.name: (getattr(self, f.name) if f.name == "max_depth"
+                                else to_numpy(getattr(self, f.name))) for f in fields(self)})
+
+
+# ----------------------------------------------------------------------------------------------
+# draft top-k
+
+def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
+    """Log-softmax of the drafter's logits [B, D, V], top K = min(k, V) per position.
+
+    Rows are sorted by descending log-probability; equal values keep the smaller token id first,
+    so the result (and the tree built from it) is deterministic.
+    """
+    check_array("logits", logits, dtypes=("float32", "float16", "bfloat16", "float64"), ndim=3)
+    k = check_positive_int("k", k)
+    chosen = _backend.resolve(backend, ("numpy", "cupy"), logits)
+    if chosen == "cupy":
+        return _draft_topk_cupy(logits, k)
+    x = to_numpy(logits).astype(np.float32)
+    check_finite("logits", x, allow_neg_inf=True)
+    row_max = x.max(axis=-1, keepdims=True)
+    if np.isneginf(row_max).any():
+        raise ValueError("logits: a row is entirely -inf (no token has any probability)")
+    shifted = x - row_max
+    logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    top = min(k, x.shape[-1])
+    order = np.argsort(-logp, axis=-1, kind="stable")[..., :top]
+    return DraftTopK(logp=np.take_along_axis(logp, order, axis=-1).astype(np.float32),
+                     ids=order.astype(np.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# tree build
+
+def build_tree(draft: DraftTopK, budget: int, *, root=None, mode: str = "tree",
+               backend: str = "auto") -> Tree:
+    """DDTree's best-first tree of `budget` draft nodes (plus the root), or the DFlash chain.
+
+    mode="tree": capacity N = budget + 1. mode="chain": the top-1 path of depth
+    min(budget, D), capacity N = min(budget, D) + 1. `root` [B] holds the last committed
+    tokens (tokens[:, 0]); 0 when omitted.
+    """
+    logp, ids, budget, root = _check_build_args(draft, budget, root, mode)
+    chosen = _backend.resolve(backend, ("numpy", "cupy"), logp)
+    if chosen == "cupy":
+        return _build_tree_cupy(logp, ids, budget, root, mode)
+    logp, ids, root = to_numpy(logp), to_numpy(ids), to_numpy(root)
+    check_finite("draft.logp", logp, allow_neg_inf=True)
+    if (np.diff(logp, axis=-1) > 0).any():
+        raise ValueError("draft.logp: each row must be sorted in descending order")
+    batch, depth_limit, _ = logp.shape
+    capacity = budget + 1 if mode == "tree" else min(budget, depth_limit) + 1
+    parents = np.full((batch, capacity), -1, np.int32)
+    tokens = np.zeros((batch, capacity), np.int32)
+    log_weights = np.full((batch, capacity), -np.inf, np.float64)
+    pop = _best_first_pops if mode == "tree" else _chain_pops
+    for b in range(batch):
+        popped = pop(logp[b], budget)
+        n = len(popped) + 1
+        tokens[b, 0] = root[b]
+        log_weights[b, 0] = 0.0
+        for i, (parent, depth, rank, log_w) in enumerate(popped, start=1):
+            parents[b, i] = parent
+            tokens[b, i] = ids[b, depth - 1, rank]
+            log_weights[b, i] = log_w
+        tokens[b, n:] = 0
+    return tree_from_parents(parents, tokens, max_depth=depth_limit, log_weights=log_weights)
+
+
+def _best_first_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, float]]:
+    """(parent, depth, rank, log w) of each popped node, in pop order: DESIGN.md §3's heap."""
+    depth_limit, k = logp.shape
+    pops: list[tuple[int, int, int, float]] = []
+    if logp[0, 0] == -np.inf:
+        return pops
+    first = float(logp[0, 0])
+    heap = [(-first, (0,), 0, 1, 0, first)]  # (key, rank tuple, parent, depth, rank, log w)
+    while heap and len(pops) < budget:
+        _, ranks, parent, depth, rank, log_w = heapq.heappop(heap)
+        pops.append((parent, depth, rank, log_w))
+        node = len(pops)
+        if rank + 1 < k and logp[depth - 1, rank + 1] != -np.inf:
+            sibling_w = log_w - float(logp[depth - 1, rank]) + float(logp[depth - 1, rank + 1])
+            heapq.heappush(heap, (-sibling_w, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling_w))
+        if depth < depth_limit and logp[depth, 0] != -np.inf:
+            child_w = log_w + float(logp[depth, 0])
+            heapq.heappush(heap, (-child_w, ranks + (0,), node, depth + 1, 0, child_w))
+    return pops
+
+
+def _chain_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, float]]:
+    """The top-1 path: node d has parent d-1 and the argmax token of position d."""
+    pops: list[tuple[int, int, int, float]] = []
+    log_w = 0.0
+    for depth in range(1, min(budget, logp.shape[0]) + 1):
+        if logp[depth - 1, 0] == -np.inf:
+            break
+        log_w += float(logp[depth - 1, 0])
+        pops.append((depth - 1, depth, 0, log_w))
+    return pops
+
+
+def _check_build_args(draft, budget, root, mode):
+    if not isinstance(draft, DraftTopK):
+        raise ValueError(f"draft: expected a DraftTopK, got {type(draft).__name__}")
+    if mode not in ("tree", "chain"):
+        raise ValueError(f"mode: expected 'tree' or 'chain', got {mode!r}")
+    budget = check_positive_int("budget", budget)
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget: at most {MAX_BUDGET} nodes, got {budget}")
+    logp = check_array("draft.logp", draft.logp, dtypes="float32", ndim=3)
+    batch, depth_limit, k = logp.shape
+    check_array("draft.ids", draft.ids, dtypes="int32", shape=(batch, depth_limit, k))
+    if not 1 <= depth_limit <= MAX_DEPTH:
+        raise ValueError(f"draft.logp: depth D must be in 1..{MAX_DEPTH}, got {depth_limit}")
+    if not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"draft.logp: top-k K must be in 1..{MAX_TOPK}, got {k}")
+    if root is None:
+        root = _zeros_like_batch(logp, batch)
+    check_array("root", root, dtypes=("int32", "int64"), shape=(batch,))
+    check_same_device(**{"draft.logp": logp, "draft.ids": draft.ids, "root": root})
+    return logp, draft.ids, budget, root
+
+
+def _zeros_like_batch(x, batch):
+    kind = framework(x)
+    if kind == "numpy":
+        return np.zeros(batch, np.int32)
+    if kind == "cupy":
+        import cupy
+        return cupy.zeros(batch, cupy.int32)
+    import torch
+    return torch.zeros(batch, dtype=torch.int32, device=x.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# derived structure: depths, children lists, ancestor masks
+
+def tree_from_parents(parents, tokens, *, max_depth: int | None = None, log_weights=None) -> Tree:
+    """A Tree from parents [B, N] (parents[:, 0] = -1, parent index < child index) and tokens.
+
+    Nodes after the first one with parent -1 (other than the root) are padding. Used by the
+    reference build and by tests and models that need a hand-made tree.
+    """
+    parents = np.asarray(to_numpy(parents), np.int32)
+    tokens = np.asarray(to_numpy(tokens), np.int32)
+    if parents.ndim != 2 or parents.shape[1] < 1:
+        raise ValueError(f"parents: expected shape (B, N) with N >= 1, got {parents.shape}")
+    check_array("tokens", tokens, shape=parents.shape)
+    batch, capacity = parents.shape
+    words = (capacity + 31) // 32
+    depths = np.zeros((batch, capacity), np.int32)
+    first_child = np.full((batch, capacity), -1, np.int32)
+    next_sibling = np.full((batch, capacity), -1, np.int32)
+    n_nodes = np.ones(batch, np.int32)
+    ancestors = np.eye(capacity, dtype=bool)[None].repeat(batch, axis=0)
+    for b in range(batch):
+        last_child = np.full(capacity, -1, np.int64)
+        for i in range(1, capacity):
+            parent = parents[b, i]
+            if parent < 0:
+                break
+            if parent >= i:
+                raise ValueError(f"parents: node {i} of request {b} has parent {parent}; "
+                                 "a parent must precede its children")
+            n_nodes[b] = i + 1
+            depths[b, i] = depths[b, parent] + 1
+            ancestors[b, i] |= ancestors[b, parent]
+            if last_child[parent] < 0:
+                first_child[b, parent] = i
+            else:
+                next_sibling[b, last_child[parent]] = i
+            last_child[parent] = i
+        if (parents[b, n_nodes[b]:] >= 0).any():
+            raise ValueError(f"parents: request {b} has nodes after its first padding slot")
+    if max_depth is None:
+        max_depth = int(depths.max())
+    if log_weights is None:
+        log_weights = np.full((batch, capacity), np.nan)
+    return Tree(tokens=tokens, parents=parents, depths=depths, n_nodes=n_nodes,
+                mask=pack_mask(ancestors, words), first_child=first_child, next_sibling=next_sibling,
+                log_weights=np.asarray(log_weights, np.float64), max_depth=int(max_depth))
+
+
+def pack_mask(bits: np.ndarray, words: int | None = None) -> np.ndarray:
+    """bool [..., N] -> uint32 [..., ceil(N/32)], bit j%32 of word j//32 (least significant first)."""
+    n = bits.shape[-1]
+    words = (n + 31) // 32 if words is None else words
+    padded = np.zeros(bits.shape[:-1] + (words * 32,), bool)
+    padded[..., :n] = bits
+    packed = np.packbits(padded, axis=-1, bitorder="little")
+    return packed.view("<u4").astype(np.uint32).reshape(bits.shape[:-1] + (words,))
+
+
+def unpack_mask(mask, n: int) -> np.ndarray:
+    """uint32 [..., W] -> bool [..., n]; the inverse of pack_mask."""
+    mask = np.ascontiguousarray(to_numpy(mask), dtype="<u4")
+    bits = np.unpackbits(mask.view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :n].astype(bool)
+
+
+def root_to_node_paths(tree: Tree, b: int) -> list[list[int]]:
+    """For request b, each live node's path of node indices from the root (root first)."""
+    parents = to_numpy(tree.parents)[b]
+    paths: list[list[int]] = [[0]]
+    for i in range(1, int(to_numpy(tree.n_nodes)[b])):
+        paths.append(paths[parents[i]] + [i])
+    return paths

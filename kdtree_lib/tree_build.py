@@ -114,7 +114,7 @@ def build_tree(draft: DraftTopK, budget: int, *, root=None, mode: str = "tree",
         return _build_tree_cupy(logp, ids, budget, root, mode)
     logp, ids, root = to_numpy(logp), to_numpy(ids), to_numpy(root)
     check_finite("draft.logp", logp, allow_neg_inf=True)
-    if (np.diff(logp, axis=-1) > 0).any():
+    if (logp[..., 1:] > logp[..., :-1]).any():
         raise ValueError("draft.logp: each row must be sorted in descending order")
     batch, depth_limit, _ = logp.shape
     capacity = budget + 1 if mode == "tree" else min(budget, depth_limit) + 1

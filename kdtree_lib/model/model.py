@@ -1,0 +1,413 @@
+"""The target: Kimi K2.6 (DeepSeek-V3 architecture), multi-head latent attention + mixture of experts.
+
+    tokens -> embed_tokens -> [RMSNorm -> MLA -> +] -> [RMSNorm -> MoE (dense SwiGLU in the first
+    layers) -> +] x num_hidden_layers -> norm -> lm_head -> logits
+
+Every forward is a verify step over a Tree (DESIGN.md §3): the T new tokens are the tree's nodes,
+node i's cache entry goes to slot lengths[b] + i, its position is lengths[b] + depth, and it
+attends to the committed cache and to its ancestors. A prefill is the same step over a chain.
+
+MLA keeps one 576-wide latent entry per token and layer (the absorbed cache); attention runs in
+one of two forms over it:
+    "naive"    : expand per-head keys/values with kv_b_proj, softmax(q·k) v  (the transformers form)
+    "absorbed" : fold W_UK into the query and W_UV into the output, attend in the 512-wide latent
+                 space with kdtree_lib.verify_attn (the torch reference, or the kernel on a GPU)
+
+Tensor parallel (tp.py): heads, MLP widths, expert widths (or experts) and the vocabulary are
+split over ranks; a module's `tp_dim` says which dimension of its weight is split.
+Shapes: B requests, T new tokens, L cache slots, D hidden, H heads on this rank, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tree_accept import compact_cache
+from ..tree_build import Tree, tree_from_parents
+from ..verify_attn import absorb_query, key_mask, project_output, verify_attention
+from .config import ModelConfig
+from .tp import TensorParallel
+
+ATTENTION_PATHS = ("naive", "absorbed")
+MOE_PARALLEL = ("tp", "ep")
+LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use the RMSNorm default, not rms_norm_eps (as DeepSeek-V3)
+
+
+def linear(in_features: int, out_features: int, tp_dim: int | None = None) -> nn.Linear:
+    """A bias-free linear layer; tp_dim 0 = column-parallel (rows split), 1 = row-parallel."""
+    layer = nn.Linear(in_features, out_features, bias=False)
+    layer.tp_dim = tp_dim
+    return layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary position embedding (YaRN)
+
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq float32 [rope/2] and the cos/sin scale: YaRN's blend of interpolated and original
+    frequencies (plain RoPE when rope_factor is 1)."""
+    dim, base, factor = config.qk_rope_head_dim, config.rope_theta, config.rope_factor
+    steps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")  # cpu even when built on meta
+    original = 1.0 / base ** (steps / dim)
+    if factor <= 1:
+        return original, 1.0
+
+    def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times
+        return dim * math.log(config.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((steps / 2 - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = original / factor * ramp + original * (1 - ramp)
+
+    def mscale(scale):
+        return 0.1 * scale * math.log(factor) + 1.0
+
+    if config.rope_mscale and config.rope_mscale_all_dim:
+        attention_factor = mscale(config.rope_mscale) / mscale(config.rope_mscale_all_dim)
+    else:
+        attention_factor = mscale(1.0)
+    return inv_freq, attention_factor
+
+
+def apply_rope(x, cos, sin, interleave: bool):
+    """Rotate pairs of x [..., rope] by the angles in cos/sin [..., rope/2] (broadcast).
+
+    Interleaved checkpoints pair (0,1), (2,3), ...; the output holds the rotated pairs as
+    [first halves | second halves], for queries and keys alike, so their dot products are right.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# one verify step's bookkeeping, shared by all layers
+
+@dataclass
+class Step:
+    """Where this forward's T new tokens go in the cache and what they may attend to."""
+    tree: Tree            # on the model's device; a chain for a prefill
+    lengths: torch.Tensor  # int32 [B]: committed tokens, visible to every new token
+    slots: torch.Tensor    # int64 [B, T]: cache slot of new token t = lengths + t
+    cos: torch.Tensor      # [B, T, rope/2] at positions lengths + depth
+    sin: torch.Tensor
+    visible: int           # slots any token may see: max(lengths) + T
+    mask: torch.Tensor | None  # bool [B, T, visible] (built for the naive path only)
+
+
+@dataclass
+class KVCache:
+    """The absorbed MLA cache: per layer kv [B, L_max, 576] = [c_kv | k_rope], and lengths int32 [B]."""
+    kv: list[torch.Tensor]
+    lengths: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return int(self.kv[0].shape[1])
+
+    def accept(self, result) -> None:
+        """Keep the accepted tree nodes (an AcceptResult): move them to the committed end."""
+        self.lengths = compact_cache(self.kv, self.lengths, result)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor          # float32 [B, T, V]
+    features: torch.Tensor | None  # [B, T, len(feature_layers) * D]: the requested layers' outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+
+class Attention(nn.Module):
+    """Multi-head latent attention. q_a/kv_a are replicated, q_b/kv_b split by head, o_proj by
+    its input (row-parallel): forward returns this rank's partial sum of the output."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        c = config
+        tp.split(c.num_attention_heads, "num_attention_heads")
+        self.heads = c.num_attention_heads // tp.size
+        self.nope, self.rope, self.v_dim, self.latent = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        self.interleave = c.rope_interleave
+        self.scale = c.softmax_scale
+        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
+        self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim, tp_dim=0)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.cache_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim), tp_dim=0)
+        self.o_proj = linear(self.heads * self.v_dim, c.hidden_size, tp_dim=1)
+
+    def forward(self, x, step: Step, kv, *, path: str, backend: str):
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.heads, -1)  # (B, T, H, 192)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)                            # (B, T, H, 128|64)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)  # (B, T, 512|64)
+        q_rope = apply_rope(q_rope, step.cos[:, :, None], step.sin[:, :, None], self.interleave)
+        k_rope = apply_rope(k_rope, step.cos, step.sin, self.interleave)
+        entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)                   # (B, T, 576)
+        kv[torch.arange(B, device=x.device)[:, None], step.slots] = entries.to(kv.dtype)
+        attend = self.attend_absorbed if path == "absorbed" else self.attend_naive
+        o = attend(q_nope, q_rope, kv, step, backend)                                       # (B, T, H, 128)
+        return self.o_proj(o.flatten(2))                                                    # (B, T, D) partial
+
+    def attend_naive(self, q_nope, q_rope, kv, step: Step, backend):
+        """Per-head keys and values expanded from the cache, as transformers computes them."""
+        B, L = kv.shape[0], step.visible
+        c_kv, k_rope = kv[:, :L].split([self.latent, self.rope], dim=-1)                   # (B, L, 512|64)
+        k_nope, v = self.kv_b_proj(c_kv).view(B, L, self.heads, -1).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, self.heads, -1)], dim=-1)  # (B, L, H, 192)
+        q = torch.cat([q_nope, q_rope], dim=-1)                                              # (B, T, H, 192)
+        scores = torch.einsum("bthd,blhd->bhtl", q, k) * self.scale                          # (B, H, T, L)
+        scores = scores.masked_fill(~step.mask[:, None], float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bhtl,blhd->bthd", probs, v)                                     # (B, T, H, 128)
+
+    def attend_absorbed(self, q_nope, q_rope, kv, step: Step, backend):
+        """Attention in the latent space: q·W_UK against c_kv, then W_UV on the latent output."""
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, self.latent).split([self.nope, self.v_dim], dim=1)
+        q_latent = absorb_query(q_nope, w_uk)                                                # (B, T, H, 512)
+        o_latent, _ = verify_attention(q_latent, q_rope.contiguous(), kv, step.lengths, step.tree,
+                                       scale=self.scale, backend=backend)                   # (B, T, H, 512)
+        return project_output(o_latent, w_uv)                                                # (B, T, H, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# feed-forward: dense SwiGLU and the mixture of experts
+
+class MLP(nn.Module):
+    """SwiGLU; gate/up column-parallel, down row-parallel: returns this rank's partial sum."""
+
+    def __init__(self, hidden: int, width: int, tp: TensorParallel, what: str):
+        super().__init__()
+        tp.split(width, what)
+        local = width // tp.size
+        self.gate_proj = linear(hidden, local, tp_dim=0)
+        self.up_proj = linear(hidden, local, tp_dim=0)
+        self.down_proj = linear(local, hidden, tp_dim=1)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; top-k chosen on score + correction bias within the best groups (noaux_tc);
+    weights are the chosen scores, normalized, times routed_scaling_factor."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, x):                                              # x (N, D)
+        c = self.config
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()    # (N, E) fp32
+        choice = scores + self.e_score_correction_bias
+        if c.topk_group < c.n_group:
+            groups = choice.view(len(x), c.n_group, -1)                # (N, G, E/G)
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)       # (N, G)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1).indices, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).view(len(x), -1)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices  # (N, k)
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+    def _apply(self, fn, recurse=True):
+        """Keep the correction bias in fp32 when the model is cast (as transformers does)."""
+        bias = self._buffers.pop("e_score_correction_bias")
+        super()._apply(fn, recurse)
+        moved = fn(bias)
+        self._buffers["e_score_correction_bias"] = moved if moved.dtype == bias.dtype else bias.to(moved.device)
+        return self
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked. moe_parallel "tp": every expert, a 1/tp slice
+    of its width; "ep": 1/tp of the experts, whole. Either way forward returns a partial sum."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, moe_parallel: str):
+        super().__init__()
+        experts, width = config.n_routed_experts, config.moe_intermediate_size
+        if moe_parallel == "tp":
+            first, last = 0, experts
+            self.width_range = tp.split(width, "moe_intermediate_size")
+        else:
+            first, last = tp.split(experts, "n_routed_experts")
+            self.width_range = (0, width)
+        self.expert_ids = range(first, last)
+        local = self.width_range[1] - self.width_range[0]
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.expert_ids), 2 * local, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(self.expert_ids), config.hidden_size, local))
+
+    def forward(self, x, ids, weights):                                # x (N, D), ids/weights (N, k)
+        out = torch.zeros_like(x)
+        first = self.expert_ids.start
+        for expert in torch.unique(ids).tolist():
+            if expert not in self.expert_ids:
+                continue
+            token, slot = torch.where(ids == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert - first]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert - first])             # (n, D)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, moe_parallel: str):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config, tp, moe_parallel)
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                  tp, "moe_intermediate_size * n_shared_experts")
+
+    def forward(self, x):                                              # x (B, T, D)
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        return (self.experts(flat, ids, weights) + self.shared_experts(flat)).view_as(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel, moe_parallel: str):
+        super().__init__()
+        self.tp = tp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (MoE(config, tp, moe_parallel) if config.is_moe_layer(layer)
+                    else MLP(config.hidden_size, config.intermediate_size, tp, "intermediate_size"))
+
+    def forward(self, x, step: Step, kv, *, path: str, backend: str):
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), step, kv, path=path, backend=backend))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r V/tp, (r+1) V/tp); ids elsewhere embed to zero before the all-reduce."""
+
+    def __init__(self, vocab: int, dim: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.start, stop = tp.split(vocab, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(stop - self.start, dim))
+        self.tp_dim = 0
+
+    def forward(self, ids):
+        local = ids - self.start
+        inside = (local >= 0) & (local < len(self.weight))
+        x = F.embedding(local.clamp(0, len(self.weight) - 1), self.weight)
+        return self.tp.all_reduce(x * inside[..., None].to(x.dtype))
+
+
+class Transformer(nn.Module):
+    """The target model. Build with load_target (checkpoint.py), or directly for a random model."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), *,
+                 moe_parallel: str = "tp", attention: str = "absorbed", attention_backend: str = "auto"):
+        super().__init__()
+        if moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel: expected one of {MOE_PARALLEL}, got {moe_parallel!r}")
+        self.config, self.tp = config, tp
+        self.attention, self.attention_backend = attention, attention_backend
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(Block(config, i, tp, moe_parallel) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = linear(config.hidden_size, len(self.embed_tokens.weight), tp_dim=0)
+        self.inv_freq, self.rope_scale = rope_frequencies(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty absorbed cache for `batch` requests of up to `capacity` tokens (prompt + tree)."""
+        dtype, device = self.embed_tokens.weight.dtype, self.device
+        kv = [torch.zeros(batch, capacity, self.config.cache_dim, dtype=dtype, device=device)
+              for _ in self.layers]
+        return KVCache(kv=kv, lengths=torch.zeros(batch, dtype=torch.int32, device=device))
+
+    @torch.no_grad()
+    def prefill(self, tokens, cache: KVCache, *, n_valid=None, feature_layers=()) -> TargetOutput:
+        """Run prompt tokens [B, T] after each request's committed tokens and commit them.
+
+        n_valid [B] (default T) commits only each request's first n_valid tokens (right padding).
+        """
+        tokens = torch.as_tensor(tokens)
+        batch, length = tokens.shape
+        parents = np.broadcast_to(np.arange(-1, length - 1, dtype=np.int32), (batch, length))
+        out = self.forward(tree_from_parents(parents, tokens), cache, feature_layers=feature_layers)
+        added = length if n_valid is None else torch.as_tensor(n_valid, device=cache.lengths.device)
+        cache.lengths = (cache.lengths + added).to(torch.int32)
+        return out
+
+    @torch.no_grad()
+    def verify(self, tree: Tree, cache: KVCache, *, feature_layers=()) -> TargetOutput:
+        """Logits at every tree node; the nodes' entries are written, nothing is committed
+        (cache.accept(result) keeps the accepted path)."""
+        return self.forward(tree, cache, feature_layers=feature_layers)
+
+    def forward(self, tree: Tree, cache: KVCache, *, feature_layers=()) -> TargetOutput:
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {self.attention!r}")
+        tree = tree_to_torch(tree, self.device)
+        step = self.step(tree, cache)
+        x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
+        outputs = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend)
+            outputs[i] = x
+        logits = self.tp.all_gather_last(self.lm_head(self.norm(x))).float()  # (B, T, V)
+        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return TargetOutput(logits=logits, features=features)
+
+    def step(self, tree: Tree, cache: KVCache) -> Step:
+        lengths = cache.lengths
+        batch, nodes = tree.tokens.shape
+        visible = int(lengths.max()) + nodes
+        if visible > cache.capacity:
+            raise ValueError(f"cache: {nodes} new tokens after {int(lengths.max())} committed exceed "
+                             f"its capacity L_max={cache.capacity}")
+        slots = lengths[:, None].long() + torch.arange(nodes, device=self.device)              # (B, T)
+        angles = (lengths[:, None] + tree.depths).float()[..., None] * self.inv_freq.to(self.device)  # (B, T, rope/2)
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = ((f(angles) * self.rope_scale).to(dtype) for f in (torch.cos, torch.sin))
+        mask = key_mask(lengths, tree, visible, device=self.device) if self.attention == "naive" else None
+        return Step(tree=tree, lengths=lengths, slots=slots, cos=cos, sin=sin, visible=visible, mask=mask)
+
+
+def tree_to_torch(tree: Tree, device) -> Tree:
+    """The tree's arrays as torch tensors on `device` (kernels and references take them there)."""
+    def move(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(x), device=device)
+    return Tree(**{f.name: (tree.max_depth if f.name == "max_depth" else move(getattr(tree, f.name)))
+                   for f in fields(Tree)})

@@ -1,0 +1,94 @@
+"""transformers' DeepseekV3ForCausalLM as the reference the target must equal (tests, notebook 07).
+
+Builds a tiny random DeepseekV3 with the K2.6 switches (sigmoid noaux_tc routing, YaRN,
+interleaved rope, one dense layer first), writes it as a checkpoint, and computes its logits for
+a prefill and for a tree verify step. Two transformers details matter for a tree:
+- its eager attention ignores a bool 4D mask; the mask must be additive float (0 / dtype min);
+- `.to(bfloat16)` also casts the router's e_score_correction_bias, which must stay fp32.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from ..checks import to_numpy
+from ..tree_build import Tree, unpack_mask
+
+
+def tiny_config(**overrides) -> dict:
+    """A DeepseekV3 config.json dict at test size with Kimi K2.6's switches."""
+    config = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=64,
+                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        rope_theta=50000.0, rope_interleave=True, num_nextn_predict_layers=0,
+        hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+    )
+    config.update(overrides)
+    return config
+
+
+def random_model(config: dict, *, seed: int = 0, std: float = 0.08) -> DeepseekV3ForCausalLM:
+    """DeepseekV3ForCausalLM (fp32, eager attention) with random weights and router biases."""
+    hf_config = dict(config)
+    hf_config["rope_parameters"] = dict(hf_config.pop("rope_scaling"), rope_type="yarn",
+                                        rope_theta=hf_config.pop("rope_theta"))
+    hf_config["rope_parameters"].pop("type")
+    for key in ("architectures", "model_type", "scoring_func", "topk_method"):
+        hf_config.pop(key, None)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config, attn_implementation="eager"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+            elif "rotary_emb" not in name:
+                tensor.copy_(std * torch.randn(tensor.shape, generator=generator))
+    return model.eval()
+
+
+def to_bfloat16(model: DeepseekV3ForCausalLM) -> DeepseekV3ForCausalLM:
+    """model.to(bfloat16) with the routers' correction biases kept in fp32."""
+    biases = {name: b.clone() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")}
+    model = model.to(torch.bfloat16)
+    for name, bias in biases.items():
+        owner, attribute = name.rsplit(".", 1)
+        setattr(model.get_submodule(owner), attribute, bias.to(model.device))
+    return model
+
+
+@torch.no_grad()
+def prefill_logits(model, tokens) -> torch.Tensor:
+    """float32 [B, T, V] logits of a causal forward over tokens [B, T]."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long, device=model.device)
+    return model(input_ids=tokens).logits.float()
+
+
+@torch.no_grad()
+def tree_logits(model, prompt, tree: Tree, b: int = 0) -> torch.Tensor:
+    """float32 [N, V]: request b's tree verified after its prompt [P] (positions P + depth,
+    attention to the whole prompt and to each node's ancestors)."""
+    device = model.device
+    prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)[None]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    nodes = tree.capacity
+    ancestors = torch.as_tensor(unpack_mask(tree.mask, nodes)[b], device=device)           # (N, N)
+    allowed = torch.cat([torch.ones(nodes, prompt.shape[1], dtype=torch.bool, device=device), ancestors], 1)
+    dtype = next(model.parameters()).dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    tokens = torch.as_tensor(to_numpy(tree.tokens)[b].astype(np.int64), device=device)[None]
+    positions = prompt.shape[1] + torch.as_tensor(to_numpy(tree.depths)[b].astype(np.int64), device=device)[None]
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=additive[None, None],
+                past_key_values=cache, use_cache=True)
+    return out.logits[0].float()

@@ -364,7 +364,7 @@ class Transformer(nn.Module):
         """
         tokens = torch.as_tensor(tokens)
         batch, length = tokens.shape
-        parents = np.broadcast_to(np.arange(-1, length - 1, dtype=np.int32), (batch, length))
+        parents = np.tile(np.arange(-1, length - 1, dtype=np.int32), (batch, 1))
         out = self.forward(tree_from_parents(parents, tokens), cache, feature_layers=feature_layers)
         added = length if n_valid is None else torch.as_tensor(n_valid, device=cache.lengths.device)
         cache.lengths = (cache.lengths + added).to(torch.int32)

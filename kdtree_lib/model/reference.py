@@ -31,6 +31,7 @@ def tiny_config(**overrides) -> dict:
                           beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
         rope_theta=50000.0, rope_interleave=True, num_nextn_predict_layers=0,
         hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+        bos_token_id=0, eos_token_id=1,
     )
     config.update(overrides)
     return config

@@ -1,0 +1,278 @@
+"""kdtree_lib.model on the CPU: config parsing, parity with transformers' DeepseekV3ForCausalLM
+(prefill and tree verify, naive and absorbed attention), checkpoint layouts, INT4, bad input."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kdtree_lib.model import ModelConfig, Transformer, TensorParallel, load_config, load_target, save_checkpoint
+from kdtree_lib.model.checkpoint import dequantize_int4, quantize_int4
+from kdtree_lib.model.reference import prefill_logits, random_model, tiny_config, tree_logits
+from kdtree_lib.plots import REPO_ROOT
+from kdtree_lib.tree_accept import accept, posterior_tokens
+from kdtree_lib.tree_build import tree_from_parents
+
+ATOL = 5e-5  # fp32, logits of magnitude ~3
+VARIANTS = {"k26": {}, "v3-groups": {"n_group": 4, "topk_group": 2, "first_k_dense_replace": 2}}
+PARENTS = np.array([[-1, 0, 0, 1, 1, 2, 3, 6, -1], [-1, 0, 1, 2, 0, 4, -1, -1, -1]])
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def reference(request, tmp_path_factory):
+    """(transformers model, its config dict, its save_pretrained directory)."""
+    config = tiny_config(**VARIANTS[request.param])
+    model = random_model(config, seed=len(request.param))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return model, config, path
+
+
+def random_tokens(shape, seed):
+    return torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def random_tree(seed):
+    tokens = np.random.default_rng(seed).integers(0, 256, PARENTS.shape)
+    return tree_from_parents(PARENTS, tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+def test_k26_config_has_the_real_values():
+    c = load_config(REPO_ROOT / "data" / "configs" / "kimi-k2.6.json")
+    assert (c.hidden_size, c.num_hidden_layers, c.first_k_dense_replace, c.intermediate_size) == (7168, 61, 1, 18432)
+    assert (c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank) == (64, 1536, 512)
+    assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (128, 64, 128)
+    assert (c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.n_shared_experts) == (384, 2048, 8, 1)
+    assert (c.vocab_size, c.routed_scaling_factor, c.norm_topk_prob, c.rms_norm_eps) == (163840, 2.827, True, 1e-5)
+    assert (c.rope_factor, c.rope_theta, c.rope_original_max_position) == (64, 50000, 4096)
+    assert (c.rope_beta_fast, c.rope_beta_slow, c.rope_mscale, c.rope_mscale_all_dim) == (32, 1, 1, 1)
+    assert c.rope_interleave and c.num_nextn_predict_layers == 0
+    assert c.quantization.group_size == 32 and c.quantization.num_bits == 4
+    assert c.softmax_scale == pytest.approx(192 ** -0.5 * (1 + 0.1 * np.log(64)) ** 2)
+
+
+def test_config_from_transformers_output_equals_the_dict_it_came_from(reference):
+    _, config, path = reference
+    assert load_config(path) == ModelConfig.from_dict(config)
+
+
+@pytest.mark.parametrize("where", ["top", "rope", "wrapper"])
+def test_unknown_config_key_is_an_error(where):
+    config = tiny_config()
+    if where == "top":
+        config["moe_shared_gate"] = True
+    elif where == "rope":
+        config["rope_scaling"]["low_freq_factor"] = 1.0
+    else:
+        config = {"model_type": "kimi_k25", "text_config": config, "vision_tower_depth": 27}
+    key = {"top": "moe_shared_gate", "rope": "low_freq_factor", "wrapper": "vision_tower_depth"}[where]
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_dict(config)
+
+
+def test_unsupported_switch_is_an_error():
+    with pytest.raises(ValueError, match="scoring_func"):
+        ModelConfig.from_dict(tiny_config(scoring_func="softmax"))
+
+
+# ----------------------------------------------------------------------------------------------
+# parity with transformers
+
+@pytest.mark.parametrize("attention", ["naive", "absorbed"])
+def test_prefill_logits_equal_transformers(reference, attention):
+    hf, _, path = reference
+    model = load_target(path, dtype=torch.float32, attention=attention)
+    tokens = random_tokens((2, 13), seed=1)
+    ours = model.prefill(tokens, model.new_cache(2, 16)).logits
+    torch.testing.assert_close(ours, prefill_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["naive", "absorbed"])
+def test_tree_verify_logits_equal_transformers(reference, attention):
+    """Ragged prompts (7 and 4 tokens, right-padded), then a tree with padding nodes."""
+    hf, _, path = reference
+    model = load_target(path, dtype=torch.float32, attention=attention)
+    prompts, n_valid = random_tokens((2, 7), seed=2), torch.tensor([7, 4])
+    tree = random_tree(seed=3)
+    cache = model.new_cache(2, 7 + tree.capacity)
+    model.prefill(prompts, cache, n_valid=n_valid)
+    assert cache.lengths.tolist() == [7, 4]
+    ours = model.verify(tree, cache).logits
+    for b in range(2):
+        live = int(tree.n_nodes[b])
+        expected = tree_logits(hf, prompts[b, :n_valid[b]], tree, b)
+        torch.testing.assert_close(ours[b, :live], expected[:live], atol=ATOL, rtol=0)
+
+
+def test_feature_layers_are_the_decoder_layer_outputs(reference):
+    hf, _, path = reference
+    model = load_target(path, dtype=torch.float32)
+    tokens = random_tokens((1, 6), seed=4)
+    features = model.prefill(tokens, model.new_cache(1, 6), feature_layers=(1, 0)).features
+    hidden = hf(input_ids=tokens, output_hidden_states=True).hidden_states  # [embeddings, layer 0, ...]
+    torch.testing.assert_close(features, torch.cat([hidden[2], hidden[1]], dim=-1), atol=ATOL, rtol=0)
+
+
+def test_accepted_path_compacts_to_the_cache_of_the_linear_sequence(reference):
+    """Greedy continuation g1..g4 of a prompt; a tree holding g1 -> g2 -> g3 among distractors
+    accepts exactly that path with bonus g4, and the compacted cache equals a plain prefill."""
+    _, _, path = reference
+    model = load_target(path, dtype=torch.float32)
+    prompt = random_tokens((1, 6), seed=5)
+    greedy, cache = prompt, model.new_cache(1, 16)
+    step = model.prefill(greedy, cache)
+    for _ in range(4):
+        greedy = torch.cat([greedy, step.logits[:, -1:].argmax(-1)], dim=1)
+        step = model.prefill(greedy[:, -1:], cache)
+    g = greedy[0, 6:].tolist()
+    tokens = np.array([[prompt[0, -1].item(), g[0], g[0] + 1, g[1], g[1] + 1, g[2], g[2] + 1]]) % 256
+    tree = tree_from_parents(np.array([[-1, 0, 0, 1, 1, 3, 3]]), tokens)
+    cache = model.new_cache(1, 16)
+    model.prefill(prompt[:, :-1], cache)
+    result = accept(tree, posterior_tokens(model.verify(tree, cache).logits))
+    assert result.path[0].tolist()[:4] == [0, 1, 3, 5] and result.bonus[0] == g[3]
+    cache.accept(result)
+    linear = model.new_cache(1, 16)
+    model.prefill(greedy[:, :9], linear)
+    assert cache.lengths.tolist() == linear.lengths.tolist() == [9]
+    for ours, expected in zip(cache.kv, linear.kv):
+        torch.testing.assert_close(ours[:, :9], expected[:, :9], atol=1e-5, rtol=0)
+
+
+def test_router_bias_stays_fp32_when_the_model_is_cast(reference):
+    _, _, path = reference
+    model = load_target(path, dtype=torch.float32)
+    bias = model.layers[-1].mlp.gate.e_score_correction_bias.clone()
+    model = model.to(torch.bfloat16)
+    assert model.layers[-1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(model.layers[-1].mlp.gate.e_score_correction_bias, bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint layouts and the INT4 format
+
+def kimi_checkpoint(hf, config, path, *, int4: bool):
+    """hf's weights in the K2.6 layout: wrapper config, language_model. prefix, 3 files + index,
+    a vision tensor to skip, optionally INT4 routed experts."""
+    tensors = {name: t.detach().clone() for name, t in hf.state_dict().items() if "rotary_emb" not in name}
+    tensors = _per_expert(tensors)
+    tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": config, "vision_config": {"hidden_size": 4}}
+    return save_checkpoint(path, wrapper, tensors, shards=3, prefix="language_model.",
+                           quantize=(lambda name: ".experts." in name) if int4 else None)
+
+
+def _per_expert(tensors):
+    """transformers' stacked experts [E, 2I, D] / [E, D, I] -> one tensor per expert (checkpoint names)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix(".gate_up_proj")
+            for e, w in enumerate(t):
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = w.chunk(2)
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix(".down_proj")
+            out.update({f"{base}.{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+def test_kimi_layout_loads_the_same_model(reference, tmp_path):
+    hf, config, _ = reference
+    path = kimi_checkpoint(hf, config, tmp_path, int4=False)
+    assert (path / "model.safetensors.index.json").is_file()
+    model = load_target(path, dtype=torch.float32)
+    tokens = random_tokens((1, 9), seed=6)
+    torch.testing.assert_close(model.prefill(tokens, model.new_cache(1, 9)).logits,
+                               prefill_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+def test_int4_unpacking_follows_compressed_tensors():
+    """Codes q+8, eight per int32 along the input dimension, the first in the lowest nibble."""
+    words = torch.tensor([[0x76543210, 0xFEDCBA98 - 2**32, 0x76543210, 0xFEDCBA98 - 2**32]], dtype=torch.int32)
+    scale = torch.tensor([[0.5]], dtype=torch.bfloat16)
+    expected = torch.arange(-8, 8, dtype=torch.float32).repeat(2)[None] * 0.5
+    assert torch.equal(dequantize_int4(words, scale, 32), expected)
+
+
+def test_int4_quantize_round_trips_representable_weights():
+    q = torch.cat([torch.arange(-7, 8), torch.zeros(17)]).float()[None]  # one row, one group of 32
+    packed, scale = quantize_int4(q * 0.25)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 4) and scale.tolist() == [[0.25]]
+    assert packed[0, 0].item() & 0xFFFFFFFF == 0x87654321  # codes of -7..0
+    assert torch.equal(dequantize_int4(packed, scale, 32), q * 0.25)
+
+
+def test_int4_experts_load_dequantized_and_give_the_dequantized_models_logits(reference, tmp_path):
+    hf, config, _ = reference
+    path = kimi_checkpoint(hf, config, tmp_path, int4=True)
+    model = load_target(path, dtype=torch.float32)
+    layer = config["first_k_dense_replace"]
+    stacked = hf.model.layers[layer].mlp.experts
+    for e in range(config["n_routed_experts"]):
+        gate, up = stacked.gate_up_proj[e].detach().chunk(2)
+        for ours, original in [(model.layers[layer].mlp.experts.gate_up_proj[e], torch.cat([gate, up])),
+                               (model.layers[layer].mlp.experts.down_proj[e], stacked.down_proj[e].detach())]:
+            assert torch.equal(ours, dequantize_int4(*quantize_int4(original), 32))
+            assert (ours - original).abs().max() <= original.abs().max() / 7  # half a step at most
+    dequantized = random_model(config, seed=0)
+    dequantized.load_state_dict(hf.state_dict())
+    for i in range(layer, config["num_hidden_layers"]):
+        experts = dequantized.model.layers[i].mlp.experts
+        with torch.no_grad():
+            for e in range(config["n_routed_experts"]):
+                gate, up = experts.gate_up_proj[e].chunk(2)
+                experts.gate_up_proj[e] = torch.cat([dequantize_int4(*quantize_int4(w), 32) for w in (gate, up)])
+                experts.down_proj[e] = dequantize_int4(*quantize_int4(experts.down_proj[e]), 32)
+    tokens = random_tokens((1, 9), seed=7)
+    torch.testing.assert_close(model.prefill(tokens, model.new_cache(1, 9)).logits,
+                               prefill_logits(dequantized, tokens), atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: a clear error naming the tensor, file or key
+
+def test_missing_shard_names_the_file(reference, tmp_path):
+    hf, config, _ = reference
+    path = kimi_checkpoint(hf, config, tmp_path, int4=False)
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
+        load_target(path, dtype=torch.float32)
+
+
+def test_shape_disagreeing_with_the_config_names_the_tensor(reference, tmp_path):
+    _, config, path = reference
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    bad = dict(config, q_lora_rank=40)
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_a_proj\.weight"):
+        load_target(tmp_path, dtype=torch.float32)
+
+
+def test_missing_tensor_names_it(reference, tmp_path):
+    hf, config, _ = reference
+    path = kimi_checkpoint(hf, config, tmp_path, int4=False)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    last = config["num_hidden_layers"] - 1
+    del index["weight_map"][f"language_model.model.layers.{last}.mlp.experts.3.up_proj.weight"]
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"layers\.{last}\.mlp\.experts\.3\.up_proj\.weight"):
+        load_target(path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("degree, overrides, key", [(3, {"vocab_size": 258}, "num_attention_heads"),
+                                                    (4, {"moe_intermediate_size": 42}, "moe_intermediate_size"),
+                                                    (4, {"vocab_size": 255}, "vocab_size")])
+def test_tp_degree_that_does_not_divide_names_the_key(degree, overrides, key):
+    config = ModelConfig.from_dict(tiny_config(**overrides))
+    with pytest.raises(ValueError, match=key):
+        with torch.device("meta"):
+            Transformer(config, TensorParallel(rank=0, size=degree))

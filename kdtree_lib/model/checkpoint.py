@@ -33,13 +33,17 @@ def load_target(path, *, device="cpu", dtype=torch.bfloat16, tp_group=None, moe_
                 attention: str = "absorbed", attention_backend: str = "auto") -> Transformer:
     """The target model from a checkpoint directory; with tp_group, this rank's shard only."""
     config = load_config(path)
-    tp = TensorParallel.from_group(tp_group)
-    with torch.device("meta"):
-        model = Transformer(config, tp, moe_parallel=moe_parallel, attention=attention,
-                            attention_backend=attention_backend)
-    model = model.to(dtype=dtype).to_empty(device=device)  # the router bias stays fp32
+    model = empty_target(config, TensorParallel.from_group(tp_group), device=device, dtype=dtype,
+                         moe_parallel=moe_parallel, attention=attention, attention_backend=attention_backend)
     load_weights(model, CheckpointReader(path, config.quantization))
-    return model.eval().requires_grad_(False)
+    return model.eval()
+
+
+def empty_target(config: ModelConfig, tp: TensorParallel, *, device, dtype, **options) -> Transformer:
+    """The rank's model with uninitialized weights on `device` (built on meta: no wasted init)."""
+    with torch.device("meta"):
+        model = Transformer(config, tp, **options)
+    return model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)  # router bias stays fp32
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from kdtree_lib.model import ModelConfig, Transformer, TensorParallel, load_config, load_target, save_checkpoint
 from kdtree_lib.model.checkpoint import dequantize_int4, quantize_int4
+from kdtree_lib.model.model import Experts
 from kdtree_lib.model.reference import prefill_logits, random_model, tiny_config, tree_logits
 from kdtree_lib.plots import REPO_ROOT
 from kdtree_lib.tree_accept import accept, posterior_tokens
@@ -276,3 +277,18 @@ def test_tp_degree_that_does_not_divide_names_the_key(degree, overrides, key):
     with pytest.raises(ValueError, match=key):
         with torch.device("meta"):
             Transformer(config, TensorParallel(rank=0, size=degree))
+
+
+@pytest.mark.parametrize("moe_parallel, rank", [("tp", 1), ("ep", 0)])
+def test_grouped_experts_equal_the_expert_loop(moe_parallel, rank):
+    config = ModelConfig.from_dict(tiny_config())
+    experts = Experts(config, TensorParallel(rank=rank, size=2), moe_parallel).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for weight in experts.parameters():
+            weight.copy_(0.1 * torch.randn(weight.shape, generator=generator))
+    x = torch.randn(37, config.hidden_size, generator=generator).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(37)])
+    weights = torch.rand(37, 2, generator=generator)
+    torch.testing.assert_close(experts.grouped(x, ids, weights), experts.looped(x, ids, weights),
+                               atol=2e-2, rtol=2e-2)

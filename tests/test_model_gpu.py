@@ -41,33 +41,39 @@ def live(logits, tree):
     return torch.cat([logits[b, :int(tree.n_nodes[b])] for b in range(tree.batch)])
 
 
-@pytest.mark.parametrize("attention", ["naive", "absorbed"])
-def test_bf16_logits_match_transformers_on_gpu(reference, attention):
+# absorbed/auto runs the CuPy verify-attention kernel where it exists, absorbed/torch its reference
+PATHS = [("naive", "auto"), ("absorbed", "torch"), ("absorbed", "auto")]
+
+
+@pytest.mark.parametrize("attention, backend", PATHS)
+def test_bf16_logits_match_transformers_on_gpu(reference, attention, backend):
     hf, path, prompt, tree = reference
     exact = hf_logits(hf.cuda(), prompt, tree)
     yardstick = hf_logits(to_bfloat16(hf.cuda()), prompt, tree)
     hf.float().cpu()
-    model = load_target(path, device="cuda", dtype=torch.bfloat16, attention=attention)
+    model = load_target(path, device="cuda", dtype=torch.bfloat16, attention=attention, attention_backend=backend)
     cache = model.new_cache(2, 11 + tree.capacity)
     ours = {"prefill": model.prefill(prompt.cuda(), cache).logits.cpu(), "verify": model.verify(tree, cache).logits.cpu()}
     for phase in ("prefill", "verify"):
         pick = (lambda x: x) if phase == "prefill" else (lambda x: live(x, tree))
         ours_error = (pick(ours[phase]) - pick(exact[phase])).abs().max().item()
         hf_error = (pick(yardstick[phase]) - pick(exact[phase])).abs().max().item()
-        print(f"{attention} {phase}: ours {ours_error:.4f}, transformers bf16 {hf_error:.4f}")
+        print(f"{attention}/{backend} {phase}: ours {ours_error:.4f}, transformers bf16 {hf_error:.4f}")
         assert ours_error <= 2 * hf_error + 1e-3
 
 
-def test_tp2_over_nccl_equals_tp1_within_bf16_tolerance(reference):
+@pytest.mark.parametrize("attention, backend", PATHS)
+def test_tp2_over_nccl_equals_tp1_within_bf16_tolerance(reference, attention, backend):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _, path, prompt, tree = reference
-    exact = tp_logits(path, prompt, tree, world_size=1, device="cuda", dtype=torch.float32)
-    one = tp_logits(path, prompt, tree, world_size=1, device="cuda", dtype=torch.bfloat16)
-    two = tp_logits(path, prompt, tree, world_size=2, device="cuda", dtype=torch.bfloat16)
+    options = dict(device="cuda", attention=attention, attention_backend=backend)
+    exact = tp_logits(path, prompt, tree, world_size=1, dtype=torch.float32, **options)
+    one = tp_logits(path, prompt, tree, world_size=1, dtype=torch.bfloat16, **options)
+    two = tp_logits(path, prompt, tree, world_size=2, dtype=torch.bfloat16, **options)
     for phase in ("prefill", "verify"):
         pick = (lambda x: x) if phase == "prefill" else (lambda x: live(x, tree))
         tp1_error = (pick(one[phase]) - pick(exact[phase])).abs().max().item()
         tp2_error = (pick(two[phase]) - pick(exact[phase])).abs().max().item()
-        print(f"{phase}: TP=1 bf16 error {tp1_error:.4f}, TP=2 bf16 error {tp2_error:.4f}")
+        print(f"{attention}/{backend} {phase}: TP=1 bf16 error {tp1_error:.4f}, TP=2 bf16 error {tp2_error:.4f}")
         assert tp2_error <= 2 * tp1_error + 1e-3

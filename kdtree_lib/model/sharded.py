@@ -10,22 +10,24 @@ from .tp import TensorParallel, launch
 
 
 def tp_logits(path, prompt, tree, *, world_size: int = 2, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, moe_parallel: str = "tp", attention: str = "absorbed") -> dict:
+              dtype: torch.dtype = torch.float32, moe_parallel: str = "tp", attention: str = "absorbed",
+              attention_backend: str = "auto") -> dict:
     """{"prefill": float32 [B, P, V], "verify": float32 [B, N, V]} on the CPU, from `world_size` ranks.
 
     device "cpu": ranks on CPUs over gloo; "cuda": rank r on cuda:r over NCCL.
     """
-    args = (str(path), torch.as_tensor(prompt), tree, device, dtype, moe_parallel, attention)
+    args = (str(path), torch.as_tensor(prompt), tree, device, dtype, moe_parallel, attention, attention_backend)
     if world_size == 1:
         return prefill_and_verify(TensorParallel(), *args)
     return launch(prefill_and_verify, world_size, *args, backend="nccl" if device == "cuda" else "gloo")
 
 
-def prefill_and_verify(tp: TensorParallel, path, prompt, tree, device, dtype, moe_parallel, attention) -> dict:
+def prefill_and_verify(tp: TensorParallel, path, prompt, tree, device, dtype, moe_parallel, attention,
+                       attention_backend) -> dict:
     """One rank's work: load its shard, prefill the prompt, verify the tree."""
     device = f"cuda:{tp.rank}" if device == "cuda" else device
     model = load_target(path, device=device, dtype=dtype, tp_group=tp.group, moe_parallel=moe_parallel,
-                        attention=attention)
+                        attention=attention, attention_backend=attention_backend)
     cache = model.new_cache(prompt.shape[0], prompt.shape[1] + tree.capacity)
     prefill = model.prefill(prompt.to(device), cache).logits
     verify = model.verify(tree, cache).logits

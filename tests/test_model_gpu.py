@@ -67,8 +67,8 @@ def test_tp2_over_nccl_equals_tp1_within_bf16_tolerance(reference, attention, ba
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _, path, prompt, tree = reference
+    exact = tp_logits(path, prompt, tree, world_size=1, dtype=torch.float32, device="cuda", attention="naive")
     options = dict(device="cuda", attention=attention, attention_backend=backend)
-    exact = tp_logits(path, prompt, tree, world_size=1, dtype=torch.float32, **options)
     one = tp_logits(path, prompt, tree, world_size=1, dtype=torch.bfloat16, **options)
     two = tp_logits(path, prompt, tree, world_size=2, dtype=torch.bfloat16, **options)
     for phase in ("prefill", "verify"):

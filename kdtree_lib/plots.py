@@ -56,11 +56,12 @@ def tree_layout(parents, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def draw_tree(ax, tree, b: int = 0, *, highlight=(), labels=None, max_labels: int = 48, colorbar: bool = True):
+def draw_tree(ax, tree, b: int = 0, *, highlight=(), labels=None, max_labels: int = 48, node_size: float = 220,
+              colorbar: bool = True):
     """Request b's tree: nodes coloured by path probability exp(log w), labelled with their tokens.
 
     `highlight` (node indices, e.g. an accepted path) is drawn in red; `labels` (one string per
-    node) replaces the token labels; trees larger than `max_labels` nodes go unlabelled.
+    node) replaces the token labels; trees larger than `max_labels` nodes go unlabelled (and small).
     """
     import matplotlib.pyplot as plt
 
@@ -74,13 +75,13 @@ def draw_tree(ax, tree, b: int = 0, *, highlight=(), labels=None, max_labels: in
         ax.plot([x[parents[node]], x[node]], [y[parents[node]], y[node]], color="#d1495b" if on_path else "#999999",
                 lw=2.5 if on_path else 0.8, zorder=1)
     probability = np.exp(tree.log_weights[b, :n])  # root: exp(0) = 1; NaN (no weights) draws grey
-    points = ax.scatter(x, y, c=probability, cmap="viridis", vmin=0, vmax=1, s=220 if n <= max_labels else 30,
+    points = ax.scatter(x, y, c=probability, cmap="viridis", vmin=0, vmax=1, s=node_size if n <= max_labels else 30,
                         edgecolors=["#d1495b" if i in marked else "black" for i in range(n)],
                         linewidths=[2.5 if i in marked else 0.5 for i in range(n)], zorder=2, plotnonfinite=True)
     if n <= max_labels:
         text = labels if labels is not None else [str(t) for t in tokens[:n]]
         for node in range(n):
-            ax.text(x[node], y[node], text[node], ha="center", va="center", fontsize=7, zorder=3,
+            ax.text(x[node], y[node], text[node], ha="center", va="center", fontsize=7 if node_size < 400 else 9, zorder=3,
                     color="white" if probability[node] < 0.5 else "black")
     ax.set_yticks(-np.arange(int(tree.depths[b, :n].max()) + 1))
     ax.set_yticklabels([str(d) for d in range(int(tree.depths[b, :n].max()) + 1)])

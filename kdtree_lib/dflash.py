@@ -1,0 +1,534 @@
+"""DFlash: the block-diffusion draft model, in the z-lab checkpoint format.
+
+One forward drafts a whole block. The block is [bonus, mask, ..., mask] (block_size tokens): the
+bonus is the last token the target committed, the masks stand for the D = block_size - 1 tokens
+to guess, and block position k's output predicts the token k places after the bonus. Inside the
+block attention is bidirectional; every block position also attends to the context, which is the
+target's own hidden states of the committed tokens:
+
+    features [T, len(target_layer_ids) * D]   the target's layer outputs, concatenated
+      -> fc -> hidden_norm                     one D-wide vector per committed token
+      -> per layer: k_proj / v_proj (+ k_norm, RoPE at the token's position)
+                                                extra keys and values in front of the block's own
+
+The drafter has no embedding and no LM head: the block's tokens go through the target's
+embedding, and the drafter's final `norm` output goes through the target's `lm_head`. Layers are
+Qwen3's (q/k RMSNorm per head, GQA, SwiGLU). Weight names and config keys are z-lab's
+(`fc`, `hidden_norm`, `layers.N.self_attn.q_proj`, ..., `norm`; `block_size`, and `mask_token_id`,
+`target_layer_ids` at the top level or under `dflash_config`), so a real DFlash checkpoint loads.
+
+The context keys and values live in a cache that holds committed tokens only: each round appends
+the features of the tokens the target just accepted and the block's own keys are never stored, so
+the cache is back at the committed length after every round (z-lab's "crop to start").
+
+Shapes: B requests, T new context tokens, L cache slots, Q = block_size, D hidden, F feature width,
+H query heads, G key/value heads, d head_dim, V vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+SHARD_BYTES = 16 * 1024 * 1024
+ARCHITECTURE = "DFlashDraftModel"
+DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids"})
+# keys that describe the file, the tokenizer or training, not the forward pass
+METADATA_KEYS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "attention_dropout",
+    "tie_word_embeddings", "max_window_layers", "use_sliding_window", "max_position_embeddings",
+    "num_target_layers", "_name_or_path", "output_hidden_states", "return_dict",
+})
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """The drafter's architecture (field names are the config.json keys)."""
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    is_causal: bool = False
+    layer_types: tuple[str, ...] = ()   # empty: every layer full attention
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size: expected at least 2 (bonus + one draft), got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id: expected 0..vocab_size-1={self.vocab_size - 1}, got {self.mask_token_id}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids: expected at least one target layer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: {self.num_key_value_heads} does not divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types: expected {self.num_hidden_layers} entries, got {len(self.layer_types)}")
+        if any(kind not in LAYER_TYPES for kind in self.layer_types):
+            raise ValueError(f"layer_types: expected entries in {LAYER_TYPES}, got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_window: sliding_attention layers need a window")
+
+    @property
+    def draft_depth(self) -> int:
+        """D: tokens drafted per block (the bonus is given)."""
+        return self.block_size - 1
+
+    @property
+    def feature_size(self) -> int:
+        """F: width of the concatenated target features."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def window(self, layer: int) -> int | None:
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DFlashConfig":
+        """Parse a z-lab config.json dict; a key this module does not know is an error."""
+        architectures = raw.get("architectures") or [ARCHITECTURE]
+        if architectures != [ARCHITECTURE]:
+            raise ValueError(f"config.architectures: only {ARCHITECTURE} is implemented, got {architectures}")
+        nested = dict(raw.get("dflash_config") or {})
+        unknown = set(nested) - DFLASH_KEYS
+        if unknown:
+            raise ValueError(f"config.dflash_config: keys {sorted(unknown)} are not implemented")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.hidden_act: only 'silu' is implemented, got {raw['hidden_act']!r}")
+        names = {f.name for f in fields(cls)}
+        known = names | METADATA_KEYS | {"dflash_config", "hidden_act", "rope_parameters", "rope_scaling"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"config: keys {sorted(unknown)} are not known to the DFlash drafter")
+        values = {name: raw[name] for name in names if name in raw}
+        values.update(nested)
+        missing = DFLASH_KEYS - set(values)
+        if missing:
+            raise ValueError(f"config: {sorted(missing)} missing (top level or under dflash_config)")
+        values["rope_theta"] = _rope_theta(raw)
+        values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+        values.setdefault("num_key_value_heads", raw["num_attention_heads"])
+        values["target_layer_ids"] = tuple(int(i) for i in values["target_layer_ids"])
+        values["layer_types"] = tuple(values.get("layer_types") or ())
+        if "sliding_attention" not in values["layer_types"]:
+            values["sliding_window"] = None
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """config.json in z-lab's layout (Qwen3 keys, DFlash's under dflash_config)."""
+        raw = {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu"}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in DFLASH_KEYS or f.name in ("rope_theta", "layer_types", "sliding_window"):
+                continue
+            raw[f.name] = value
+        raw["block_size"] = self.block_size
+        raw["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        raw["layer_types"] = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        raw["sliding_window"] = self.sliding_window
+        return raw
+
+    @classmethod
+    def load(cls, path) -> "DFlashConfig":
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _rope_theta(raw: dict) -> float:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"config.rope_parameters: only default RoPE is implemented, got {kind!r}")
+    return float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+
+
+# ----------------------------------------------------------------------------------------------
+# modules (Qwen3's layers; attention takes the context's keys and values from outside)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, heads, N, d); cos/sin (B, N, d)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def key_value(self, x, cos, sin):
+        """Keys (normed, rotated) and values of x (B, N, D): two (B, G, N, d)."""
+        batch, n = x.shape[:2]
+        k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, context_k, context_v, cos, sin, mask):
+        """x (B, Q, D) attends to [context keys (B, G, C, d) ; its own keys]; mask (B, 1, Q, C + Q) or None."""
+        batch, n = x.shape[:2]
+        q = self.q_norm(self.q_proj(x).view(batch, n, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)                                            # (B, H, Q, d)
+        own_k, own_v = self.key_value(x, cos, sin)                             # (B, G, Q, d)
+        k = torch.cat([context_k, own_k], dim=2)                               # (B, G, C + Q, d)
+        v = torch.cat([context_v, own_v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))          # (B, Q, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, context_k, context_v, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# the target's pieces the drafter borrows
+
+@dataclass
+class TargetHead:
+    """The target's token embedding and LM head (not owned: never saved with the drafter)."""
+    embed: Callable[[torch.Tensor], torch.Tensor]    # ids (...) -> (..., D)
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # (..., D) -> (..., V)
+    weight: torch.Tensor                             # the embedding matrix: device and dtype
+
+    @classmethod
+    def of(cls, target) -> "TargetHead":
+        """From kdtree_lib.model's Transformer (embed_tokens, lm_head, tp) or a transformers causal LM."""
+        embed = getattr(target, "embed_tokens", None)
+        if embed is None and hasattr(target, "get_input_embeddings"):
+            embed = target.get_input_embeddings()
+        lm_head = getattr(target, "lm_head", None)
+        if embed is None or lm_head is None:
+            raise ValueError(f"target: {type(target).__name__} has no embed_tokens / lm_head")
+        tp = getattr(target, "tp", None)
+        head = (lambda h: tp.all_gather_last(lm_head(h))) if tp is not None else lm_head
+        return cls(embed=embed, lm_head=head, weight=embed.weight)
+
+
+# ----------------------------------------------------------------------------------------------
+# the drafter
+
+@dataclass
+class DFlashCache:
+    """Context keys/values of the committed tokens: per layer (B, G, L, d), and lengths int64 [B]."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def crop(self, lengths) -> None:
+        """Roll back to `lengths` committed tokens (entries past them are ignored, then overwritten)."""
+        lengths = torch.as_tensor(lengths, device=self.lengths.device).long()
+        self.lengths = torch.minimum(self.lengths, lengths.expand_as(self.lengths))
+
+
+class DFlashDrafter(nn.Module):
+    """The draft model's own weights; bind(target) attaches the target's embedding and LM head."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.target: TargetHead | None = None
+
+    def bind(self, target) -> "DFlashDrafter":
+        head = target if isinstance(target, TargetHead) else TargetHead.of(target)
+        if head.weight.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"target: embedding {tuple(head.weight.shape)} does not fit the drafter's "
+                             f"hidden_size={self.config.hidden_size}")
+        self.target = head
+        return self
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Fresh weights for training: normal(std) projections, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    # ------------------------------------------------------------------------------------------
+    def _rope(self, positions):
+        """cos, sin (B, N, d) at integer positions (B, N), computed in float32."""
+        c = self.config
+        inv_freq = c.rope_theta ** -(torch.arange(0, c.head_dim, 2, device=positions.device).float() / c.head_dim)
+        angles = positions.float()[..., None] * inv_freq                       # (B, N, d/2)
+        angles = torch.cat([angles, angles], dim=-1)
+        dtype = self.fc.weight.dtype
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _head(self):
+        if self.target is None:
+            raise ValueError("drafter: not bound to a target (call bind(target) or load_drafter(path, target))")
+        return self.target
+
+    def _mask(self, visible, query_pos, key_pos, layer):
+        """Add causality and the sliding window (by position) to a base visibility (B, Q, K)."""
+        diff = query_pos[:, :, None] - key_pos[:, None, :]                     # (B, Q, K)
+        if self.config.is_causal:
+            visible = visible & (diff >= 0)
+        window = self.config.window(layer)
+        if window is not None:
+            near = diff < window
+            if not self.config.is_causal:
+                near &= -diff < window
+            visible = visible & near
+        return visible[:, None]                                                # (B, 1, Q, K)
+
+    def _run_layers(self, x, query_pos, context_kv, key_pos, visible):
+        """x (B, Q, D) through every layer; context_kv(layer, i) -> (k, v) (B, G, C, d)."""
+        cos, sin = self._rope(query_pos)
+        for i, layer in enumerate(self.layers):
+            context_k, context_v = context_kv(layer, i)
+            x = layer(x, context_k, context_v, cos, sin, self._mask(visible, query_pos, key_pos, i))
+        return self.norm(x)
+
+    # ------------------------------------------------------------------------------------------
+    # decoding: one block per request, context from the cache
+
+    def new_cache(self, batch: int, capacity: int) -> DFlashCache:
+        c, weight = self.config, self.fc.weight
+        shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        return DFlashCache(keys=[weight.new_zeros(shape) for _ in self.layers],
+                           values=[weight.new_zeros(shape) for _ in self.layers],
+                           lengths=torch.zeros(batch, dtype=torch.long, device=weight.device))
+
+    @torch.no_grad()
+    def draft(self, cache: DFlashCache, features, bonus, n_new=None):
+        """Append the newly committed tokens' features, then draft the block after `bonus`.
+
+        features (B, T, F): the target features of each request's next committed tokens (those at
+        positions lengths[b] ... lengths[b] + n_new[b] - 1; rows past n_new[b] are ignored);
+        bonus int [B]: the token at position lengths[b] + n_new[b], not yet run by the target.
+        n_new int [B] (default T for every request); T may be 0.
+        Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus.
+        """
+        c = self.config
+        head = self._head()
+        batch, count, width = features.shape
+        if width != c.feature_size or batch != cache.lengths.shape[0]:
+            raise ValueError(f"features: expected (B={cache.lengths.shape[0]}, T, F={c.feature_size}), "
+                             f"got {tuple(features.shape)}")
+        device = cache.lengths.device
+        n_new = torch.full((batch,), count, device=device) if n_new is None else torch.as_tensor(n_new, device=device)
+        if bool(((n_new < 0) | (n_new > count)).any()):
+            raise ValueError(f"n_new: expected values in 0..T={count}, got {n_new.tolist()}")
+        end = int(cache.lengths.max()) + count
+        if end > cache.capacity:
+            raise ValueError(f"cache: {end} slots needed, capacity {cache.capacity}")
+
+        slots = cache.lengths[:, None] + torch.arange(count, device=device)     # (B, T)
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, T, D)
+        cos, sin = self._rope(slots)
+        index = slots[:, None, :, None].expand(-1, c.num_key_value_heads, -1, c.head_dim)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(context, cos, sin)                # (B, G, T, d)
+            cache.keys[i].scatter_(2, index, k)
+            cache.values[i].scatter_(2, index, v)
+        cache.lengths = cache.lengths + n_new.long()
+
+        visible_slots = int(cache.lengths.max())
+        key_slot = torch.arange(visible_slots, device=device)
+        block_pos = cache.lengths[:, None] + torch.arange(c.block_size, device=device)      # (B, Q)
+        key_pos = torch.cat([key_slot.expand(batch, -1), block_pos], dim=1)                # (B, L' + Q)
+        visible = torch.cat([(key_slot[None, :] < cache.lengths[:, None])[:, None, :].expand(-1, c.block_size, -1),
+                             torch.ones(batch, c.block_size, c.block_size, dtype=torch.bool, device=device)],
+                            dim=2)                                                          # (B, Q, L' + Q)
+        block = torch.full((batch, c.block_size), c.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = torch.as_tensor(bonus, device=device).long()
+        x = head.embed(block).to(self.fc.weight.dtype)                                    # (B, Q, D)
+        hidden = self._run_layers(
+            x, block_pos,
+            lambda layer, i: (cache.keys[i][:, :, :visible_slots], cache.values[i][:, :, :visible_slots]),
+            key_pos, visible)
+        return head.lm_head(hidden[:, 1:]).float()                                         # (B, D, V)
+
+    # ------------------------------------------------------------------------------------------
+    # training: many blocks per sequence, each seeing only the context before its anchor
+
+    def forward_blocks(self, features, tokens, anchors):
+        """The drafter's final hidden states for blocks at `anchors`, as DFlash is trained.
+
+        features (B, S, F): target features of the whole sequence; tokens int (B, S);
+        anchors int (B, N): block n is [tokens[anchor], mask, ...] at positions anchor + k and sees
+        the context strictly before its anchor, its own block bidirectionally, no other block.
+        Returns (B, N, Q, D); position k (k >= 1) is trained to predict tokens[anchor + k].
+        """
+        c = self.config
+        head = self._head()
+        batch, length, _ = features.shape
+        n_blocks = anchors.shape[1]
+        device = tokens.device
+        offsets = torch.arange(c.block_size, device=device)
+        block_pos = (anchors[:, :, None] + offsets).reshape(batch, -1)                     # (B, N*Q)
+        block = torch.full((batch, n_blocks, c.block_size), c.mask_token_id, dtype=torch.long, device=device)
+        block[:, :, 0] = tokens.gather(1, anchors)
+        x = head.embed(block.reshape(batch, -1)).to(self.fc.weight.dtype)                  # (B, N*Q, D)
+
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))            # (B, S, D)
+        context_pos = torch.arange(length, device=device).expand(batch, -1)
+        cos, sin = self._rope(context_pos)
+        block_id = torch.arange(n_blocks, device=device).repeat_interleave(c.block_size)   # (N*Q,)
+        sees_context = context_pos[:, None, :] < anchors.repeat_interleave(c.block_size, dim=1)[:, :, None]
+        same_block = (block_id[:, None] == block_id[None, :]).expand(batch, -1, -1)
+        visible = torch.cat([sees_context, same_block], dim=2)                             # (B, N*Q, S + N*Q)
+        key_pos = torch.cat([context_pos, block_pos], dim=1)
+        hidden = self._run_layers(x, block_pos,
+                                  lambda layer, i: layer.self_attn.key_value(context, cos, sin),
+                                  key_pos, visible)
+        return hidden.view(batch, n_blocks, c.block_size, -1)
+
+    def logits(self, hidden):
+        """The target's LM head on the drafter's hidden states."""
+        return self._head().lm_head(hidden)
+
+
+# ----------------------------------------------------------------------------------------------
+# target features, checkpoints
+
+def build_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """`count` target layers spread from layer 1 to the second-to-last (the last layer's output is
+    what the LM head reads; transformers even reports it after the final norm)."""
+    last = num_target_layers - 2
+    if count < 1 or last < 1 or count > last:
+        raise ValueError(f"count: cannot pick {count} distinct layers in 1..{last} of a "
+                         f"{num_target_layers}-layer target")
+    if count == 1:
+        return (last,)
+    return tuple(round(1 + i * (last - 1) / (count - 1)) for i in range(count))
+
+
+def hf_features(hidden_states, layer_ids) -> torch.Tensor:
+    """Concatenate transformers' output_hidden_states (embeddings first) at `layer_ids`: (B, T, F)."""
+    if max(layer_ids) >= len(hidden_states) - 2:
+        raise ValueError(f"layer_ids: {list(layer_ids)} include the last layer, whose transformers "
+                         "hidden state is taken after the final norm")
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def save_drafter(drafter: DFlashDrafter, path, *, dtype=torch.bfloat16, shard_bytes: int = SHARD_BYTES) -> None:
+    """config.json + safetensors (one file, or shards of at most `shard_bytes` with an index)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = drafter.config.to_dict() | {"dtype": str(dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    state = {name: t.detach().to(dtype).contiguous().cpu() for name, t in drafter.state_dict().items()}
+    write_safetensors(state, path, shard_bytes)
+
+
+def write_safetensors(state: dict, path: Path, shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json."""
+    shards, current, size = [], {}, 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = state[name]
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def read_safetensors(path: Path) -> dict:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(path / shard)))
+        return state
+    return load_file(str(path / "model.safetensors"))
+
+
+def load_drafter(path, target, *, device=None, dtype=None) -> DFlashDrafter:
+    """A DFlash checkpoint (z-lab format), bound to `target`, on the target's device and dtype."""
+    path = Path(path)
+    drafter = DFlashDrafter(DFlashConfig.load(path))
+    state = {name.removeprefix("model."): t for name, t in read_safetensors(path).items()}
+    expected = set(drafter.state_dict())
+    if set(state) != expected:
+        raise ValueError(f"{path}: weights missing {sorted(expected - set(state))[:5]}, "
+                         f"unexpected {sorted(set(state) - expected)[:5]}")
+    drafter.load_state_dict(state)
+    drafter.bind(target)
+    weight = drafter.target.weight
+    return drafter.to(device=device or weight.device, dtype=dtype or weight.dtype).eval()

@@ -1,0 +1,230 @@
+"""DFlash drafter: z-lab config/weight format, the cached decode path against an independent
+reference of z-lab's computation, the training path against the decode path, save/load."""
+import json
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from kdtree_lib.dflash import (DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, load_drafter,
+                               save_drafter)
+
+VOCAB, HIDDEN = 96, 32
+LAYER_IDS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                              topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+def make_drafter(target, **overrides):
+    values = dict(hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, block_size=4, mask_token_id=VOCAB - 1,
+                  target_layer_ids=LAYER_IDS, rope_theta=10000.0) | overrides
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(DFlashConfig(**values))
+    drafter.init_weights(0.2)
+    for module in drafter.modules():  # non-trivial norms, so a skipped norm shows
+        if module.__class__.__name__ == "RMSNorm":
+            torch.nn.init.uniform_(module.weight, 0.5, 1.5)
+    return drafter.bind(target).eval()
+
+
+def features_of(target, tokens):
+    with torch.no_grad():
+        out = target(tokens, output_hidden_states=True)
+    return hf_features(out.hidden_states, LAYER_IDS)
+
+
+def reference_block_logits(drafter, features, bonus):
+    """z-lab's computation for one request, written out: context and block concatenated before the
+    k/v projections, RoPE over positions 0..C+Q-1 (queries take the last Q), no mask unless windowed."""
+    c = drafter.config
+    q_len, ctx_len = c.block_size, features.shape[0]
+    ctx = drafter.hidden_norm(drafter.fc(features))
+    block = torch.tensor([bonus] + [c.mask_token_id] * (q_len - 1))
+    x = drafter.target.embed(block)
+    pos = torch.arange(ctx_len + q_len).float()
+    inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+    ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+    cos, sin = ang.cos(), ang.sin()
+
+    def rope(t, cos, sin):  # t (N, heads, d)
+        half = t.shape[-1] // 2
+        rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
+        return t * cos[:, None] + rotated * sin[:, None]
+
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = rope(a.q_norm(a.q_proj(h).view(q_len, c.num_attention_heads, c.head_dim)), cos[-q_len:], sin[-q_len:])
+        both = torch.cat([ctx, h])
+        k = rope(a.k_norm(a.k_proj(both).view(-1, c.num_key_value_heads, c.head_dim)), cos, sin)
+        v = a.v_proj(both).view(-1, c.num_key_value_heads, c.head_dim)
+        group = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * c.head_dim ** -0.5
+        window = c.window(i)
+        if window is not None:
+            diff = pos[-q_len:, None] - pos[None, :]
+            scores = scores.masked_fill(~((diff < window) & (-diff < window)), float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
+        x = x + a.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.target.lm_head(drafter.norm(x))[1:]
+
+
+def test_config_formats():
+    zlab = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+            "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000, "rope_scaling": None, "hidden_act": "silu", "attention_bias": False,
+            "layer_types": ["full_attention"] * 5, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": 5, "num_target_layers": 36, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "max_position_embeddings": 40960}
+    config = DFlashConfig.from_dict(zlab)
+    assert (config.block_size, config.mask_token_id, config.target_layer_ids) == (16, 151669, (1, 9, 17, 25, 33))
+    assert config.feature_size == 5 * 4096 and config.draft_depth == 15 and config.window(0) is None
+    assert DFlashConfig.from_dict(config.to_dict()) == config
+    top_level = {k: v for k, v in zlab.items() if k != "dflash_config"} | {
+        "mask_token_id": 7, "target_layer_ids": [2], "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+        "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048}
+    config = DFlashConfig.from_dict(top_level)
+    assert (config.mask_token_id, config.rope_theta, config.window(3)) == (7, 5e5, 2048)
+    for bad, match in ((zlab | {"architectures": ["DFlash2DraftModel"]}, "architectures"),
+                       (zlab | {"dflash_config": {**zlab["dflash_config"], "output_multiplier": 0.2}}, "output_multiplier"),
+                       (zlab | {"some_switch": True}, "some_switch"),
+                       (zlab | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                       ({k: v for k, v in zlab.items() if k != "dflash_config"}, "mask_token_id"),
+                       (zlab | {"block_size": 1}, "block_size")):
+        with pytest.raises(ValueError, match=match):
+            DFlashConfig.from_dict(bad)
+
+
+def test_weight_names_are_zlabs(target):
+    names = set(make_drafter(target).state_dict())
+    per_layer = {"input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                 "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "self_attn.q_norm", "self_attn.k_norm"}
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{name}.weight" for i in range(2) for name in per_layer}
+    assert names == expected
+
+
+@pytest.mark.parametrize("overrides", [{}, {"layer_types": ("sliding_attention", "full_attention"),
+                                             "sliding_window": 5}])
+def test_draft_rounds_equal_reference(target, overrides):
+    drafter = make_drafter(target, **overrides)
+    torch.manual_seed(2)
+    tokens = torch.randint(0, VOCAB - 1, (1, 20))
+    features = features_of(target, tokens)[0]
+    cache = drafter.new_cache(1, 32)
+    committed = 0
+    for new in (6, 3, 1, 4):  # prompt, then rounds that accepted 3, 1 and 4 tokens
+        bonus = int(tokens[0, committed + new])
+        got = drafter.draft(cache, features[None, committed:committed + new], torch.tensor([bonus]))
+        committed += new
+        want = reference_block_logits(drafter, features[:committed], bonus)
+        assert got.shape == (1, 3, VOCAB) and int(cache.lengths[0]) == committed
+        torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_batch_equals_single_requests(target):
+    drafter = make_drafter(target)
+    torch.manual_seed(3)
+    tokens = torch.randint(0, VOCAB - 1, (2, 16))
+    features = features_of(target, tokens)
+    cache = drafter.new_cache(2, 24)
+    drafter.draft(cache, features[:, :7], torch.stack([tokens[0, 7], tokens[1, 4]]), n_new=torch.tensor([7, 4]))
+    # each row holds its own request's next committed tokens (7.. and 4..), padded to T=3
+    got = drafter.draft(cache, torch.stack([features[0, 7:10], features[1, 4:7]]),
+                        torch.stack([tokens[0, 9], tokens[1, 6]]), n_new=torch.tensor([2, 2]))
+    assert cache.lengths.tolist() == [9, 6]
+    for b, length in ((0, 9), (1, 6)):
+        single = drafter.new_cache(1, 24)
+        want = drafter.draft(single, features[b:b + 1, :length], tokens[b:b + 1, length])
+        torch.testing.assert_close(got[b], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_crop_rolls_back(target):
+    drafter = make_drafter(target)
+    tokens = torch.randint(0, VOCAB - 1, (1, 16))
+    features = features_of(target, tokens)
+    cache = drafter.new_cache(1, 24)
+    drafter.draft(cache, features[:, :10], tokens[:, 10])
+    cache.crop(torch.tensor([6]))
+    again = drafter.draft(cache, features[:, 6:8], tokens[:, 8])
+    fresh = drafter.draft(drafter.new_cache(1, 24), features[:, :8], tokens[:, 8])
+    torch.testing.assert_close(again, fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_training_blocks_equal_decode(target):
+    drafter = make_drafter(target)
+    torch.manual_seed(4)
+    tokens = torch.randint(0, VOCAB - 1, (2, 18))
+    features = features_of(target, tokens)
+    anchors = torch.tensor([[3, 9, 12], [1, 5, 14]])
+    with torch.no_grad():
+        logits = drafter.logits(drafter.forward_blocks(features, tokens, anchors))   # (B, N, Q, V)
+    assert logits.shape == (2, 3, 4, VOCAB)
+    for b in range(2):
+        for n, anchor in enumerate(anchors[b].tolist()):
+            cache = drafter.new_cache(1, 24)
+            want = drafter.draft(cache, features[b:b + 1, :anchor], tokens[b:b + 1, anchor])
+            torch.testing.assert_close(logits[b, n, 1:], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_save_load_round_trip_and_shards(target, tmp_path):
+    drafter = make_drafter(target)
+    tokens = torch.randint(0, VOCAB - 1, (1, 10))
+    features = features_of(target, tokens)
+    want = drafter.draft(drafter.new_cache(1, 16), features[:, :8], tokens[:, 8])
+    save_drafter(drafter, tmp_path / "one", dtype=torch.float32)
+    save_drafter(drafter, tmp_path / "sharded", dtype=torch.float32, shard_bytes=10_000)
+    assert (tmp_path / "one" / "model.safetensors").is_file()
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 2 and all((tmp_path / "sharded" / s).stat().st_size <= 10_000 + 2048 for s in shards)
+    raw = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert raw["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": list(LAYER_IDS)}
+    assert raw["block_size"] == 4
+    for folder in ("one", "sharded"):
+        loaded = load_drafter(tmp_path / folder, target)
+        got = loaded.draft(loaded.new_cache(1, 16), features[:, :8], tokens[:, 8])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bf16 = tmp_path / "bf16"
+    save_drafter(drafter, bf16)
+    assert load_drafter(bf16, target).fc.weight.dtype == torch.float32  # the target's dtype
+
+
+def test_bad_input(target):
+    drafter = make_drafter(target)
+    features = torch.zeros(1, 5, drafter.config.feature_size)
+    cache = drafter.new_cache(1, 8)
+    with pytest.raises(ValueError, match="features"):
+        drafter.draft(cache, torch.zeros(1, 5, 7), torch.tensor([1]))
+    with pytest.raises(ValueError, match="n_new"):
+        drafter.draft(cache, features, torch.tensor([1]), n_new=torch.tensor([6]))
+    with pytest.raises(ValueError, match="capacity"):
+        drafter.draft(cache, torch.zeros(1, 9, drafter.config.feature_size), torch.tensor([1]))
+    with pytest.raises(ValueError, match="bind"):
+        DFlashDrafter(drafter.config).draft(cache, features, torch.tensor([1]))
+    with pytest.raises(ValueError, match="hidden_size"):
+        DFlashDrafter(DFlashConfig(**{**drafter.config.__dict__, "hidden_size": 16})).bind(target)
+    with pytest.raises(ValueError, match="last layer"):
+        hf_features(tuple(torch.zeros(1, 2, 3) for _ in range(5)), (1, 3))
+
+
+def test_build_target_layer_ids():
+    assert build_target_layer_ids(8, 3) == (1, 4, 6)
+    assert build_target_layer_ids(6, 1) == (4,)
+    with pytest.raises(ValueError, match="count"):
+        build_target_layer_ids(4, 3)

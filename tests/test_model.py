@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kdtree_lib.model import ModelConfig, Transformer, TensorParallel, load_config, load_target, save_checkpoint
+from kdtree_lib.model import ModelConfig, Transformer, TensorParallel, load_config, load_target
 from kdtree_lib.model.checkpoint import dequantize_int4, quantize_int4
 from kdtree_lib.model.model import Experts
-from kdtree_lib.model.reference import prefill_logits, random_model, tiny_config, tree_logits
+from kdtree_lib.model.reference import (prefill_logits, random_model, save_kimi_checkpoint, tiny_config,
+                                        tree_logits)
 from kdtree_lib.plots import REPO_ROOT
 from kdtree_lib.tree_accept import accept, posterior_tokens
 from kdtree_lib.tree_build import tree_from_parents
@@ -158,37 +159,9 @@ def test_router_bias_stays_fp32_when_the_model_is_cast(reference):
 # ----------------------------------------------------------------------------------------------
 # checkpoint layouts and the INT4 format
 
-def kimi_checkpoint(hf, config, path, *, int4: bool):
-    """hf's weights in the K2.6 layout: wrapper config, language_model. prefix, 3 files + index,
-    a vision tensor to skip, optionally INT4 routed experts."""
-    tensors = {name: t.detach().clone() for name, t in hf.state_dict().items() if "rotary_emb" not in name}
-    tensors = _per_expert(tensors)
-    tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
-    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-               "text_config": config, "vision_config": {"hidden_size": 4}}
-    return save_checkpoint(path, wrapper, tensors, shards=3, prefix="language_model.",
-                           quantize=(lambda name: ".experts." in name) if int4 else None)
-
-
-def _per_expert(tensors):
-    """transformers' stacked experts [E, 2I, D] / [E, D, I] -> one tensor per expert (checkpoint names)."""
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith("experts.gate_up_proj"):
-            base = name.removesuffix(".gate_up_proj")
-            for e, w in enumerate(t):
-                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = w.chunk(2)
-        elif name.endswith("experts.down_proj"):
-            base = name.removesuffix(".down_proj")
-            out.update({f"{base}.{e}.down_proj.weight": w for e, w in enumerate(t)})
-        else:
-            out[name] = t
-    return out
-
-
 def test_kimi_layout_loads_the_same_model(reference, tmp_path):
     hf, config, _ = reference
-    path = kimi_checkpoint(hf, config, tmp_path, int4=False)
+    path = save_kimi_checkpoint(hf, config, tmp_path, int4=False)
     assert (path / "model.safetensors.index.json").is_file()
     model = load_target(path, dtype=torch.float32)
     tokens = random_tokens((1, 9), seed=6)
@@ -214,7 +187,7 @@ def test_int4_quantize_round_trips_representable_weights():
 
 def test_int4_experts_load_dequantized_and_give_the_dequantized_models_logits(reference, tmp_path):
     hf, config, _ = reference
-    path = kimi_checkpoint(hf, config, tmp_path, int4=True)
+    path = save_kimi_checkpoint(hf, config, tmp_path, int4=True)
     model = load_target(path, dtype=torch.float32)
     layer = config["first_k_dense_replace"]
     stacked = hf.model.layers[layer].mlp.experts
@@ -243,7 +216,7 @@ def test_int4_experts_load_dequantized_and_give_the_dequantized_models_logits(re
 
 def test_missing_shard_names_the_file(reference, tmp_path):
     hf, config, _ = reference
-    path = kimi_checkpoint(hf, config, tmp_path, int4=False)
+    path = save_kimi_checkpoint(hf, config, tmp_path, int4=False)
     (path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
         load_target(path, dtype=torch.float32)
@@ -260,7 +233,7 @@ def test_shape_disagreeing_with_the_config_names_the_tensor(reference, tmp_path)
 
 def test_missing_tensor_names_it(reference, tmp_path):
     hf, config, _ = reference
-    path = kimi_checkpoint(hf, config, tmp_path, int4=False)
+    path = save_kimi_checkpoint(hf, config, tmp_path, int4=False)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     last = config["num_hidden_layers"] - 1
     del index["weight_map"][f"language_model.model.layers.{last}.mlp.experts.3.up_proj.weight"]

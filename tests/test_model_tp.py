@@ -8,10 +8,9 @@ pytest.importorskip("transformers")
 import kdtree_lib.model.checkpoint as checkpoint
 from kdtree_lib.model import CheckpointReader, TensorParallel, load_config
 from kdtree_lib.model.model import Experts
-from kdtree_lib.model.reference import random_model, tiny_config
+from kdtree_lib.model.reference import random_model, save_kimi_checkpoint, tiny_config
 from kdtree_lib.model.sharded import tp_logits
 from kdtree_lib.tree_build import tree_from_parents
-from test_model import kimi_checkpoint
 
 PARENTS = np.array([[-1, 0, 0, 1, 2, 2, -1], [-1, 0, 1, 1, 3, -1, -1]])
 
@@ -29,7 +28,7 @@ def reference(tmp_path_factory):
 def test_tp2_over_gloo_equals_tp1(reference, tmp_path, moe_parallel, layout):
     hf, config, path = reference
     if layout == "kimi-int4":  # column slices of packed INT4 down_proj weights
-        path = kimi_checkpoint(hf, config, tmp_path, int4=True)
+        path = save_kimi_checkpoint(hf, config, tmp_path, int4=True)
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(12))
     tree = tree_from_parents(PARENTS, np.random.default_rng(13).integers(0, 256, PARENTS.shape))
     one = tp_logits(path, prompt, tree, world_size=1, moe_parallel=moe_parallel)

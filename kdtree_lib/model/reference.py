@@ -1,8 +1,9 @@
 """transformers' DeepseekV3ForCausalLM as the reference the target must equal (tests, notebook 07).
 
 Builds a tiny random DeepseekV3 with the K2.6 switches (sigmoid noaux_tc routing, YaRN,
-interleaved rope, one dense layer first), writes it as a checkpoint, and computes its logits for
-a prefill and for a tree verify step. Two transformers details matter for a tree:
+interleaved rope, one dense layer first; the MLA latent keeps K2.6's 512 + 64 widths, the verify
+attention contract), writes it in the K2.6 checkpoint layout, and computes its logits for a
+prefill and for a tree verify step. Two transformers details matter for a tree:
 - its eager attention ignores a bool 4D mask; the mask must be additive float (0 / dtype min);
 - `.to(bfloat16)` also casts the router's e_score_correction_bias, which must stay fp32.
 """
@@ -14,6 +15,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from ..checks import to_numpy
+from .checkpoint import save_checkpoint
 from ..tree_build import Tree, unpack_mask
 
 
@@ -93,3 +95,24 @@ def tree_logits(model, prompt, tree: Tree, b: int = 0) -> torch.Tensor:
     out = model(input_ids=tokens, position_ids=positions, attention_mask=additive[None, None],
                 past_key_values=cache, use_cache=True)
     return out.logits[0].float()
+
+
+def save_kimi_checkpoint(model: DeepseekV3ForCausalLM, config: dict, path, *, int4: bool):
+    """model's weights in the K2.6 layout: wrapper config with text_config, `language_model.`
+    prefix, 3 files + index, a vision tensor to skip, optionally INT4 routed experts."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # transformers stacks experts; checkpoints do not
+            base = name.removesuffix(".gate_up_proj")
+            for e, weight in enumerate(tensor):
+                tensors[f"{base}.{e}.gate_proj.weight"], tensors[f"{base}.{e}.up_proj.weight"] = weight.chunk(2)
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix(".down_proj")
+            tensors.update({f"{base}.{e}.down_proj.weight": weight for e, weight in enumerate(tensor)})
+        elif "rotary_emb" not in name:
+            tensors[name] = tensor
+    tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": config, "vision_config": {"hidden_size": 4}}
+    return save_checkpoint(path, wrapper, {name: t.detach().clone() for name, t in tensors.items()}, shards=3,
+                           prefix="language_model.", quantize=(lambda name: ".experts." in name) if int4 else None)

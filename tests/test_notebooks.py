@@ -1,0 +1,87 @@
+"""Every notebook in notebooks/ runs headless through papermill (kernel python3) with small parameters, and
+the values it records with `kdtree_lib.notebooks.record` hold.
+
+New notebooks (NN_name.ipynb) are picked up by the glob: they must run in under a minute on a CPU with
+their defaults; add an entry to EXPECTATIONS to assert on what they record.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from kdtree_lib.notebooks import NOTEBOOKS_DIR, discover, read_record, run_notebook
+
+NOTEBOOKS = discover(NOTEBOOKS_DIR)
+SECONDS_PER_NOTEBOOK = 60
+# smaller than the defaults where that saves time without weakening what is asserted
+SMALL_PARAMETERS = {
+    "01_tree_build": {"mc_walks": 800, "max_budget": 64},
+    "03_tree_accept": {"samples": 800, "new_tokens": 32},
+}
+
+
+def check_environment(values, figures):
+    assert os.path.realpath(values["prefix"]) == os.path.realpath(sys.prefix), \
+        "the python3 kernel papermill starts must be this environment's interpreter"
+    statuses = values["statuses"]
+    numpy_statuses = {key: status for key, status in statuses.items() if key.endswith("/numpy")}
+    assert numpy_statuses and all(status == "ok" for status in numpy_statuses.values()), numpy_statuses
+    if not values["cuda"]:
+        assert all(status == "no GPU" for key, status in statuses.items() if key.endswith("/cupy"))
+    assert "00_environment-backends.png" in figures
+
+
+def check_tree_build(values, figures):
+    assert values["weights_non_increasing"]
+    assert values["tree_path_sum"] == pytest.approx(values["best_path_sum"], abs=1e-9)
+    tree_curve, chain_curve = np.array(values["tree_curve"]), np.array(values["chain_curve"])
+    assert np.all(tree_curve >= chain_curve - 1e-9)
+    assert tree_curve[-1] > chain_curve[-1], "at large budgets the tree must beat the chain"
+    chain_saturated = chain_curve[np.array(values["budgets"]) >= values["depth"]]
+    assert np.allclose(chain_saturated, chain_saturated[0]), "the chain stops growing at budget D"
+    assert abs(values["monte_carlo_acceptance"] - values["expected_acceptance_tree"]) \
+        < 5 * values["monte_carlo_standard_error"]
+    assert {f"01_tree_build-{name}.png" for name in ("draft-distribution", "tree", "mask-and-weights", "coverage")} \
+        <= figures
+
+
+def check_verify_attention(values, figures):
+    assert values["relative_absorbed_error"] < 1e-5
+    assert values["relative_tree_error"] < 1e-5
+    assert values["flat_max_error"] > 1e-2 and values["flat_wrong_nodes"] > 0
+    assert {"02_verify_attention-key-mask.png", "02_verify_attention-tree-vs-linear.png"} <= figures
+
+
+def check_tree_accept(values, figures):
+    assert values["greedy_identical"]
+    assert max(values["tv_tree"]) < values["tv_bound"] < max(values["tv_unverified"])
+    assert values["compacted_path"] == values["accepted_path"]
+    assert values["mean_acceptance_tree"] >= values["mean_acceptance_chain"] >= 1
+    assert {f"03_tree_accept-{name}.png" for name in ("greedy-walk", "acceptance", "sampled-distribution",
+                                                      "compaction")} <= figures
+
+
+EXPECTATIONS = {
+    "00_environment": check_environment,
+    "01_tree_build": check_tree_build,
+    "02_verify_attention": check_verify_attention,
+    "03_tree_accept": check_tree_accept,
+}
+
+
+def test_the_walk_is_there():
+    assert set(EXPECTATIONS) <= {path.stem for path in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_notebook_runs_headless(path, tmp_path):
+    figures_dir = tmp_path / "figures"
+    run = run_notebook(path, tmp_path, SMALL_PARAMETERS.get(path.stem), figures_dir=figures_dir,
+                       cell_timeout=2 * SECONDS_PER_NOTEBOOK)
+    assert run.ok, f"{path.name} failed (executed copy: {run.output}): {run.error}"
+    assert run.seconds < SECONDS_PER_NOTEBOOK, f"{path.name} took {run.seconds:.0f} s with its small parameters"
+    figures = {p.name for p in figures_dir.glob("*.png")} if figures_dir.exists() else set()
+    check = EXPECTATIONS.get(path.stem)
+    if check is not None:
+        check(read_record(tmp_path, path.stem), figures)

@@ -12,13 +12,16 @@ indices from the root, -1 padded), n_accepted int32 [B] (>= 1, the root counts),
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import backend as _backend
-from .checks import check_array, check_finite, check_same_device, framework, to_numpy
-from .tree_build import Tree
+from . import cuda
+from .checks import check_array, check_finite, check_same_device, dtype_name, framework, to_numpy
+from .tree_build import (MAX_BUDGET, Tree, _contiguous, _device_empty, _device_index, _is_contiguous, _launch,
+                         _pointer)
 
 
 @dataclass
@@ -133,3 +136,115 @@ def compact_cache(caches, lengths, result: AcceptResult, *, backend: str = "auto
         import torch
         return torch.as_tensor(new_lengths, dtype=lengths.dtype, device=lengths.device)
     return new_lengths.astype(to_numpy(lengths).dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# CuPy kernels (kernels/tree_accept.cu): the walk (one launch), then the compaction of every layer
+# (one more), both on torch's current stream; the compaction reads the walk's outputs on the
+# device, so a decode step never waits for the host.
+
+_ACCEPT_THREADS = 128   # __launch_bounds__ of accept_kernel
+_COMPACT_THREADS = 128  # KD_COMPACT_THREADS
+_MAX_PATH = 64          # s_source in compact_rows: paths of at most 64 nodes (D + 1 <= 33)
+_MAX_LAYERS = 65535     # gridDim.y
+
+
+def _accept_cupy(tree: Tree, posterior) -> AcceptResult:
+    """The kernel walk (argument shapes checked by accept)."""
+    _check_tree_arrays(tree)
+    out = _empty_accept_result(tree.tokens, tree.batch, tree.max_depth + 1)
+    _launch_accept(tree, posterior, out)
+    return out
+
+
+def _empty_accept_result(like, batch: int, path_len: int) -> AcceptResult:
+    return AcceptResult(path=_device_empty(like, (batch, path_len), "int32"),
+                        n_accepted=_device_empty(like, (batch,), "int32"),
+                        bonus=_device_empty(like, (batch,), "int32"))
+
+
+def _launch_accept(tree: Tree, posterior, out: AcceptResult) -> None:
+    """accept_kernel into preallocated outputs: one CTA per request."""
+    if tree.batch == 0:
+        return
+    tokens, parents, n_nodes, posterior = (_contiguous(x) for x in
+                                           (tree.tokens, tree.parents, tree.n_nodes, posterior))
+    args = (_pointer(tokens), _pointer(parents), _pointer(n_nodes), _pointer(posterior),
+            np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity), np.int32(out.path.shape[1]),
+            _pointer(out.path), _pointer(out.n_accepted), _pointer(out.bonus))
+    _launch("tree_accept.cu", "accept_kernel", (tree.batch,), (_ACCEPT_THREADS,), args, like=tokens,
+            shared_mem=8 * tree.capacity)
+
+
+def _check_tree_arrays(tree: Tree) -> None:
+    """The Tree fields the walk reads: dtypes, shapes, one device, a capacity the kernel holds."""
+    batch, capacity = tree.batch, tree.capacity
+    check_array("tree.tokens", tree.tokens, dtypes="int32", ndim=2)
+    check_array("tree.parents", tree.parents, dtypes="int32", shape=(batch, capacity))
+    check_array("tree.n_nodes", tree.n_nodes, dtypes="int32", shape=(batch,))
+    check_same_device(**{"tree.tokens": tree.tokens, "tree.parents": tree.parents, "tree.n_nodes": tree.n_nodes})
+    if capacity > MAX_BUDGET + 1:
+        raise ValueError(f"tree: capacity N is at most {MAX_BUDGET + 1} nodes on the GPU, got {capacity}")
+    if not 0 <= tree.max_depth < _MAX_PATH:
+        raise ValueError(f"tree.max_depth: expected 0..{_MAX_PATH - 1}, got {tree.max_depth}")
+
+
+def _compact_cache_cupy(caches, lengths, result: AcceptResult):
+    """The kernel compaction (argument shapes checked by compact_cache); returns the new lengths."""
+    new_lengths = _device_empty(lengths, (int(lengths.shape[0]),), dtype_name(lengths))
+    _launch_compact(caches, lengths, result, new_lengths)
+    return new_lengths
+
+
+def _launch_compact(caches, lengths, result: AcceptResult, new_lengths) -> None:
+    """compact_cache_<unit>: one CTA per (request, layer), in the widest copy unit the layout allows."""
+    slots, row_bytes, unit = _compaction_layout(caches, lengths, result)
+    batch, path_len = (int(n) for n in result.path.shape)
+    if batch == 0:
+        return
+    path, n_accepted, lengths = (_contiguous(x) for x in (result.path, result.n_accepted, lengths))
+    table = _layer_table(tuple(int(_pointer(cache)) for cache in caches), _device_index(caches[0]))
+    args = (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), _pointer(path),
+            np.int32(path_len), _pointer(n_accepted), _pointer(lengths),
+            np.int32(dtype_name(lengths) == "int64"), _pointer(new_lengths))
+    _launch("tree_accept.cu", f"compact_cache_{unit}", (batch, len(caches)), (_COMPACT_THREADS,), args,
+            like=caches[0])
+
+
+def _compaction_layout(caches, lengths, result: AcceptResult) -> tuple[int, int, int]:
+    """Host checks of the kernel compaction; returns (L_max slots, bytes per row, copy unit in bytes).
+
+    Every layer must be a C-contiguous [B, L_max, C] array of one dtype on one device; the unit is
+    the widest of 16/4/2/1 bytes dividing the row size and every layer's address.
+    """
+    first = caches[0]
+    batch, slots, width = (int(n) for n in first.shape)
+    if len(caches) > _MAX_LAYERS:
+        raise ValueError(f"caches: at most {_MAX_LAYERS} layers, got {len(caches)}")
+    for layer, cache in enumerate(caches):
+        check_array(f"caches[{layer}]", cache, dtypes=dtype_name(first), shape=(batch, slots, width))
+        if framework(cache) != framework(first):
+            raise ValueError(f"caches[{layer}]: expected a {framework(first)} array like caches[0]")
+        if not _is_contiguous(cache):
+            raise ValueError(f"caches[{layer}]: expected a C-contiguous array")
+    check_same_device(**{f"caches[{layer}]": cache for layer, cache in enumerate(caches)},
+                      **{"result.path": result.path, "result.n_accepted": result.n_accepted, "lengths": lengths})
+    check_array("result.path", result.path, dtypes="int32", shape=(batch, None))
+    check_array("result.n_accepted", result.n_accepted, dtypes="int32", shape=(batch,))
+    path_len = int(result.path.shape[1])
+    if not 1 <= path_len <= min(_MAX_PATH, slots):
+        raise ValueError(f"result.path: expected 1..{min(_MAX_PATH, slots)} columns (D + 1 <= L_max), "
+                         f"got {path_len}")
+    row_bytes = width * first.element_size() if framework(first) == "torch" else width * first.itemsize
+    addresses = [int(_pointer(cache)) for cache in caches]
+    unit = next(u for u in (16, 4, 2, 1) if row_bytes % u == 0 and all(a % u == 0 for a in addresses))
+    return slots, row_bytes, unit
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_table(addresses: tuple[int, ...], device: int):
+    """The layers' addresses as a device uint64 array, built once per set of caches (a decode loop
+    reuses the same caches every step, so later steps copy nothing to the device)."""
+    import cupy
+    with cupy.cuda.Device(device), cuda.current_stream():
+        return cupy.asarray(np.asarray(addresses, dtype=np.uint64))

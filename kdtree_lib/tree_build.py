@@ -19,14 +19,16 @@ never pushed, where the official arithmetic would produce NaN weights.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from . import backend as _backend
-from .checks import (check_array, check_finite, check_positive_int, check_same_device, framework,
-                     to_numpy)
+from . import cuda
+from .checks import (check_array, check_finite, check_positive_int, check_same_device, dtype_name,
+                     framework, to_numpy)
 
 MAX_BUDGET = 1024  # kernel capacity (issue 3); the reference has no such limit but keeps the contract
 MAX_DEPTH = 32
@@ -274,3 +276,120 @@ def root_to_node_paths(tree: Tree, b: int) -> list[list[int]]:
     for i in range(1, int(to_numpy(tree.n_nodes)[b])):
         paths.append(paths[parents[i]] + [i])
     return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# CuPy kernels (kernels/tree_build.cu). Inputs are used zero-copy (made contiguous only when they
+# are not), outputs are allocated in the inputs' framework, and every launch goes to torch's
+# current stream (CuPy's when torch is not in use), so nothing here waits for the GPU.
+
+_TOPK_THREADS = 512  # KD_TOPK_THREADS in kernels/tree_build.cu
+
+
+def _draft_topk_cupy(logits, k: int) -> DraftTopK:
+    """Fused log-softmax + top-k of logits [B, D, V] on the GPU: one CTA per draft position."""
+    batch, depth, vocab = (int(n) for n in logits.shape)
+    if vocab < 1:
+        raise ValueError("logits: the vocabulary axis is empty")
+    top = min(k, vocab)
+    if top > MAX_TOPK:
+        raise ValueError(f"k: the GPU top-k keeps at most {MAX_TOPK} per position, got {k}")
+    logits = _contiguous(logits, "float32")
+    logp = _device_empty(logits, (batch, depth, top), "float32")
+    ids = _device_empty(logits, (batch, depth, top), "int32")
+    if batch * depth:
+        _launch("tree_build.cu", "draft_topk_kernel", (batch * depth,), (_TOPK_THREADS,),
+                (_pointer(logits), np.int32(vocab), np.int32(top), _pointer(logp), _pointer(ids)),
+                like=logits)
+    return DraftTopK(logp=logp, ids=ids)
+
+
+def _build_tree_cupy(logp, ids, budget: int, root, mode: str) -> Tree:
+    """The kernel build (arguments already checked by _check_build_args): one launch per batch."""
+    batch, depth_limit, _ = (int(n) for n in logp.shape)
+    capacity = budget + 1 if mode == "tree" else min(budget, depth_limit) + 1
+    tree = _empty_tree(logp, batch, capacity, depth_limit)
+    _launch_build_tree(logp, ids, budget, root, mode, tree)
+    return tree
+
+
+def _empty_tree(like, batch: int, capacity: int, max_depth: int) -> Tree:
+    """Uninitialised Tree outputs on the device of `like`, in its framework (the kernel writes all)."""
+    words = (capacity + 31) // 32
+    nodes = (batch, capacity)
+    return Tree(tokens=_device_empty(like, nodes, "int32"), parents=_device_empty(like, nodes, "int32"),
+                depths=_device_empty(like, nodes, "int32"), n_nodes=_device_empty(like, (batch,), "int32"),
+                mask=_device_empty(like, (batch, capacity, words), "uint32"),
+                first_child=_device_empty(like, nodes, "int32"),
+                next_sibling=_device_empty(like, nodes, "int32"),
+                log_weights=_device_empty(like, nodes, "float64"), max_depth=max_depth)
+
+
+def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree) -> None:
+    """build_tree_kernel into preallocated outputs: one CTA per request, one heap slot per thread."""
+    batch, depth_limit, topk = (int(n) for n in logp.shape)
+    if batch == 0:
+        return
+    logp, ids, root = _contiguous(logp), _contiguous(ids), _contiguous(root)
+    threads = 32 if mode == "chain" else min(1024, -(-budget // 32) * 32)
+    args = (_pointer(logp), _pointer(ids), _pointer(root), np.int32(dtype_name(root) == "int64"),
+            np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
+            np.int32(mode == "chain"), _pointer(out.tokens), _pointer(out.parents), _pointer(out.depths),
+            _pointer(out.n_nodes), _pointer(out.mask), _pointer(out.first_child), _pointer(out.next_sibling),
+            _pointer(out.log_weights))
+    _launch("tree_build.cu", "build_tree_kernel", (batch,), (threads,), args, like=logp)
+
+
+# launch plumbing shared with tree_accept (raw device pointers: no CuPy array per argument)
+
+def _launch(file_name: str, kernel_name: str, grid: tuple, block: tuple, args: tuple, *, like,
+            shared_mem: int = 0) -> None:
+    """Launch kernels/<file_name>:<kernel_name> on the device of `like`, on torch's current stream."""
+    import cupy
+    device = _device_index(like)
+    with cupy.cuda.Device(device), cuda.current_stream():
+        _kernel(file_name, kernel_name, device)(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(file_name: str, kernel_name: str, device: int):
+    return cuda.get_function(file_name, kernel_name)
+
+
+def _pointer(x) -> np.uint64:
+    """The address of x's first element (a kernel pointer argument)."""
+    kind = framework(x)
+    if kind == "torch":
+        return np.uint64(x.data_ptr())
+    if kind == "cupy":
+        return np.uint64(x.data.ptr)
+    return np.uint64(x.ctypes.data)
+
+
+def _device_index(x) -> int:
+    return int(x.device.index) if framework(x) == "torch" else int(x.device.id)
+
+
+def _is_contiguous(x) -> bool:
+    return x.is_contiguous() if framework(x) == "torch" else bool(x.flags.c_contiguous)
+
+
+def _contiguous(x, dtype: str | None = None):
+    """x itself when already C-contiguous (and of `dtype`), else a device copy on the launch stream."""
+    if _is_contiguous(x) and (dtype is None or dtype_name(x) == dtype):
+        return x
+    if framework(x) == "torch":
+        import torch
+        return (x.to(getattr(torch, dtype)) if dtype else x).contiguous()
+    import cupy
+    with cupy.cuda.Device(_device_index(x)), cuda.current_stream():
+        return cupy.ascontiguousarray(x, dtype=dtype)
+
+
+def _device_empty(like, shape: tuple, dtype: str):
+    """An uninitialised device array on the device of `like`, in its framework."""
+    if framework(like) == "torch":
+        return cuda.empty_like_framework(like, shape, dtype)
+    import cupy
+    with cupy.cuda.Device(_device_index(like)), cuda.current_stream():
+        return cupy.empty(shape, dtype=dtype)

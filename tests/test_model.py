@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kdtree_lib.model import ModelConfig, Transformer, TensorParallel, load_config, load_target
-from kdtree_lib.model.checkpoint import dequantize_int4, quantize_int4
+from kdtree_lib.model import CheckpointReader, ModelConfig, Transformer, TensorParallel, load_config, load_target
+from kdtree_lib.model.checkpoint import dequantize_int4, empty_target, load_weights, quantize_int4
 from kdtree_lib.model.model import Experts
 from kdtree_lib.model.reference import (prefill_logits, random_model, save_kimi_checkpoint, tiny_config,
                                         tree_logits)
@@ -265,3 +265,12 @@ def test_grouped_experts_equal_the_expert_loop(moe_parallel, rank):
     weights = torch.rand(37, 2, generator=generator)
     torch.testing.assert_close(experts.grouped(x, ids, weights), experts.looped(x, ids, weights),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_tp_slice_that_splits_an_int4_group_names_the_tensor(reference, tmp_path):
+    """moe_intermediate_size 64 over 4 ranks: 16 inputs of down_proj per rank, half a group of 32."""
+    hf, config, _ = reference
+    path = save_kimi_checkpoint(hf, config, tmp_path, int4=True)
+    model = empty_target(load_config(path), TensorParallel(rank=0, size=4), device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight"):
+        load_weights(model, CheckpointReader(path, model.config.quantization))

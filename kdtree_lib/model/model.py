@@ -404,7 +404,8 @@ class Transformer(nn.Module):
         outputs = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend)
-            outputs[i] = x
+            if i in feature_layers:
+                outputs[i] = x
         logits = self.tp.all_gather_last(self.lm_head(self.norm(x))).float()  # (B, T, V)
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return TargetOutput(logits=logits, features=features)

@@ -7,7 +7,8 @@ o_proj, after the MLP/MoE), the embedding one and the LM head one all-gather.
 
 `launch` runs an importable function on `world_size` processes (torch.multiprocessing spawn), so
 a notebook can start a TP run: functions defined in a notebook cell cannot be spawned, which is
-why every worker lives in kdtree_lib.
+why every worker lives in kdtree_lib. Under torchrun, pass dist.group.WORLD as load_target's
+tp_group instead.
 """
 from __future__ import annotations
 

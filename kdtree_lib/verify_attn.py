@@ -15,7 +15,9 @@ per-head form below is what it must agree with.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -133,3 +135,221 @@ def _as_torch(x):
 def _torch():
     import torch
     return torch
+
+
+# ----------------------------------------------------------------------------------------------
+# CuPy kernel (kernels/verify_attn.cu): tensor-core tree-verify attention
+
+KERNEL_FILE = "verify_attn.cu"
+MIN_SPLIT_KEYS = 256  # a key split streams at least this many keys, so merging stays cheap
+MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled variant of the kernel: CTA shape and pipeline depth (template parameters)."""
+    row_tiles: int   # 16-row MMA tiles per warp
+    row_groups: int  # groups of 4 warps; a CTA holds 16 * row_tiles * row_groups query rows
+    keys: int        # keys per KV tile
+    stages: int      # depth of the cp.async ring
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.row_tiles * self.row_groups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.row_groups
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q tile + KV ring + P (rows padded by 16 bytes) + the 4 x rows row-statistics exchange."""
+        row_bytes = 2 * CACHE_DIM
+        return (self.rows * row_bytes + self.stages * self.keys * row_bytes
+                + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4)
+
+    def nvrtc_options(self, half: bool) -> tuple[str, ...]:
+        return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}",
+                f"-DVA_ROW_GROUPS={self.row_groups}", f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}")
+
+
+# The variants the launcher picks from (kernels/verify_attn.cu instantiates the same list for nvcc).
+KERNEL_CONFIGS = {
+    "rows64_keys64": KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2),  # 64 rows share a tile
+    "rows32_keys64": KernelConfig(row_tiles=2, row_groups=1, keys=64, stages=2),
+    "rows16_keys64": KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),  # few rows: least padding
+    "rows16_keys32": KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB (sm_120)
+}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call is cut: config, row blocks per request, key splits and keys per split."""
+    config_name: str
+    row_blocks: int
+    splits: int
+    chunk: int
+
+    @property
+    def config(self) -> KernelConfig:
+        return KERNEL_CONFIGS[self.config_name]
+
+
+def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: int, smem_per_sm: int,
+                config: str | None = None, splits: int | None = None) -> LaunchPlan:
+    """Choose the variant (by rows = N*H and the device's shared memory) and the key split.
+
+    Splits fill the GPU when B * row_blocks is small (batch 1 is the common case) without
+    spilling a partial second wave; each split covers a whole number of KV tiles and at least
+    MIN_SPLIT_KEYS keys. `slots` is L_max: lengths live on the device, so the split is sized for
+    the cache capacity and CTAs past a request's length exit after writing an empty partial.
+    """
+    if config is None:
+        preference = [name for name, c in KERNEL_CONFIGS.items() if c.rows < 2 * max(rows, 16)]
+        fitting = [name for name in preference if KERNEL_CONFIGS[name].smem_bytes <= smem_per_block]
+        if not fitting:
+            raise ValueError(f"device: {smem_per_block} bytes of shared memory per block fit no kernel variant")
+        config = fitting[0]
+    elif config not in KERNEL_CONFIGS:
+        raise ValueError(f"config: expected one of {sorted(KERNEL_CONFIGS)}, got {config!r}")
+    chosen = KERNEL_CONFIGS[config]
+    row_blocks = -(-rows // chosen.rows)
+    tiles = -(-slots // chosen.keys)
+    if splits is None:
+        resident = max(1, smem_per_sm // (chosen.smem_bytes + 1024))
+        wanted = max(1, (sms * resident) // max(1, batch * row_blocks))
+        splits = max(1, min(wanted, tiles // max(1, MIN_SPLIT_KEYS // chosen.keys), MAX_GRID_YZ))
+    elif not (isinstance(splits, int) and splits >= 1):
+        raise ValueError(f"splits: expected a positive integer, got {splits!r}")
+    tiles_per_split = -(-tiles // min(splits, tiles))
+    return LaunchPlan(config, row_blocks, -(-tiles // tiles_per_split), tiles_per_split * chosen.keys)
+
+
+class VerifyLaunch:
+    """One prepared verify-attention call: device views, outputs, workspace and the plan.
+
+    Calling it enqueues the kernel (and the split merge) on torch's current stream; nothing here
+    synchronises, so it can run back to back in a benchmark or inside a CUDA graph.
+    """
+
+    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse):
+        self.plan, self.out, self.lse = plan, out, lse
+        self._half, self._arrays, self._sizes = half, arrays, sizes
+
+    def __call__(self):
+        from . import cuda
+        batch, nodes, heads, l_max, words, scale_log2 = self._sizes
+        if batch * nodes * heads == 0:
+            return self.out, self.lse
+        main, merge = _kernel_functions(self.plan.config_name, self._half)
+        a, plan, config = self._arrays, self.plan, self.plan.config
+        stream = cuda.current_stream()
+        main((plan.row_blocks, plan.splits, batch), (config.threads,),
+             (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
+              a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
+              np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)),
+             shared_mem=config.smem_bytes, stream=stream)
+        if plan.splits > 1:
+            merge((batch * nodes * heads,), (128,),
+                  (a["partial_out"], a["partial_lse"], a["out"], a["lse"], np.int32(batch * nodes * heads),
+                   np.int32(plan.splits)), stream=stream)
+        return self.out, self.lse
+
+
+def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,
+                          out=None, lse=None, config: str | None = None, splits: int | None = None) -> VerifyLaunch:
+    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them)."""
+    from . import cuda
+    batch, nodes, heads = _check_args(q_latent, q_rope, cache, lengths, tree, scale)
+    half = _check_kernel_args(q_latent, cache, tree, nodes, out, lse)
+    l_max, words, rows = int(cache.shape[1]), (nodes + 31) // 32, nodes * heads
+    sms, smem_per_block, smem_per_sm = _device_limits()
+    plan = plan_launch(batch, rows, l_max, sms=sms, smem_per_block=smem_per_block, smem_per_sm=smem_per_sm,
+                       config=config, splits=splits)
+    if out is None:
+        out = cuda.empty_like_framework(q_latent, (batch, nodes, heads, LATENT_DIM), _dtype(q_latent))
+    if lse is None:
+        lse = cuda.empty_like_framework(q_latent, (batch, nodes, heads), "float32")
+    arrays = {"q_latent": _device_contiguous(q_latent), "q_rope": _device_contiguous(q_rope),
+              "cache": _device_contiguous(cache), "lengths": _device_int32(lengths),
+              "mask": _device_int32(tree.mask), "out": cuda.as_cupy(out), "lse": cuda.as_cupy(lse)}
+    if plan.splits > 1:
+        arrays["partial_out"] = cuda.as_cupy(cuda.empty_like_framework(
+            q_latent, (plan.splits, batch, rows, LATENT_DIM), "float32"))
+        arrays["partial_lse"] = cuda.as_cupy(cuda.empty_like_framework(q_latent, (plan.splits, batch, rows), "float32"))
+    else:  # unused by the kernel with one split
+        arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]
+    sizes = (batch, nodes, heads, l_max, words, float(scale) * math.log2(math.e))
+    return VerifyLaunch(plan, half, arrays, sizes, out, lse)
+
+
+def _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale):
+    return prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, scale=scale)()
+
+
+def _check_kernel_args(q_latent, cache, tree: Tree, nodes: int, out=None, lse=None) -> bool:
+    """What the kernel needs beyond _check_args (metadata only, no sync); True for float16."""
+    dtype = _dtype(q_latent)
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"q_latent: the cupy kernel takes bfloat16 or float16, got {dtype}")
+    batch = int(q_latent.shape[0])
+    if cache.shape[1] < nodes:
+        raise ValueError(f"cache: L_max={cache.shape[1]} cannot hold the {nodes} tree nodes")
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"q_latent: at most {MAX_GRID_YZ} requests per call, got {batch}")
+    check_array("tree.mask", tree.mask, dtypes=("uint32", "int32"), shape=(batch, nodes, (nodes + 31) // 32))
+    heads = int(q_latent.shape[2])
+    if out is not None:
+        check_array("out", out, dtypes=dtype, shape=(batch, nodes, heads, LATENT_DIM))
+    if lse is not None:
+        check_array("lse", lse, dtypes="float32", shape=(batch, nodes, heads))
+    return dtype == "float16"
+
+
+def _dtype(x) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _device_contiguous(x):
+    """A C-contiguous CuPy view of a device array (torch bf16 as int16)."""
+    from . import cuda
+    if framework(x) == "torch":
+        return cuda.as_cupy(x.contiguous())
+    import cupy
+    return cupy.ascontiguousarray(x)
+
+
+def _device_int32(x):
+    """lengths / the mask as a contiguous int32 device array (a uint32 mask is reinterpreted)."""
+    import cupy
+    from . import cuda
+    kind = framework(x)
+    if kind == "numpy":
+        return cupy.asarray(np.ascontiguousarray(x).view(np.int32) if x.dtype == np.uint32 else x.astype(np.int32))
+    if kind == "torch":
+        torch = _torch()
+        x = x.contiguous().view(torch.int32) if x.dtype == torch.uint32 else x.to(torch.int32).contiguous()
+        return cuda.as_cupy(x)
+    if x.dtype == cupy.uint32:
+        return cupy.ascontiguousarray(x).view(cupy.int32)
+    return cupy.ascontiguousarray(x, dtype=cupy.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits() -> tuple[int, int, int]:
+    """(SMs, opt-in shared memory per block, shared memory per SM) of the current device."""
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return props["multiProcessorCount"], props["sharedMemPerBlockOptin"], props["sharedMemPerMultiprocessor"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_functions(config_name: str, half: bool):
+    """(main, merge) CuPy functions of one variant, compiled once by NVRTC."""
+    from . import cuda
+    config = KERNEL_CONFIGS[config_name]
+    options = config.nvrtc_options(half)
+    main = cuda.get_function(KERNEL_FILE, "verify_attn", options)
+    main.max_dynamic_shared_size_bytes = config.smem_bytes
+    merge = cuda.get_function(KERNEL_FILE, "verify_attn_merge_f16" if half else "verify_attn_merge_bf16", options)
+    return main, merge

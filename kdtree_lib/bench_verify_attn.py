@@ -1,0 +1,435 @@
+"""Benchmark of the CuPy verify-attention kernel against the torch paths serving engines fall back to.
+
+Providers, all on the same inputs in the same run:
+- kernel:          kdtree_lib.verify_attn's CuPy kernel (prepared once, launched per rep)
+- torch_fallback:  (a) the absorbed path as serving fallbacks do it: score bmm, dense additive
+                   mask, fp32 softmax, value bmm, in bf16 (the mask is built outside the timing)
+- sdpa:            (b) torch scaled_dot_product_attention on the absorbed form, explicit bool mask
+- roofline:        (c) max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured here;
+  roofline_mma:    the same with the mma.sync ceiling (a register-only m16n8k16 loop) as the rate.
+
+Napkin math per call (rows = N·H, keys = L + N): the KV cache is read once, 1152 bytes a key; Q
+is read and O written once; FLOPs = 2 · B · rows · keys · (576 + 512). FLOP/byte ≈ 1.9 · rows,
+so rows ≳ 64-128 is compute-bound on an H200.
+
+Times are medians over reps, each after an L2 flush (a 256 MB memset), by CUDA events.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+from .tree_build import tree_from_parents
+from .verify_attn import CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch
+
+TOPIC = "verify_attn"
+GIB = 1 << 30
+MEMORY_LIMIT = 40e9        # skip a provider whose working set would exceed this (the issue's 40 GB)
+KERNEL_TIME_LIMIT = 0.05   # s: skip shapes the kernel would need longer than this for (estimate)
+BASELINE_TIME_LIMIT = 0.5  # s: skip a baseline whose estimate exceeds this
+
+# The issue's grid: heads per GPU, tree nodes, committed length, batch.
+HEADS = (8, 16, 64)
+NODES = (1, 8, 16, 32, 64, 128)
+LENGTHS = (1024, 4096, 32768, 131072)
+BATCHES = (1, 8, 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+def random_tree(batch: int, nodes: int, rng: np.random.Generator, *, n_nodes=None):
+    """A random tree per request (parent of node i uniform in [0, i)), padded after n_nodes[b]."""
+    parents = np.full((batch, nodes), -1, np.int32)
+    for b in range(batch):
+        live = nodes if n_nodes is None else int(n_nodes[b])
+        for i in range(1, live):
+            parents[b, i] = rng.integers(0, i)
+    return tree_from_parents(parents, np.zeros((batch, nodes), np.int32))
+
+
+def make_inputs(batch: int, nodes: int, heads: int, length: int, *, seed: int = 0, device="cuda",
+                dtype="bfloat16", lengths=None, slack: int = 0, n_nodes=None, poison: bool = False):
+    """Random q_latent, q_rope, cache (L_max = max length + N + slack), lengths, tree, all on `device`.
+
+    Values are N(0, 1), so scores have a std of about scale·√576 ≈ 3.5 (a peaked but not one-hot
+    softmax). With poison, cache slots past lengths + N hold NaN, which must never reach an output
+    (compare against the reference on torch.nan_to_num(cache): the fp32 reference multiplies every
+    slot's value by its zero weight).
+    """
+    import torch
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dt = getattr(torch, dtype)
+    lengths = np.full(batch, length, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    l_max = int(lengths.max()) + nodes + slack
+    q_latent = torch.randn(batch, nodes, heads, LATENT_DIM, generator=gen, device=device, dtype=dt)
+    q_rope = torch.randn(batch, nodes, heads, ROPE_DIM, generator=gen, device=device, dtype=dt)
+    cache = torch.randn(batch, l_max, CACHE_DIM, generator=gen, device=device, dtype=dt)
+    if poison:
+        for b in range(batch):
+            cache[b, int(lengths[b]) + nodes:] = float("nan")
+    tree = random_tree(batch, nodes, rng, n_nodes=n_nodes)
+    tree.mask = torch.from_numpy(tree.mask).to(device)
+    return q_latent, q_rope, cache, torch.as_tensor(lengths, device=device), tree
+
+
+# ----------------------------------------------------------------------------------------------
+# baselines
+
+def fallback_mask(lengths, tree, slots: int, device):
+    """Dense additive float32 mask [B, N, slots] (0 or -inf), as a serving fallback builds it."""
+    import torch
+    allowed = key_mask(lengths, tree, slots, device=device)
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def torch_fallback(q_latent, q_rope, cache, additive_mask, scale: float = DEFAULT_SCALE):
+    """(a) score bmm, dense additive mask, fp32 softmax, value bmm; inputs' precision (bf16)."""
+    import torch
+    batch, nodes, heads, _ = q_latent.shape
+    slots = additive_mask.shape[-1]
+    q = torch.cat([q_latent, q_rope], dim=-1).reshape(batch, nodes * heads, CACHE_DIM)  # (B, NH, 576)
+    kv = cache[:, :slots]                                                                # (B, S, 576)
+    scores = torch.bmm(q, kv.transpose(1, 2)).float().view(batch, nodes, heads, slots) * scale
+    probs = torch.softmax(scores + additive_mask[:, :, None, :], dim=-1)               # (B, N, H, S)
+    out = torch.bmm(probs.to(q.dtype).view(batch, nodes * heads, slots), kv[..., :LATENT_DIM])
+    return out.view(batch, nodes, heads, LATENT_DIM)
+
+
+def sdpa(q_latent, q_rope, cache, bool_mask, scale: float = DEFAULT_SCALE):
+    """(b) torch SDPA on the absorbed form: q [B, H, N, 576], K/V one head expanded, mask [B, 1, N, S]."""
+    import torch
+    batch, nodes, heads, _ = q_latent.shape
+    slots = bool_mask.shape[-1]
+    q = torch.cat([q_latent, q_rope], dim=-1).transpose(1, 2)          # (B, H, N, 576)
+    k = cache[:, None, :slots].expand(batch, heads, slots, CACHE_DIM)  # (B, H, S, 576), a view
+    v = k[..., :LATENT_DIM]                                            # (B, H, S, 512)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask, scale=scale)
+    return out.transpose(1, 2)                                         # (B, N, H, 512)
+
+
+def errors(out, lse, ref_out, ref_lse) -> dict:
+    """Relative Frobenius error of O and max |Δ lse| against the fp32 reference (float64 on host)."""
+    out, ref_out = _host64(out), _host64(ref_out)
+    lse, ref_lse = _host64(lse), _host64(ref_lse)
+    return {"rel_err": float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)),
+            "lse_err": float(np.abs(lse - ref_lse).max()),
+            "finite": bool(np.isfinite(out).all() and np.isfinite(lse).all())}
+
+
+def _host64(x) -> np.ndarray:
+    from .checks import to_numpy
+    return np.asarray(to_numpy(x), np.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# napkin math
+
+def traffic_bytes(batch: int, nodes: int, heads: int, length: int) -> int:
+    """KV read once + Q read + O (bf16) and LSE written."""
+    rows = nodes * heads
+    return batch * ((length + nodes) * CACHE_DIM * 2 + rows * (CACHE_DIM * 2 + LATENT_DIM * 2 + 4))
+
+
+def flops(batch: int, nodes: int, heads: int, length: int) -> int:
+    return 2 * batch * nodes * heads * (length + nodes) * (CACHE_DIM + LATENT_DIM)
+
+
+def roofline_seconds(batch, nodes, heads, length, *, bandwidth: float, rate: float) -> float:
+    return max(traffic_bytes(batch, nodes, heads, length) / bandwidth, flops(batch, nodes, heads, length) / rate)
+
+
+def baseline_bytes(batch: int, nodes: int, heads: int, length: int) -> int:
+    """Peak working set of (a): bf16 scores, fp32 scores, fp32 probs, bf16 probs, the fp32 mask."""
+    slots = length + nodes
+    return batch * nodes * slots * (heads * (2 + 4 + 4 + 2) + 4) + input_bytes(batch, nodes, heads, length)
+
+
+def input_bytes(batch: int, nodes: int, heads: int, length: int) -> int:
+    rows = nodes * heads
+    return batch * ((length + nodes) * CACHE_DIM * 2 + rows * (CACHE_DIM + LATENT_DIM) * 2)
+
+
+def benchmark_shapes(heads=HEADS, nodes=NODES, lengths=LENGTHS, batches=BATCHES, *,
+                     assumed_bandwidth: float = 4.0e12, assumed_rate: float = 2.5e14):
+    """The grid minus shapes over MEMORY_LIMIT or whose kernel estimate exceeds KERNEL_TIME_LIMIT."""
+    shapes = []
+    for h in heads:
+        for n in nodes:
+            for length in lengths:
+                for b in batches:
+                    if input_bytes(b, n, h, length) > MEMORY_LIMIT:
+                        continue
+                    if roofline_seconds(b, n, h, length, bandwidth=assumed_bandwidth,
+                                        rate=assumed_rate) > KERNEL_TIME_LIMIT:
+                        continue
+                    shapes.append((b, n, h, length))
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------
+# timing and ceilings
+
+def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20) -> float:
+    """Median seconds of fn() over reps, each after flushing L2 (CUDA events on torch's stream)."""
+    import torch
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written), bf16 matmul rate (cuBLAS), mma.sync rate (ours)."""
+    import torch
+    x = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    copy_s = time_gpu(lambda: y.copy_(x), reps=10, flush_bytes=1 << 20)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_s = time_gpu(lambda: torch.mm(a, b), reps=10, flush_bytes=1 << 20)
+    return {"copy_tbps": 2 * 2 * GIB / copy_s / 1e12, "matmul_tflops": 2 * 8192 ** 3 / mm_s / 1e12,
+            "mma_sync_tflops": mma_sync_rate() / 1e12}
+
+
+def mma_sync_rate(iters: int = 8192) -> float:
+    """FLOP/s of kernels/verify_attn.cu's mma_sync_ceiling (8 warps x 8 chains, 2 blocks per SM)."""
+    import cupy
+    from . import cuda
+    from .verify_attn import KERNEL_CONFIGS, KERNEL_FILE, _device_limits
+    options = KERNEL_CONFIGS["rows64_keys64"].nvrtc_options(half=False)  # the module the kernel already uses
+    kernel = cuda.get_function(KERNEL_FILE, "mma_sync_ceiling", options)
+    sms = _device_limits()[0]
+    sink = cupy.zeros(1, cupy.float32)
+    blocks = 2 * sms
+    seconds = time_gpu(lambda: kernel((blocks,), (256,), (sink, np.int32(iters)), stream=cuda.current_stream()),
+                       reps=5, flush_bytes=1 << 20)
+    return blocks * 8 * iters * 8 * 4096 * 2 / seconds
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+def run(shapes=None, *, reps: int = 10, baselines: bool = True, log=print) -> list[dict]:
+    """Time every provider on every shape; returns the rows (also appended to data/results)."""
+    import torch
+    from . import results
+    shapes = benchmark_shapes() if shapes is None else shapes
+    ceilings = measure_ceilings()
+    log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, cuBLAS bf16 {ceilings['matmul_tflops']:.0f} TFLOP/s, "
+        f"mma.sync {ceilings['mma_sync_tflops']:.0f} TFLOP/s")
+    bandwidth, rate = ceilings["copy_tbps"] * 1e12, ceilings["matmul_tflops"] * 1e12
+    mma_rate = ceilings["mma_sync_tflops"] * 1e12
+    rows = []
+    for batch, nodes, heads, length in shapes:
+        q_latent, q_rope, cache, lengths, tree = make_inputs(batch, nodes, heads, length, seed=length + nodes)
+        launch = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree)
+        n_bytes, n_flops = traffic_bytes(batch, nodes, heads, length), flops(batch, nodes, heads, length)
+        common = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "rows": nodes * heads,
+                  "bytes": n_bytes, "flops": n_flops, **{k: round(v, 3) for k, v in ceilings.items()}}
+        roof = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=rate)
+        roof_mma = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=mma_rate)
+        times = {"kernel": time_gpu(launch, reps=reps)}
+        plan = launch.plan
+        if baselines:
+            times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
+        sdpa_backend = times.pop("sdpa_backend", None)
+        for provider, seconds in (("roofline", roof), ("roofline_mma", roof_mma), *times.items()):
+            if seconds is None:
+                continue
+            row = {**common, "provider": provider, "time_us": round(seconds * 1e6, 2),
+                   "tbps": round(n_bytes / seconds / 1e12, 3), "tflops": round(n_flops / seconds / 1e12, 2)}
+            if provider == "kernel":
+                row.update({"pct_roofline": round(100 * roof / seconds, 1),
+                            "pct_roofline_mma": round(100 * roof_mma / seconds, 1),
+                            "config": plan.config_name, "splits": plan.splits})
+                if times.get("torch_fallback"):
+                    row["speedup_vs_fallback"] = round(times["torch_fallback"] / seconds, 2)
+            if provider == "sdpa":
+                row["sdpa_backend"] = sdpa_backend
+            rows.append(row)
+        kernel_row = next(r for r in rows[::-1] if r["provider"] == "kernel")
+        log(f"B={batch:3d} N={nodes:4d} H={heads:3d} L={length:7d}: kernel {kernel_row['time_us']:9.1f} us "
+            f"{kernel_row['tflops']:7.1f} TFLOP/s {kernel_row['tbps']:5.2f} TB/s "
+            f"{kernel_row['pct_roofline']:5.1f}% roof ({kernel_row['pct_roofline_mma']:5.1f}% mma roof) "
+            f"x{kernel_row.get('speedup_vs_fallback', float('nan'))} vs fallback  [{plan.config_name}, {plan.splits} splits]")
+        del q_latent, q_rope, cache, lengths, tree, launch
+        torch.cuda.empty_cache()
+    results.append_rows(TOPIC, rows)
+    return rows
+
+
+def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dict:
+    """Seconds of (a) and (b); None where skipped (memory or time estimate) or where torch fails."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    batch, nodes, heads, _ = q_latent.shape
+    length = int(lengths.max())
+    slots = length + nodes
+    out = {"torch_fallback": None, "sdpa": None, "sdpa_backend": None}
+    working_set = baseline_bytes(batch, nodes, heads, length)
+    est = working_set * 3 / 3e12 + flops(batch, nodes, heads, length) / 4e14
+    if working_set > MEMORY_LIMIT or est > BASELINE_TIME_LIMIT:
+        return out
+    additive = fallback_mask(lengths, tree, slots, q_latent.device)
+    out["torch_fallback"] = time_gpu(lambda: torch_fallback(q_latent, q_rope, cache, additive), reps=reps)
+    bool_mask = (additive == 0)[:, None]  # (B, 1, N, S)
+    del additive
+    expanded_kv = batch * heads * slots * (CACHE_DIM + LATENT_DIM) * 2  # if a backend materialises K/V per head
+    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        if backend == SDPBackend.MATH and working_set + expanded_kv > MEMORY_LIMIT:
+            break
+        try:
+            with sdpa_kernel(backend):
+                out["sdpa"] = time_gpu(lambda: sdpa(q_latent, q_rope, cache, bool_mask), reps=reps)
+            out["sdpa_backend"] = backend.name.lower()
+            break
+        except RuntimeError:  # backend refuses these shapes (or runs out of memory): try the next
+            torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reading the results (notebook 05)
+
+PROVIDER_STYLE = {"kernel": ("C0", "o-"), "torch_fallback": ("C3", "s--"), "sdpa": ("C2", "^--"),
+                  "roofline": ("k", ":"), "roofline_mma": ("0.5", ":")}
+
+
+def latest_run(rows: list[dict]) -> list[dict]:
+    """The rows of the newest run (one append shares one date stamp), numbers parsed."""
+    if not rows:
+        return []
+    newest = max(r["date"] for r in rows)
+    parsed = []
+    for row in rows:
+        if row["date"] != newest:
+            continue
+        parsed.append({k: _number(v) for k, v in row.items()})
+    return parsed
+
+
+def _number(text):
+    if not isinstance(text, str) or text == "":
+        return text if text != "" else None
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def select(rows, **fixed) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
+
+
+def plot_time(ax, rows, x: str, **fixed):
+    """Time (µs, log) of every provider against `x` ('length' or 'nodes') with the rest fixed."""
+    for provider, (color, style) in PROVIDER_STYLE.items():
+        points = sorted((r[x], r["time_us"]) for r in select(rows, provider=provider, **fixed))
+        if points:
+            ax.plot(*zip(*points), style, color=color, label=provider)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel("time (µs)")
+    ax.set_title(", ".join(f"{k}={v}" for k, v in fixed.items()), fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def plot_achieved(ax_flops, ax_bytes, rows, **fixed):
+    """Kernel TFLOP/s and TB/s against rows = N·H, with the measured ceilings as lines."""
+    kernel = sorted(select(rows, provider="kernel", **fixed), key=lambda r: r["rows"])
+    if not kernel:
+        return
+    ceil = kernel[0]
+    for ax, key, unit in ((ax_flops, "tflops", "TFLOP/s"), (ax_bytes, "tbps", "TB/s")):
+        for provider, (color, style) in PROVIDER_STYLE.items():
+            points = sorted((r["rows"], r[key]) for r in select(rows, provider=provider, **fixed))
+            if points and provider != "roofline_mma":
+                ax.plot(*zip(*points), style, color=color, label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows = N·H")
+        ax.set_ylabel(unit)
+        ax.set_title(", ".join(f"{k}={v}" for k, v in fixed.items()), fontsize=9)
+    ax_flops.axhline(ceil["matmul_tflops"], color="k", lw=0.8, label="cuBLAS bf16 ceiling")
+    ax_flops.axhline(ceil["mma_sync_tflops"], color="0.5", lw=0.8, label="mma.sync ceiling")
+    ax_bytes.axhline(ceil["copy_tbps"], color="k", lw=0.8, label="copy bandwidth")
+    ax_flops.legend(fontsize=8)
+    ax_bytes.legend(fontsize=8)
+
+
+def summary(rows) -> dict:
+    """The issue's targets, read from one run's rows."""
+    kernel = select(rows, provider="kernel")
+    big = [r for r in kernel if r["rows"] >= 128 and r["length"] >= 32768]
+    long = [r for r in kernel if r["length"] >= 32768 and r.get("speedup_vs_fallback")]
+    ratios = []
+    for r in select(kernel, length=131072):
+        short = select(kernel, length=32768, batch=r["batch"], nodes=r["nodes"], heads=r["heads"])
+        if short:
+            ratios.append(r["time_us"] / short[0]["time_us"])
+    med = statistics.median
+    out = {"shapes": len(kernel), "device": kernel[0]["device"] if kernel else None,
+           "date": kernel[0]["date"] if kernel else None}
+    if big:
+        out.update({"compute_shapes": len(big), "pct_roofline_min": min(r["pct_roofline"] for r in big),
+                    "pct_roofline_median": med(r["pct_roofline"] for r in big),
+                    "pct_roofline_mma_median": med(r["pct_roofline_mma"] for r in big),
+                    "best_tflops": max(r["tflops"] for r in big)})
+    if long:
+        out.update({"speedup_min": min(r["speedup_vs_fallback"] for r in long),
+                    "speedup_median": med(r["speedup_vs_fallback"] for r in long)})
+    if ratios:
+        out.update({"time_128k_over_32k_median": med(ratios), "ideal_ratio": 131072 / 32768})
+    return out
+
+
+def smoke(log=print) -> bool:
+    """Every variant, one and several splits, a ragged batch with a zero length: the sanitizer case."""
+    import torch
+    from .verify_attn import KERNEL_CONFIGS, verify_attention
+    ok = True
+    inputs = make_inputs(2, 9, 8, 0, lengths=[70, 0], seed=0, slack=5, poison=True)
+    ref_out, ref_lse = verify_attention(*inputs[:2], torch.nan_to_num(inputs[2]), *inputs[3:], backend="torch")
+    for config in KERNEL_CONFIGS:
+        for splits in (1, 3):
+            launch = prepare_verify_launch(*inputs, config=config, splits=splits)
+            launch()
+            err = errors(launch.out, launch.lse, ref_out, ref_lse)
+            ok &= err["finite"] and err["rel_err"] <= 1e-2 and err["lse_err"] <= 1e-3
+            log(f"smoke {config} splits={launch.plan.splits}: {err}")
+    torch.cuda.synchronize()
+    return ok
+
+
+def main():
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
+    args = parser.parse_args()
+    if args.smoke:
+        raise SystemExit(0 if smoke() else 1)
+    shapes = None
+    if args.quick:
+        shapes = [(1, 16, 8, 32768), (1, 1, 8, 131072), (1, 64, 8, 32768), (8, 16, 16, 32768), (1, 128, 8, 131072)]
+    run(shapes, reps=args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+// Tree-verify attention for absorbed MLA: bf16/f16 tensor cores (mma.sync m16n8k16 + ldmatrix),
+// one source for sm_90 and sm_120. Launched from kdtree_lib/verify_attn.py (_verify_attention_cupy).
+//
+// Problem (DESIGN.md §3): request b has rows = N·H query rows (tree node × head, packed in that
+// order, 576 wide = q_latent 512 | q_rope 64) and one key/value stream shared by every head: cache
+// rows [0, len + N) (576-wide keys, their first 512 columns are the values). Row (node i) may see
+// every key < len and tree key len + j iff bit j of mask[b, i] is set.
+//
+// Kernel (one CTA = ROWS query rows × one split of the key range):
+//   * Q (ROWS × 576) is loaded once into shared memory; KV tiles of KEYS rows stream through a
+//     STAGES-deep cp.async ring, each tile read from global once per CTA for all heads and nodes.
+//   * Warps form ROW_GROUPS groups of 4. In a group every warp owns 16·ROW_TILES rows; warp c
+//     computes S = Q·Kᵀ for keys [c·KEYS/4, (c+1)·KEYS/4) of the tile and owns output columns
+//     [128c, 128c+128) of O, so the 64 KB fp32 accumulator of a 64-row CTA is spread over 8 warps.
+//   * Online softmax in the log2 domain: row maxima are exchanged through shared memory (named
+//     barrier per group), P is written to shared memory as bf16/f16 and re-read with ldmatrix as
+//     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
+//   * Only tiles reaching the tree slots (or the split's end) evaluate the mask; prefix tiles run
+//     unmasked. Rows past N·H and keys past len + N are zero-filled, never read out of bounds.
+//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE and
+//     verify_attn_merge_* combines them by LSE; with one split the CTA writes bf16/f16 O directly.
+// Shared memory is XOR-swizzled in 16-byte chunks (chunk ^ row%8), so ldmatrix and cp.async are
+// free of bank conflicts; P rows are padded by 16 bytes instead.
+//
+// Configurations are template parameters. NVRTC (the launcher) builds one per module, selected with
+// -DVA_HALF=0|1 -DVA_ROW_TILES -DVA_ROW_GROUPS -DVA_KEYS -DVA_STAGES; a plain nvcc build (CI's
+// compile test, ptxas -v) instantiates every configuration the launcher may pick.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+namespace va {
+
+constexpr int kLatent = 512;          // value width (c_kv)
+constexpr int kRope = 64;             // rope part of the key
+constexpr int kWidth = 576;           // key width = cache row
+constexpr int kRowChunks = kWidth / 8;  // 16-byte chunks in a row (72)
+constexpr int kRowBytes = kWidth * 2;   // 1152
+constexpr int kColsPerWarp = kLatent / 4;  // output columns owned by one warp of a group (128)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ u32 smem_address(const void* pointer) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+  return address;
+}
+
+// 16-byte async copy global -> shared; when !valid the destination is zero-filled and src unread.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+  u32 bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
+
+// Named barrier for the `threads` threads of one warp group (id 0 is __syncthreads').
+__device__ __forceinline__ void group_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(address)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+// d += a·b for one m16n8k16 tile, fp32 accumulators; kHalf selects f16 inputs instead of bf16.
+template <bool kHalf>
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (kHalf) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> packed 16-bit pair (lo in the low half), round to nearest even.
+template <bool kHalf>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 packed;
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  }
+  return packed;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int kRowTiles, int kRowGroups, int kKeys, int kStages>
+struct Shape {
+  static constexpr int kWarpRows = 16 * kRowTiles;               // rows per warp (= per group)
+  static constexpr int kRows = kWarpRows * kRowGroups;           // query rows per CTA
+  static constexpr int kThreads = 128 * kRowGroups;              // 4 warps per group
+  static constexpr int kWarpKeys = kKeys / 4;                    // S columns per warp
+  static constexpr int kKeyTiles = kWarpKeys / 8;                // n8 tiles of S per warp
+  static constexpr int kPStride = (kKeys + 8) * 2;               // bytes per P row (padded)
+  static constexpr int kQBytes = kRows * kRowBytes;
+  static constexpr int kStageBytes = kKeys * kRowBytes;
+  static constexpr int kPBytes = kRows * kPStride;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kPBytes + 4 * kRows * 4;
+  static_assert(kKeys == 32 || kKeys == 64, "KEYS must be 32 or 64");
+  static_assert(kStages >= 2, "the pipeline needs at least two stages");
+  static_assert(kRowTiles == 1 || kRowTiles == 2, "ROW_TILES must be 1 or 2");
+  static_assert(kKeys % (kThreads / 8) == 0 && kRows % (kThreads / 8) == 0, "whole load passes");
+};
+
+// One CTA: rows [blockIdx.x·ROWS, +ROWS) of request blockIdx.z over key split blockIdx.y.
+template <bool kHalf, int kRowTiles, int kRowGroups, int kKeys, int kStages>
+__device__ __forceinline__ void verify_attn_cta(
+    const u16* __restrict__ q_latent,   // [B, rows, 512]
+    const u16* __restrict__ q_rope,     // [B, rows, 64]
+    const u16* __restrict__ cache,      // [B, l_max, 576]
+    const int* __restrict__ lengths,    // [B]
+    const u32* __restrict__ mask,       // [B, N, words]
+    u16* __restrict__ out,              // [B, rows, 512]           (one split)
+    float* __restrict__ lse,            // [B, rows]                (one split)
+    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
+    float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
+    int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
+  using S = Shape<kRowTiles, kRowGroups, kKeys, kStages>;
+  if (dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
+  extern __shared__ unsigned char smem[];  // 16-byte aligned is all cp.async and ldmatrix need
+  const u32 q_smem = smem_address(smem);
+  const u32 kv_smem = q_smem + S::kQBytes;
+  const u32 p_smem = kv_smem + kStages * S::kStageBytes;
+  unsigned char* p_bytes = smem + S::kQBytes + kStages * S::kStageBytes;
+  float* exchange = reinterpret_cast<float*>(p_bytes + S::kPBytes);  // [4][ROWS]: row max, then row sum
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2, column = warp & 3;  // column: key slice in S, output columns in O
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+  const int batch = gridDim.z, b = blockIdx.z, split = blockIdx.y, splits = gridDim.y;
+  const int rows = nodes * heads;
+  const int row0 = blockIdx.x * S::kRows;
+
+  // Clamp so that a bad device-side length can never address outside the cache.
+  const int length = min(max(lengths[b], 0), l_max - nodes);
+  const int kv_len = length + nodes;
+  const int key_begin = split * chunk;
+  const int key_end = min(key_begin + chunk, kv_len);
+  const int n_tiles = key_end > key_begin ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
+  const int unmasked_end = min(length, key_end);  // keys below this need no mask
+
+  // Loads: 8 threads per row, thread `load_sub` copies chunks load_sub + 8q (q < 9), so a warp
+  // reads four full 128-byte segments per instruction and the swizzle is one per-thread constant.
+  constexpr int kRowsPerPass = S::kThreads / 8;
+  const int load_row = tid >> 3, load_sub = tid & 7;
+  const u32 load_swizzle = (load_sub ^ (load_row & 7)) << 4;  // row & 7 is the same in every pass
+  const u16* cache_b = cache + (i64)b * l_max * kWidth;
+  auto load_tile = [&](int tile, int stage) {
+    const int tile_start = key_begin + tile * kKeys;
+#pragma unroll
+    for (int pass = 0; pass < kKeys / kRowsPerPass; ++pass) {
+      const int r = pass * kRowsPerPass + load_row;
+      const bool valid = tile_start + r < kv_len;
+      const u16* src = cache_b + (i64)(valid ? tile_start + r : 0) * kWidth + load_sub * 8;
+      const u32 dst = kv_smem + stage * S::kStageBytes + r * kRowBytes + load_swizzle;
+#pragma unroll
+      for (int q = 0; q < kRowChunks / 8; ++q) cp_async16(dst + q * 128, src + q * 64, valid);
+    }
+  };
+
+  // Prologue: Q (with the first tile, as group 0), then the rest of the ring.
+#pragma unroll
+  for (int pass = 0; pass < S::kRows / kRowsPerPass; ++pass) {
+    const int r = pass * kRowsPerPass + load_row;
+    const bool valid = row0 + r < rows;
+    const i64 q_row = (i64)b * rows + (valid ? row0 + r : 0);
+    const u16* latent = q_latent + q_row * kLatent + load_sub * 8;
+    const u32 dst = q_smem + r * kRowBytes + load_swizzle;
+#pragma unroll
+    for (int q = 0; q < kLatent / 64; ++q) cp_async16(dst + q * 128, latent + q * 64, valid);
+    cp_async16(dst + (kLatent / 64) * 128, q_rope + q_row * kRope + load_sub * 8, valid);
+  }
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    if (stage < n_tiles) load_tile(stage, stage);
+    cp_async_commit();
+  }
+
+  float o[kRowTiles][16][4];  // O for rows (group, tile, quad_row [+8]) × this warp's 128 columns
+  float row_max[kRowTiles][2], row_sum[kRowTiles][2];  // log2-domain running max, partial sums
+#pragma unroll
+  for (int mt = 0; mt < kRowTiles; ++mt) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = neg_inf();
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const int warp_row0 = group * S::kWarpRows;  // first CTA row of this warp's group
+  const int barrier_id = 1 + group;
+  const int group_threads = 128;
+
+  // ldmatrix lane addresses. Every operand row read by a lane has row % 8 == lane % 8, so chunk
+  // 2k + hi of the swizzled layout sits at 128·(k / 4) + 16·((2·(k % 4)) ^ hi ^ lane % 8): four
+  // per-lane offsets (k % 4) per operand, the rest is an immediate.
+  u32 q_lane[4], k_lane[4], v_lane[4];
+  {
+    const int q_hi = lane >> 4, k_hi = (lane >> 3) & 1, v_hi = lane >> 4, r7 = lane & 7;
+    const int q_row = warp_row0 + (lane & 15);
+    const int k_row = S::kKeyTiles == 2 ? column * 16 + (lane & 7) + ((lane >> 4) << 3) : column * 8 + (lane & 7);
+    const int v_row = lane & 15;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      q_lane[m] = q_smem + q_row * kRowBytes + (((2 * m) ^ q_hi ^ r7) << 4);
+      k_lane[m] = k_row * kRowBytes + (((2 * m) ^ k_hi ^ r7) << 4);
+      v_lane[m] = v_row * kRowBytes + column * 256 + (((2 * m) ^ v_hi ^ r7) << 4);
+    }
+  }
+  const u32 p_lane = p_smem + (warp_row0 + (lane & 15)) * S::kPStride + (lane >> 4) * 16;
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile visible to all; everyone is done with tile - 1 (its stage and P)
+    {
+      const int next = tile + kStages - 1;
+      if (next < n_tiles) load_tile(next, next % kStages);
+      cp_async_commit();
+    }
+    const u32 stage = kv_smem + (tile % kStages) * S::kStageBytes;
+    const int tile_start = key_begin + tile * kKeys;
+
+    // S = Q·Kᵀ for this warp's rows and its kWarpKeys keys, over all 576 dims.
+    float s[kRowTiles][S::kKeyTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < S::kKeyTiles; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kWidth / 16; ++kk) {
+      u32 a[kRowTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kRowTiles; ++mt)
+        ldmatrix_x4(a[mt], q_lane[kk & 3] + mt * 16 * kRowBytes + (kk >> 2) * 128);
+      u32 bk[S::kKeyTiles][2];
+      if constexpr (S::kKeyTiles == 2) {
+        u32 r[4];
+        ldmatrix_x4(r, stage + k_lane[kk & 3] + (kk >> 2) * 128);
+        bk[0][0] = r[0]; bk[0][1] = r[1]; bk[1][0] = r[2]; bk[1][1] = r[3];
+      } else {
+        u32 r[2];
+        ldmatrix_x2(r, stage + k_lane[kk & 3] + (kk >> 2) * 128);
+        bk[0][0] = r[0]; bk[0][1] = r[1];
+      }
+#pragma unroll
+      for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < S::kKeyTiles; ++nt) mma16816<kHalf>(s[mt][nt], a[mt], bk[nt][0], bk[nt][1]);
+    }
+
+    // Mask: keys past the split or the tree, and tree keys that are not ancestors.
+    if (tile_start + kKeys > unmasked_end) {
+#pragma unroll
+      for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + warp_row0 + mt * 16 + quad_row + 8 * h;
+          const bool real_row = row < rows;
+          const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
+#pragma unroll
+          for (int nt = 0; nt < S::kKeyTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key = tile_start + column * S::kWarpKeys + nt * 8 + 2 * quad_col + e;
+              bool allowed = key < key_end;
+              if (allowed && key >= length) {
+                const int j = key - length;  // tree slot, < nodes since key < kv_len
+                allowed = real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
+              }
+              if (!allowed) s[mt][nt][2 * h + e] = neg_inf();
+            }
+        }
+    }
+
+    // Row maxima of this warp's keys, exchanged with the other three warps of the group.
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < S::kKeyTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        if (quad_col == 0) exchange[column * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h] = m;
+      }
+    group_barrier(barrier_id, group_threads);
+
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row0 + mt * 16 + quad_row + 8 * h;
+        const float tile_max = fmaxf(fmaxf(exchange[r], exchange[S::kRows + r]),
+                                     fmaxf(exchange[2 * S::kRows + r], exchange[3 * S::kRows + r]));
+        const float new_max = fmaxf(row_max[mt][h], tile_max * scale_log2);
+        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
+        const float alpha = fast_exp2(row_max[mt][h] - base);
+        row_max[mt][h] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < S::kKeyTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -base));
+            s[mt][nt][2 * h + e] = p;
+            sum += p;
+          }
+        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            o[mt][j][2 * h] *= alpha;
+            o[mt][j][2 * h + 1] *= alpha;
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < S::kKeyTiles; ++nt) {
+          const int key = column * S::kWarpKeys + nt * 8 + 2 * quad_col;
+          *reinterpret_cast<u32*>(p_bytes + r * S::kPStride + key * 2) =
+              pack2<kHalf>(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+        }
+      }
+    group_barrier(barrier_id, group_threads);
+
+    // O += P·V for this warp's 128 output columns; V = the tile's first 512 columns.
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      u32 a[kRowTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kRowTiles; ++mt)
+        ldmatrix_x4(a[mt], p_lane + mt * 16 * S::kPStride + kk * 32);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        u32 v[4];
+        ldmatrix_x4_trans(v, stage + v_lane[j & 3] + kk * 16 * kRowBytes + (j >> 2) * 128);
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt) {
+          mma16816<kHalf>(o[mt][2 * j], a[mt], v[0], v[1]);
+          mma16816<kHalf>(o[mt][2 * j + 1], a[mt], v[2], v[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Row sums: over the quad, then over the group's four warps (the exchange buffer is free: every
+  // warp of the group passed the last tile's second barrier, after its last read of the maxima).
+#pragma unroll
+  for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (quad_col == 0) exchange[column * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h] = l;
+    }
+  group_barrier(barrier_id, group_threads);
+
+#pragma unroll
+  for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row0 + mt * 16 + quad_row + 8 * h;
+      const int row = row0 + r;
+      const float l = exchange[r] + exchange[S::kRows + r] + exchange[2 * S::kRows + r] + exchange[3 * S::kRows + r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float row_lse = l > 0.f ? (row_max[mt][h] + fast_log2(l)) * kLn2 : neg_inf();
+      if (row >= rows) continue;
+      const i64 out_row = (i64)b * rows + row;
+      const int col0 = column * kColsPerWarp + 2 * quad_col;
+      if (splits == 1) {
+        u16* dst = out + out_row * kLatent + col0;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<u32*>(dst + 8 * j) = pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
+        if (column == 0 && quad_col == 0) lse[out_row] = row_lse;
+      } else {
+        const i64 part_row = (i64)split * batch * rows + out_row;
+        float* dst = partial_out + part_row * kLatent + col0;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j) = float2{o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv};
+        if (column == 0 && quad_col == 0) partial_lse[part_row] = row_lse;
+      }
+    }
+}
+
+// Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
+// One block of 128 threads per (request, row); each thread owns 4 consecutive columns.
+template <bool kHalf>
+__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
+                                          u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
+  const i64 row = blockIdx.x;  // b * rows + row
+  float m = neg_inf();
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_lse[(i64)s * total_rows + row]);
+  const float base = m == neg_inf() ? 0.f : m;
+  float total = 0.f;
+  for (int s = 0; s < splits; ++s) total += fast_exp2((partial_lse[(i64)s * total_rows + row] - base) * kLog2e);
+  const float scale = total > 0.f ? 1.f / total : 0.f;
+  float4 acc = {0.f, 0.f, 0.f, 0.f};
+  for (int s = 0; s < splits; ++s) {
+    const float w = fast_exp2((partial_lse[(i64)s * total_rows + row] - base) * kLog2e) * scale;
+    if (w == 0.f) continue;  // an empty split (its O is zero, but skip the read)
+    const float4 x = reinterpret_cast<const float4*>(partial_out + ((i64)s * total_rows + row) * kLatent)[threadIdx.x];
+    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+  }
+  const uint2 packed = {pack2<kHalf>(acc.x, acc.y), pack2<kHalf>(acc.z, acc.w)};
+  reinterpret_cast<uint2*>(out + row * kLatent)[threadIdx.x] = packed;
+  if (threadIdx.x == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
+}
+
+}  // namespace va
+
+#define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES)                                              \
+  extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
+      const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      int chunk, float scale_log2) {                                                                          \
+    va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES>(                                    \
+        q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
+        words, chunk, scale_log2);                                                                            \
+  }
+
+#ifdef VA_KEYS
+// NVRTC: the configuration the launcher chose.
+VA_KERNEL(verify_attn, VA_HALF, VA_ROW_TILES, VA_ROW_GROUPS, VA_KEYS, VA_STAGES)
+#else
+// nvcc: every configuration of kdtree_lib.verify_attn.KERNEL_CONFIGS (bf16; f16 is the same code).
+VA_KERNEL(verify_attn_rows64_keys64, 0, 2, 2, 64, 2)
+VA_KERNEL(verify_attn_rows32_keys64, 0, 2, 1, 64, 2)
+VA_KERNEL(verify_attn_rows16_keys64, 0, 1, 1, 64, 2)
+VA_KERNEL(verify_attn_rows16_keys32, 0, 1, 1, 32, 2)
+#endif
+
+extern "C" __global__ void __launch_bounds__(128) verify_attn_merge_bf16(
+    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
+  va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);
+}
+extern "C" __global__ void __launch_bounds__(128) verify_attn_merge_f16(
+    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
+  va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);
+}
+
+// The mma.sync ceiling: 8 independent m16n8k16 bf16 chains per warp on register operands, no
+// memory traffic. FLOPs = blocks · warps · iters · 8 · 4096.
+extern "C" __global__ void __launch_bounds__(256) mma_sync_ceiling(float* sink, int iters) {
+  const u32 x = 0x3c003c00u ^ (threadIdx.x & 0x00010001u);  // small finite bf16 pairs
+  const u32 a[4] = {x, x ^ 0x00020000u, x, x ^ 0x00000002u};
+  float acc[8][4] = {};
+  for (int i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) va::mma16816<false>(acc[c], a, x, x ^ 0x00040004u);
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) total += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+  if (total == 1234.5f) sink[0] = total;  // never true; keeps the chains live
+}

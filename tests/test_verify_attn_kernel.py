@@ -1,0 +1,266 @@
+"""The CuPy verify-attention kernel (kernels/verify_attn.cu) against the fp32 torch reference.
+
+GPU tests draw fresh random inputs on every run (the seed is printed), use ragged sizes on purpose
+(N not a multiple of 16, L not a multiple of the tile, N = 1, a request of length 0, differing
+lengths, padding nodes), poison the outputs and the cache past each request's tree, force every
+kernel variant and split count, and compare the kernel's error with a bf16 torch run's error
+(flash-attention's criterion) as well as with the issue's bounds. CPU tests cover the host checks,
+the launch plan, and an nvcc build for sm_90 and sm_120 (no register spills).
+"""
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from kdtree_lib import bench_verify_attn as bench
+from kdtree_lib import cuda
+from kdtree_lib.tree_build import tree_from_parents
+from kdtree_lib.verify_attn import (KERNEL_CONFIGS, KERNEL_FILE, MIN_SPLIT_KEYS, _check_kernel_args, plan_launch,
+                                    prepare_verify_launch, verify_attention)
+
+REL_ERR = 1e-2
+LSE_ERR = 1e-3
+H200 = {"sms": 132, "smem_per_block": 232448, "smem_per_sm": 233472}
+RTX_5090 = {"sms": 170, "smem_per_block": 101376, "smem_per_sm": 102400}
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: launch plan
+
+@pytest.mark.parametrize("device", [H200, RTX_5090], ids=["sm90", "sm120"])
+@pytest.mark.parametrize("batch, rows, slots", [(1, 8, 1025), (1, 128, 32784), (3, 136, 4097), (64, 1024, 131200),
+                                                (8, 16, 70), (2, 1, 1)])
+def test_plan_covers_every_key_and_row(device, batch, rows, slots):
+    plan = plan_launch(batch, rows, slots, **device)
+    config = plan.config
+    assert config.smem_bytes <= device["smem_per_block"]
+    assert plan.row_blocks * config.rows >= rows > (plan.row_blocks - 1) * config.rows
+    assert plan.chunk % config.keys == 0
+    assert plan.splits * plan.chunk >= slots > (plan.splits - 1) * plan.chunk
+    if plan.splits > 1:  # splitting never starts a partial second wave, nor cuts below the minimum
+        resident = device["smem_per_sm"] // (config.smem_bytes + 1024)
+        assert batch * plan.row_blocks * plan.splits <= device["sms"] * max(1, resident)
+        assert plan.chunk >= MIN_SPLIT_KEYS
+
+
+def test_plan_picks_the_variant_by_rows_and_shared_memory():
+    assert plan_launch(1, 8, 4096, **H200).config_name == "rows16_keys64"
+    assert plan_launch(1, 24, 4096, **H200).config_name == "rows32_keys64"
+    assert plan_launch(1, 128, 4096, **H200).config_name == "rows64_keys64"
+    assert plan_launch(1, 128, 4096, **RTX_5090).config_name == "rows16_keys32"
+    with pytest.raises(ValueError, match="shared memory"):
+        plan_launch(1, 8, 4096, sms=1, smem_per_block=48 * 1024, smem_per_sm=48 * 1024)
+    with pytest.raises(ValueError, match="config"):
+        plan_launch(1, 8, 4096, **H200, config="rows128")
+    assert plan_launch(1, 8, 4096, **H200, splits=3).splits == 3
+
+
+def test_kernel_config_shared_memory_fits_its_target():
+    assert KERNEL_CONFIGS["rows64_keys64"].smem_bytes <= H200["smem_per_block"]
+    assert KERNEL_CONFIGS["rows16_keys32"].smem_bytes <= RTX_5090["smem_per_block"]
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: host checks (metadata only)
+
+def _cpu_args(dtype="bfloat16", nodes=5, l_max=40, batch=2):
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, dtype)
+    parents = np.array([[-1] + list(range(nodes - 1))] * batch, np.int32)
+    tree = tree_from_parents(parents, np.zeros((batch, nodes), np.int32))
+    return (torch.zeros(batch, nodes, 8, 512, dtype=dt), torch.zeros(batch, l_max, 576, dtype=dt), tree, nodes)
+
+
+def test_kernel_rejects_float32():
+    q, cache, tree, nodes = _cpu_args("float32")
+    with pytest.raises(ValueError, match="q_latent: the cupy kernel takes bfloat16 or float16"):
+        _check_kernel_args(q, cache, tree, nodes)
+
+
+def test_kernel_rejects_a_cache_shorter_than_the_tree():
+    q, cache, tree, nodes = _cpu_args(l_max=3)
+    with pytest.raises(ValueError, match="cache: L_max=3"):
+        _check_kernel_args(q, cache, tree, nodes)
+
+
+def test_kernel_rejects_a_mask_of_the_wrong_shape():
+    q, cache, tree, nodes = _cpu_args()
+    tree.mask = tree.mask[:, :, :0]
+    with pytest.raises(ValueError, match="tree.mask"):
+        _check_kernel_args(q, cache, tree, nodes)
+
+
+def test_kernel_rejects_outputs_of_the_wrong_shape():
+    torch = pytest.importorskip("torch")
+    q, cache, tree, nodes = _cpu_args()
+    with pytest.raises(ValueError, match="out"):
+        _check_kernel_args(q, cache, tree, nodes, out=torch.zeros(2, nodes, 8, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lse"):
+        _check_kernel_args(q, cache, tree, nodes, lse=torch.zeros(2, nodes, 8, dtype=torch.float16))
+    assert _check_kernel_args(*_cpu_args("float16")) is True
+
+
+def test_cupy_backend_refuses_host_inputs():
+    torch = pytest.importorskip("torch")
+    q, cache, tree, nodes = _cpu_args()
+    rope = torch.zeros(2, nodes, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="backend"):
+        verify_attention(q, rope, cache, np.array([1, 2], np.int32), tree, backend="cupy")
+
+
+def test_the_error_check_rejects_known_wrong_answers():
+    """gpu-mode style: ignoring the mask, or returning zeros, must fail the bounds the GPU tests use."""
+    torch = pytest.importorskip("torch")
+    q_latent, q_rope, cache, lengths, tree = bench.make_inputs(2, 9, 8, 40, seed=1, device="cpu")
+    ref_out, ref_lse = verify_attention(q_latent, q_rope, cache, lengths, tree, backend="torch")
+    tree.mask = torch.full_like(tree.mask, -1)  # attend to every tree slot
+    wrong_out, wrong_lse = verify_attention(q_latent, q_rope, cache, lengths, tree, backend="torch")
+    err = bench.errors(wrong_out, wrong_lse, ref_out, ref_lse)
+    assert err["rel_err"] > REL_ERR and err["lse_err"] > LSE_ERR
+    assert bench.errors(torch.zeros_like(ref_out), ref_lse, ref_out, ref_lse)["rel_err"] > REL_ERR
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: nvcc builds for both targets
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
+def test_nvcc_builds_without_spills(arch, tmp_path):
+    report = cuda.nvcc_compile(KERNEL_FILE, arch, tmp_path)
+    blocks = re.split(r"Compiling entry function '(\w+)'", report)[1:]
+    kernels = {}
+    for name, text in zip(blocks[::2], blocks[1::2]):
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        registers = re.search(r"Used (\d+) registers", text)
+        kernels[name] = (int(spills[1]) + int(spills[2]), int(registers[1]))
+        print(f"{arch} {name}: {registers[1]} registers, {spills[1]}/{spills[2]} bytes spilled")
+    assert {f"verify_attn_{name}" for name in KERNEL_CONFIGS} <= set(kernels)
+    for name, (spilled, registers) in kernels.items():
+        assert spilled == 0, f"{name} spills on {arch}"
+        assert registers <= 255
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: against the fp32 reference
+
+SEED = int(os.environ.get("KDTREE_SEED", np.random.SeedSequence().entropy % 2**31))
+
+# (batch, nodes, heads, lengths per request, live nodes per request or None)
+CASES = [
+    (1, 1, 8, [1000], None),                 # N = 1 (decode), one head group
+    (2, 17, 8, [300, 1025], None),           # N odd, lengths differ, L not a multiple of the tile
+    (3, 33, 16, [0, 63, 200], [33, 20, 1]),  # a request with no prefix, two mask words, padding nodes
+    (1, 64, 8, [4097], None),                # 512 rows: 8 row blocks of the 64-row variant
+    (2, 8, 64, [513, 2], None),              # many heads, a request with a 2-token prefix
+    (1, 129, 8, [2000], [100]),              # 5 mask words, padding nodes
+]
+
+
+def _reference(q_latent, q_rope, cache, lengths, tree):
+    torch = pytest.importorskip("torch")
+    return verify_attention(q_latent, q_rope, torch.nan_to_num(cache), lengths, tree, backend="torch")
+
+
+def _bf16_torch_error(q_latent, q_rope, cache, lengths, tree, ref_out, ref_lse) -> float:
+    torch = pytest.importorskip("torch")
+    slots = int(lengths.max()) + q_latent.shape[1]
+    clean = torch.nan_to_num(cache)
+    additive = bench.fallback_mask(lengths, tree, slots, q_latent.device)
+    out = bench.torch_fallback(q_latent, q_rope, clean, additive)
+    return bench.errors(out, ref_lse, ref_out, ref_lse)["rel_err"]
+
+
+def _poisoned_launch(q_latent, q_rope, cache, lengths, tree, **kwargs):
+    torch = pytest.importorskip("torch")
+    out = torch.full(q_latent.shape, float("nan"), dtype=q_latent.dtype, device=q_latent.device)
+    lse = torch.full(q_latent.shape[:3], float("nan"), dtype=torch.float32, device=q_latent.device)
+    launch = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, out=out, lse=lse, **kwargs)
+    launch()
+    return launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, *KERNEL_CONFIGS])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_reference(case, config):
+    batch, nodes, heads, lengths, n_nodes = CASES[case]
+    seed = SEED + case
+    inputs = bench.make_inputs(batch, nodes, heads, 0, lengths=lengths, n_nodes=n_nodes, seed=seed, slack=37,
+                               poison=True)
+    ref_out, ref_lse = _reference(*inputs)
+    torch_err = _bf16_torch_error(*inputs, ref_out, ref_lse)
+    for splits in (None, 1, 7):
+        launch = _poisoned_launch(*inputs, config=config, splits=splits)
+        err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
+        print(f"seed={seed} case={case} config={launch.plan.config_name} splits={launch.plan.splits}: "
+              f"rel_err={err['rel_err']:.2e} (bf16 torch {torch_err:.2e}) lse_err={err['lse_err']:.2e}")
+        assert err["finite"], "NaN or inf in the output (poisoned output left unwritten, or cache leak)"
+        assert err["rel_err"] <= REL_ERR
+        assert err["rel_err"] <= 2 * torch_err + 1e-3
+        assert err["lse_err"] <= LSE_ERR
+
+
+@pytest.mark.gpu
+def test_float16_cupy_in_cupy_out():
+    import cupy
+    torch = pytest.importorskip("torch")
+    q_latent, q_rope, cache, lengths, tree = bench.make_inputs(2, 12, 8, 0, lengths=[700, 90], seed=SEED,
+                                                               dtype="float16")
+    ref_out, ref_lse = _reference(q_latent, q_rope, cache, lengths, tree)
+    as_cupy = [cupy.asarray(x) for x in (q_latent, q_rope, cache, lengths)]
+    tree.mask = cupy.asarray(tree.mask.view(torch.int32)).view(cupy.uint32)
+    out, lse = verify_attention(*as_cupy, tree, backend="cupy")
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float16 and lse.dtype == cupy.float32
+    err = bench.errors(out, lse, ref_out, ref_lse)
+    print(f"float16: {err}")
+    assert err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
+
+
+@pytest.mark.gpu
+def test_torch_in_torch_out_on_the_current_stream():
+    torch = pytest.importorskip("torch")
+    inputs = bench.make_inputs(1, 5, 8, 77, seed=SEED)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
+    with torch.cuda.stream(stream):
+        out, lse = verify_attention(*inputs, backend="cupy")
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (1, 5, 8, 512)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 5, 8)
+    ref_out, ref_lse = _reference(*inputs)
+    assert bench.errors(out, lse, ref_out, ref_lse)["rel_err"] <= REL_ERR
+
+
+@pytest.mark.gpu
+def test_bad_device_lengths_are_clamped_not_out_of_bounds():
+    """Device lengths are not checked on the host (no sync): the kernel clamps to [0, L_max - N]."""
+    torch = pytest.importorskip("torch")
+    q_latent, q_rope, cache, _, tree = bench.make_inputs(3, 6, 8, 0, lengths=[50, 50, 50], seed=SEED)
+    l_max = cache.shape[1]
+    bad = torch.tensor([-5, 10 ** 6, 20], dtype=torch.int32, device="cuda")
+    clamped = torch.tensor([0, l_max - 6, 20], dtype=torch.int64, device="cuda")
+    launch = _poisoned_launch(q_latent, q_rope, cache, bad, tree)
+    ref_out, ref_lse = _reference(q_latent, q_rope, cache, clamped, tree)
+    err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
+    assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
+
+
+@pytest.mark.gpu
+def test_long_context_split_merge():
+    """32k keys through many splits (merge by LSE) and through one (a single CTA per row block)."""
+    inputs = bench.make_inputs(1, 16, 8, 32768 + 5, seed=SEED)
+    ref_out, ref_lse = _reference(*inputs)
+    for splits in (None, 1):
+        launch = _poisoned_launch(*inputs, splits=splits)
+        err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
+        print(f"32k splits={launch.plan.splits}: {err}")
+        assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
+
+
+@pytest.mark.gpu
+def test_gpu_rejects_float32():
+    inputs = bench.make_inputs(1, 3, 8, 20, seed=SEED, dtype="float32")
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        verify_attention(*inputs, backend="cupy")

@@ -118,7 +118,7 @@ def compact_cache(caches, lengths, result: AcceptResult, *, backend: str = "auto
     for layer, cache in enumerate(caches):
         check_array(f"caches[{layer}]", cache, shape=(batch, None, None))
     check_array("lengths", lengths, dtypes=("int32", "int64"), shape=(batch,))
-    check_same_device(**{"caches[0]": caches[0], "lengths": lengths, "result.path": result.path})
+    check_same_device(**{"caches[0]": caches[0], "lengths": lengths})
     chosen = _backend.resolve(backend, ("numpy", "cupy"), caches[0], lengths)
     if chosen == "cupy":
         return _compact_cache_cupy(caches, lengths, result)

@@ -68,8 +68,17 @@ class Tree:
         return int(self.tokens.shape[1])
 
     def to_numpy(self) -> "Tree":
+        return self._map(to_numpy)
+
+    def to_torch(self, device) -> "Tree":
+        """The same tree as torch tensors on `device` (what the model and the kernels take)."""
+        import torch
+        return self._map(lambda x: x.to(device) if framework(x) == "torch"
+                         else torch.as_tensor(np.ascontiguousarray(to_numpy(x)), device=device))
+
+    def _map(self, convert) -> "Tree":
         return Tree(**{f.name: (getattr(self, f.name) if f.name == "max_depth"
-                                else to_numpy(getattr(self, f.name))) for f in fields(self)})
+                                else convert(getattr(self, f.name))) for f in fields(self)})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ Shapes: B requests, T new tokens, L cache slots, D hidden, H heads on this rank,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -398,7 +398,7 @@ class Transformer(nn.Module):
     def forward(self, tree: Tree, cache: KVCache, *, feature_layers=()) -> TargetOutput:
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {self.attention!r}")
-        tree = tree_to_torch(tree, self.device)
+        tree = tree.to_torch(self.device)
         step = self.step(tree, cache)
         x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
         outputs = {}
@@ -423,11 +423,3 @@ class Transformer(nn.Module):
         cos, sin = ((f(angles) * self.rope_scale).to(dtype) for f in (torch.cos, torch.sin))
         mask = key_mask(lengths, tree, visible, device=self.device) if self.attention == "naive" else None
         return Step(tree=tree, lengths=lengths, slots=slots, cos=cos, sin=sin, visible=visible, mask=mask)
-
-
-def tree_to_torch(tree: Tree, device) -> Tree:
-    """The tree's arrays as torch tensors on `device` (kernels and references take them there)."""
-    def move(x):
-        return x.to(device) if isinstance(x, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(x), device=device)
-    return Tree(**{f.name: (tree.max_depth if f.name == "max_depth" else move(getattr(tree, f.name)))
-                   for f in fields(Tree)})

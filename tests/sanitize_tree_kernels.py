@@ -1,0 +1,53 @@
+"""A small workload of every issue-3 kernel for compute-sanitizer (not collected by pytest).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_tree_kernels.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_tree_kernels.py
+
+CuPy's memory pool is switched off so every array is its own allocation and memcheck sees
+out-of-bounds accesses at the array's edge. Exits non-zero if a result differs from the reference.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupy  # noqa: E402
+
+from kdtree_lib.tree_accept import AcceptResult, accept, compact_cache  # noqa: E402
+from kdtree_lib.tree_build import DraftTopK, build_tree, draft_topk  # noqa: E402
+from test_tree_kernels import (assert_same_tree, assert_topk_matches, random_accept_result,  # noqa: E402
+                               random_posterior, sorted_draft)
+
+
+def main() -> None:
+    cupy.cuda.set_allocator(None)
+    rng = np.random.default_rng(3)
+    logits = -rng.integers(0, 3, size=(2, 3, 3001)).astype(np.float32)
+    assert_topk_matches(draft_topk(cupy.asarray(logits), 100), logits, 100, "sanitizer", exact_ids=True)
+    for batch, depth, k, budget, style in ((3, 6, 40, 70, "ties"), (2, 4, 9, 32, "neginf")):
+        logp, ids = sorted_draft(rng, batch, depth, k, style)
+        for mode in ("tree", "chain"):
+            want = build_tree(DraftTopK(logp, ids), budget, mode=mode, backend="numpy")
+            got = build_tree(DraftTopK(cupy.asarray(logp), cupy.asarray(ids)), budget, mode=mode)
+            assert_same_tree(got, want, f"sanitizer {mode}")
+        posterior = random_posterior(rng, want, 0.9, 4 * k + 5)
+        got_accept = accept(got, cupy.asarray(posterior))
+        assert np.array_equal(got_accept.path.get(), accept(want, posterior, backend="numpy").path)
+    result = random_accept_result(rng, 3, 8, 20)
+    lengths = np.array([0, 5, 11], np.int32)
+    raw = [rng.integers(0, 2**15, size=(3, 40, 576)).astype(np.int16) for _ in range(2)]
+    want_caches = [r.copy() for r in raw]
+    compact_cache(want_caches, lengths, result, backend="numpy")
+    caches = [cupy.asarray(r) for r in raw]
+    device_result = AcceptResult(*(cupy.asarray(x) for x in (result.path, result.n_accepted, result.bonus)))
+    compact_cache(caches, cupy.asarray(lengths), device_result)
+    assert all(np.array_equal(c.get(), w) for c, w in zip(caches, want_caches))
+    cupy.cuda.Device().synchronize()
+    print("sanitizer workload: all results match")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""Issue 3's kernels (kernels/tree_build.cu, kernels/tree_accept.cu) against the NumPy references.
+
+CPU: the host-side checks raise ValueError before any launch; nvcc builds both files for sm_90 and
+sm_120 without spills and within 99 KB of shared memory. GPU (`-m gpu`): randomized equality with
+the references on fresh seeds (printed on failure), with every output poisoned before the launch,
+for CuPy arrays and torch CUDA tensors alike.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from kdtree_lib import cuda
+from kdtree_lib.tree_accept import (AcceptResult, _check_tree_arrays, _compaction_layout, _empty_accept_result,
+                                    _launch_accept, _launch_compact, accept, compact_cache)
+from kdtree_lib.tree_build import (MAX_BUDGET, DraftTopK, Tree, _draft_topk_cupy, _empty_tree, _launch_build_tree,
+                                   build_tree, draft_topk, tree_from_parents)
+
+KERNEL_FILES = ("tree_build.cu", "tree_accept.cu")
+SMEM_LIMIT = 99 * 1024
+FRAMEWORKS = ("cupy", "torch")
+TREE_FIELDS = ("tokens", "parents", "depths", "n_nodes", "mask", "first_child", "next_sibling", "log_weights")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+def fresh_rng():
+    """A generator on a new seed each run; the seed goes into failure messages to replay it."""
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    return np.random.default_rng(seed), seed
+
+
+def sorted_draft(rng, batch, depth, k, style):
+    """DraftTopK on the host: rows sorted descending, in one of the input styles the tests need."""
+    if style == "ties":  # few distinct values: exact ties in float64 sums everywhere
+        logp = -rng.integers(0, 3, size=(batch, depth, k)).astype(np.float32)
+    elif style == "halves":
+        logp = -0.5 * rng.integers(0, 4, size=(batch, depth, k)).astype(np.float32)
+    else:  # log-probabilities of a peaked random distribution
+        logp = np.log(rng.dirichlet(np.full(2 * k + 3, 0.3), size=(batch, depth))[..., :k]).astype(np.float32)
+    if style == "neginf":  # zero-mass tails, whole rows, and a request with nothing to pop
+        logp[rng.random(logp.shape) < 0.15] = -np.inf
+        logp[0, 0, :] = -np.inf
+    logp = -np.sort(-logp, axis=-1)
+    ids = np.stack([rng.permutation(4 * k + 5)[:k] for _ in range(batch * depth)]).reshape(batch, depth, k)
+    return logp, ids.astype(np.int32)
+
+
+def to_device(x: np.ndarray, kind: str):
+    if kind == "torch":
+        import torch
+        return torch.as_tensor(x, device="cuda")
+    import cupy
+    return cupy.asarray(x)
+
+
+def host(x) -> np.ndarray:
+    """Host copy of a device array (torch uint32 goes through an int32 view)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+        if x.dtype == torch.uint32:
+            return x.view(torch.int32).cpu().numpy().view(np.uint32)
+        return x.cpu().numpy()
+    return x.get()
+
+
+def poison(*arrays) -> None:
+    """Fill outputs with 0xA5 bytes (not -1, not 0, not -inf), so unwritten elements show."""
+    for x in arrays:
+        if type(x).__module__.startswith("torch"):
+            import torch
+            x.view(torch.uint8).fill_(0xA5)
+        else:
+            import cupy
+            x.view(cupy.uint8).fill(0xA5)
+
+
+def assert_same_tree(got: Tree, want: Tree, context: str) -> None:
+    for name in TREE_FIELDS:
+        a, b = host(getattr(got, name)), getattr(want, name)
+        if name == "log_weights":  # bit for bit (float64 arithmetic in the same order)
+            a, b = a.view(np.uint64), b.view(np.uint64)
+        assert a.shape == b.shape, f"{name} shape {a.shape} != {b.shape} ({context})"
+        bad = np.argwhere(a != b)
+        assert bad.size == 0, f"{name} differs at {bad[:5].tolist()} ({context})"
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: compilation and host-side checks
+
+@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
+@pytest.mark.parametrize("file_name", KERNEL_FILES)
+def test_kernels_compile_without_spills(file_name, arch, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    report = cuda.nvcc_compile(file_name, arch, tmp_path)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+    for smem in re.findall(r"(\d+) bytes smem", report):
+        assert int(smem) <= SMEM_LIMIT, report
+
+
+def test_cupy_backend_refuses_host_inputs():
+    logp, ids = sorted_draft(np.random.default_rng(0), 1, 2, 3, "smooth")
+    with pytest.raises(ValueError, match="backend"):
+        build_tree(DraftTopK(logp, ids), 4, backend="cupy")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(budget=MAX_BUDGET + 1), "budget"),
+    (dict(budget=0), "budget"),
+    (dict(logp=np.zeros((1, 33, 4), np.float32)), "depth"),
+    (dict(logp=np.zeros((1, 2, 1025), np.float32)), "top-k"),
+    (dict(logp=np.zeros((1, 2, 4), np.float64)), "dtype"),
+    (dict(ids=np.zeros((1, 2, 5), np.int32)), "draft.ids"),
+    (dict(root=np.zeros(2, np.int32)), "root"),
+    (dict(mode="beam"), "mode"),
+])
+def test_build_checks_arguments_before_launch(change, message):
+    args = dict(logp=np.zeros((1, 2, 4), np.float32), budget=8, root=None, mode="tree")
+    args.update(change)
+    args.setdefault("ids", np.zeros(args["logp"].shape, np.int32))
+    with pytest.raises(ValueError, match=message):
+        build_tree(DraftTopK(args["logp"], args["ids"]), args["budget"], root=args["root"], mode=args["mode"],
+                   backend="cupy")
+
+
+def test_draft_topk_kernel_limits():
+    with pytest.raises(ValueError, match="at most 1024"):
+        _draft_topk_cupy(np.zeros((1, 1, 2000), np.float32), 1500)
+    with pytest.raises(ValueError, match="vocabulary"):
+        _draft_topk_cupy(np.zeros((1, 1, 0), np.float32), 4)
+
+
+def test_accept_checks_tree_layout():
+    tree = tree_from_parents(np.array([[-1, 0, 0]]), np.array([[5, 6, 7]]), max_depth=1)
+    _check_tree_arrays(tree)
+    with pytest.raises(ValueError, match="tree.tokens"):
+        _check_tree_arrays(Tree(**{**vars(tree), "tokens": tree.tokens.astype(np.int64)}))
+    big = tree_from_parents(-np.ones((1, MAX_BUDGET + 2), np.int32), np.zeros((1, MAX_BUDGET + 2), np.int32))
+    with pytest.raises(ValueError, match="capacity"):
+        _check_tree_arrays(big)
+
+
+def _compaction_args(width=576, dtype=np.int16, layers=3, batch=2, slots=40, path_len=8):
+    caches = [np.zeros((batch, slots, width), dtype) for _ in range(layers)]
+    result = AcceptResult(path=np.zeros((batch, path_len), np.int32), n_accepted=np.ones(batch, np.int32),
+                          bonus=np.zeros(batch, np.int32))
+    return caches, np.zeros(batch, np.int32), result
+
+
+def test_compaction_layout_picks_copy_unit():
+    caches, lengths, result = _compaction_args(width=7)  # 14-byte rows: 2-byte units
+    assert _compaction_layout(caches, lengths, result) == (40, 14, 2)
+    caches, lengths, result = _compaction_args(width=3, dtype=np.uint8)
+    assert _compaction_layout(caches, lengths, result)[2] == 1
+    caches, lengths, result = _compaction_args(width=576)
+    slots, row_bytes, unit = _compaction_layout(caches, lengths, result)
+    assert row_bytes == 1152 and unit in (16, 4, 2) and all(c.ctypes.data % unit == 0 for c in caches)
+
+
+def test_compaction_checks_layout():
+    caches, lengths, result = _compaction_args()
+    with pytest.raises(ValueError, match=r"caches\[1\]"):
+        _compaction_layout([caches[0], caches[1][:, :, :8]], lengths, result)
+    with pytest.raises(ValueError, match=r"caches\[2\]"):
+        _compaction_layout(caches[:2] + [caches[2].astype(np.float32)], lengths, result)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _compaction_layout([np.zeros((2, 40, 1152), np.int16)[:, :, ::2]], lengths, result)
+    with pytest.raises(ValueError, match="result.path"):
+        _compaction_layout(caches, lengths, _compaction_args(path_len=70)[2])
+    with pytest.raises(ValueError, match="result.n_accepted"):
+        _compaction_layout(caches, lengths, AcceptResult(result.path, result.n_accepted.astype(np.int64),
+                                                         result.bonus))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: tree build
+
+BUILD_CASES = [  # (batch, depth D, top-k K, budget, style)
+    (1, 1, 1, 1, "smooth"),
+    (3, 4, 5, 7, "ties"),
+    (4, 6, 3, 1024, "ties"),        # the heap empties long before the budget
+    (5, 7, 8, 32, "halves"),         # one warp exactly
+    (6, 7, 9, 33, "ties"),           # two warps, the second with one slot
+    (8, 15, 64, 64, "smooth"),
+    (8, 15, 64, 64, "ties"),
+    (7, 5, 33, 100, "neginf"),
+    (3, 15, 300, 300, "ties"),
+    (2, 32, 1024, 1024, "smooth"),   # the node ceiling: 1024 pops, 1024 threads
+    (2, 32, 1024, 1024, "ties"),
+    (3, 9, 1024, 1023, "halves"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FRAMEWORKS)
+@pytest.mark.parametrize("batch, depth, k, budget, style", BUILD_CASES)
+def test_build_tree_kernel_equals_reference(batch, depth, k, budget, style, kind):
+    rng, seed = fresh_rng()
+    logp, ids = sorted_draft(rng, batch, depth, k, style)
+    root = rng.integers(0, 1000, size=batch).astype(np.int64 if kind == "torch" else np.int32)
+    for mode in ("tree", "chain"):
+        want = build_tree(DraftTopK(logp, ids), budget, root=root, mode=mode, backend="numpy")
+        d_logp, d_ids, d_root = (to_device(x, kind) for x in (logp, ids, root))
+        got = _empty_tree(d_logp, batch, want.capacity, depth)
+        poison(*(getattr(got, name) for name in TREE_FIELDS))
+        _launch_build_tree(d_logp, d_ids, budget, d_root, mode, got)
+        assert_same_tree(got, want, f"seed={seed} mode={mode} {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FRAMEWORKS)
+def test_build_tree_public_entry_point(kind):
+    rng, seed = fresh_rng()
+    logp, ids = sorted_draft(rng, 64, 15, 64, "smooth")
+    got = build_tree(DraftTopK(to_device(logp, kind), to_device(ids, kind)), 64, backend="auto")
+    assert type(got.tokens).__module__.split(".")[0] == kind
+    assert_same_tree(got, build_tree(DraftTopK(logp, ids), 64, backend="numpy"), f"seed={seed}")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: draft top-k
+
+def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float32)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def assert_topk_matches(got: DraftTopK, logits: np.ndarray, k: int, context: str, *, exact_ids: bool) -> None:
+    want = draft_topk(logits, k, backend="numpy")
+    logp, ids = host(got.logp), host(got.ids)
+    assert logp.shape == want.logp.shape and ids.shape == want.ids.shape, context
+    np.testing.assert_allclose(logp, want.logp, rtol=1e-6, atol=1e-6, err_msg=context)
+    full = reference_log_softmax(logits)
+    np.testing.assert_allclose(logp, np.take_along_axis(full, ids.astype(np.int64), -1), rtol=1e-6, atol=1e-6,
+                               err_msg=f"values do not belong to their ids ({context})")
+    assert all(len(set(row)) == len(row) for row in ids.reshape(-1, ids.shape[-1])), context
+    if exact_ids:
+        assert np.array_equal(ids, want.ids), context
+        return
+    # ids may differ only where the reference values are tied within the tolerance
+    ordered = -np.sort(-full, axis=-1)[..., :want.logp.shape[-1] + 1]
+    tolerance = 1e-6 + 1e-6 * np.abs(ordered)
+    gap = np.abs(np.diff(ordered, axis=-1)) <= np.maximum(tolerance[..., 1:], tolerance[..., :-1])
+    near_tie = np.zeros(ordered.shape, bool)
+    near_tie[..., 1:] |= gap
+    near_tie[..., :-1] |= gap
+    mismatch = ids != want.ids
+    assert not (mismatch & ~near_tie[..., :ids.shape[-1]]).any(), context
+
+
+TOPK_CASES = [  # (batch, depth, vocab, k, style)
+    (2, 3, 163_840, 1024, "normal"),
+    (1, 4, 163_840, 37, "normal"),
+    (1, 2, 163_840, 1, "wide"),
+    (2, 2, 163_840, 1024, "integers"),   # massive exact ties: ids decided by the tie rule alone
+    (1, 3, 5_003, 1024, "integers"),
+    (2, 2, 5_003, 64, "neginf"),
+    (1, 2, 50, 64, "normal"),            # k > V: K = V
+    (1, 1, 163_840, 1024, "constant"),   # every value equal: the radix select reaches the ids
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FRAMEWORKS)
+@pytest.mark.parametrize("batch, depth, vocab, k, style", TOPK_CASES)
+def test_draft_topk_kernel_equals_reference(batch, depth, vocab, k, style, kind):
+    rng, seed = fresh_rng()
+    shape = (batch, depth, vocab)
+    if style == "integers":
+        logits = -rng.integers(0, 4, size=shape).astype(np.float32)  # includes -0.0
+    elif style == "constant":
+        logits = np.full(shape, 1.25, np.float32)
+    elif style == "wide":
+        logits = (rng.standard_normal(shape) * 30).astype(np.float32)
+    else:
+        logits = (rng.standard_normal(shape) * 3).astype(np.float32)
+    if style == "neginf":
+        logits[rng.random(shape) < 0.5] = -np.inf
+    got = _draft_topk_cupy(to_device(logits, kind), k)
+    assert_topk_matches(got, logits, k, f"seed={seed} {style} {kind}",
+                        exact_ids=style in ("integers", "constant"))
+
+
+@pytest.mark.gpu
+def test_draft_topk_reads_bf16_torch_logits():
+    import torch
+    rng, seed = fresh_rng()
+    logits = torch.as_tensor(rng.standard_normal((2, 3, 163_840)) * 4, device="cuda").to(torch.bfloat16)
+    got = draft_topk(logits, 256)
+    assert got.logp.dtype == torch.float32 and got.logp.is_cuda
+    assert_topk_matches(got, logits.float().cpu().numpy(), 256, f"seed={seed}", exact_ids=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: accept and compaction
+
+def random_posterior(rng, tree: Tree, follow: float, vocab: int) -> np.ndarray:
+    """The target's token per node: with probability `follow` the token of a random child of the
+    node (so walks go deep), otherwise a random token."""
+    posterior = rng.integers(0, vocab, size=(tree.batch, tree.capacity)).astype(np.int32)
+    for b in range(tree.batch):
+        for node in range(int(tree.n_nodes[b])):
+            children = np.flatnonzero(tree.parents[b] == node)
+            if children.size and rng.random() < follow:
+                posterior[b, node] = tree.tokens[b, rng.choice(children)]
+    return posterior
+
+
+def random_tree(rng, batch, capacity, vocab):
+    """A random tree with small-vocabulary tokens (duplicate tokens among siblings included)."""
+    parents = np.full((batch, capacity), -1, np.int32)
+    for b in range(batch):
+        for i in range(1, int(rng.integers(1, capacity + 1))):
+            parents[b, i] = rng.integers(0, i)
+    return tree_from_parents(parents, rng.integers(0, vocab, size=(batch, capacity)))
+
+
+def device_tree(tree: Tree, kind: str) -> Tree:
+    return Tree(**{name: (value if name == "max_depth" else to_device(value, kind))
+                   for name, value in vars(tree).items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", FRAMEWORKS)
+@pytest.mark.parametrize("batch, capacity, vocab, follow", [
+    (1, 1, 5, 0.9), (7, 9, 3, 0.8), (16, 65, 4, 0.9), (5, 1025, 6, 0.95), (33, 200, 1000, 0.5)])
+def test_accept_kernel_equals_reference(batch, capacity, vocab, follow, kind):
+    rng, seed = fresh_rng()
+    tree = random_tree(rng, batch, capacity, vocab)
+    posterior = random_posterior(rng, tree, follow, vocab)
+    want = accept(tree, posterior, backend="numpy")
+    d_tree = device_tree(tree, kind)
+    for d_posterior in (to_device(posterior, kind), to_device(posterior.astype(np.int64), kind)):
+        got = _empty_accept_result(d_tree.tokens, batch, tree.max_depth + 1)
+        poison(got.path, got.n_accepted, got.bonus)
+        _launch_accept(d_tree, d_posterior, got)
+        for name in ("path", "n_accepted", "bonus"):
+            assert np.array_equal(host(getattr(got, name)), getattr(want, name)), f"{name} seed={seed} {kind}"
+
+
+def random_accept_result(rng, batch, path_len, capacity) -> AcceptResult:
+    """Increasing paths with path[k] >= k, many of them overlapping (a source that is another
+    accepted node's destination)."""
+    path = np.full((batch, path_len), -1, np.int32)
+    n_accepted = rng.integers(1, path_len + 1, size=batch).astype(np.int32)
+    for b in range(batch):
+        nodes = np.sort(rng.choice(np.arange(1, capacity), size=n_accepted[b] - 1, replace=False))
+        path[b, :n_accepted[b]] = np.concatenate([[0], nodes])
+    return AcceptResult(path=path, n_accepted=n_accepted, bonus=np.zeros(batch, np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, width, dtype", [
+    ("torch", 576, "bfloat16"), ("cupy", 576, "int16"), ("cupy", 7, "int16"), ("cupy", 5, "float32"),
+    ("cupy", 3, "uint8"), ("torch", 2000, "bfloat16")])
+def test_compaction_kernel_equals_reference(kind, width, dtype):
+    rng, seed = fresh_rng()
+    batch, layers, path_len, capacity, slots = 6, 4, 16, 40, 120
+    result = random_accept_result(rng, batch, path_len, capacity)
+    for lengths in (rng.integers(0, slots - capacity, size=batch).astype(np.int32),
+                    rng.integers(0, slots - capacity, size=batch).astype(np.int64)):
+        raw = [rng.integers(0, 2**15, size=(batch, slots, width)).astype(np.int16 if dtype != "uint8" else np.uint8)
+               for _ in range(layers)]
+        if dtype == "float32":
+            raw = [r.astype(np.float32) for r in raw]
+        want = [r.copy() for r in raw]
+        want_lengths = compact_cache(want, lengths, result, backend="numpy")
+        if kind == "torch":
+            import torch
+            caches = [torch.as_tensor(r, device="cuda").view(torch.bfloat16) for r in raw]
+        else:
+            caches = [to_device(r, kind) for r in raw]
+        d_result = AcceptResult(*(to_device(x, kind) for x in (result.path, result.n_accepted, result.bonus)))
+        d_lengths = to_device(lengths, kind)
+        new_lengths = to_device(np.zeros_like(lengths), kind)
+        poison(new_lengths)
+        _launch_compact(caches, d_lengths, d_result, new_lengths)
+        assert np.array_equal(host(new_lengths), want_lengths), f"seed={seed}"
+        for layer, (cache, expected) in enumerate(zip(caches, want)):
+            got = host(cache.view(torch.int16)) if kind == "torch" else host(cache)
+            assert np.array_equal(got, expected), f"layer {layer} seed={seed} lengths {lengths.dtype}"
+
+
+@pytest.mark.gpu
+def test_decode_step_never_synchronizes_the_host():
+    """draft_topk -> build_tree -> accept -> compact_cache with torch tensors under torch's sync
+    debug mode (error on any synchronizing call) and CuPy's allow_synchronize(False)."""
+    import cupyx
+    import torch
+    _, seed = fresh_rng()
+    torch.manual_seed(seed)
+    batch, depth, budget = 4, 7, 32
+    logits = torch.randn(batch, depth, 4096, device="cuda")
+    caches = [torch.zeros(batch, 256, 576, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    lengths = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    posterior = torch.randint(0, 4096, (batch, budget + 1), dtype=torch.int32, device="cuda")
+
+    def step():
+        tree = build_tree(draft_topk(logits, budget), budget)
+        result = accept(tree, posterior)
+        return compact_cache(caches, lengths, result)
+
+    step()  # compiles the kernels and builds the layer table
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with cupyx.allow_synchronize(False):
+            new_lengths = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert new_lengths.is_cuda and int(new_lengths.min()) >= 101
+
+
+@pytest.mark.gpu
+def test_kernels_follow_torch_current_stream():
+    """Producer, kernels and consumer all on a side stream with no synchronization in between."""
+    import torch
+    _, seed = fresh_rng()
+    torch.manual_seed(seed)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        logits = torch.randn(16, 15, 32_768, device="cuda") * 3
+        draft = draft_topk(logits, 64)
+        tree = build_tree(draft, 64)
+    stream.synchronize()
+    assert_topk_matches(draft, logits.cpu().numpy(), 64, f"seed={seed} side stream", exact_ids=False)
+    want = build_tree(DraftTopK(host(draft.logp), host(draft.ids)), 64, backend="numpy")
+    assert_same_tree(tree, want, "side stream")

@@ -112,10 +112,13 @@ def draw_heatmap(ax, values, *, title: str, xlabel: str, ylabel: str, floor: flo
     """|values| on a log colour scale (floored at `floor`, so exact zeros show as the floor), with a colorbar."""
     import matplotlib.colors as colors
     import matplotlib.pyplot as plt
+    import matplotlib.ticker as ticker
 
     magnitude = np.maximum(np.abs(np.asarray(values, np.float64)), floor)
     image = ax.imshow(magnitude, aspect="auto", interpolation="nearest", cmap="magma",
                       norm=colors.LogNorm(vmin=floor, vmax=vmax or max(float(magnitude.max()), floor * 10)))
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

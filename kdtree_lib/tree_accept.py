@@ -215,8 +215,40 @@ def _compaction_layout(caches, lengths, result: AcceptResult) -> tuple[int, int,
     """Host checks of the kernel compaction; returns (L_max slots, bytes per row, copy unit in bytes).
 
     Every layer must be a C-contiguous [B, L_max, C] array of one dtype on one device; the unit is
-    the widest of 16/4/2/1 bytes dividing the row size and every layer's address.
+    the widest of 16/4/2/1 bytes dividing the row size and every layer's address. The per-layer
+    part is remembered per set of layers (address, shape, strides, dtype): a decode loop passes the
+    same 61 caches every step, and checking them one by one costs hundreds of microseconds.
     """
+    batch = int(caches[0].shape[0])
+    signature = tuple((type(cache), int(_pointer(cache)), tuple(cache.shape), _strides(cache), cache.dtype)
+                      for cache in caches)
+    layout = _LAYOUTS.get(signature)
+    if layout is None:
+        layout = _check_layers(caches)
+        if len(_LAYOUTS) >= 16:
+            _LAYOUTS.clear()
+        _LAYOUTS[signature] = layout
+    check_same_device(**{"caches[0]": caches[0], "result.path": result.path,
+                         "result.n_accepted": result.n_accepted, "lengths": lengths})
+    check_array("result.path", result.path, dtypes="int32", shape=(batch, None))
+    check_array("result.n_accepted", result.n_accepted, dtypes="int32", shape=(batch,))
+    slots, _, _ = layout
+    path_len = int(result.path.shape[1])
+    if not 1 <= path_len <= min(_MAX_PATH, slots):
+        raise ValueError(f"result.path: expected 1..{min(_MAX_PATH, slots)} columns (D + 1 <= L_max), "
+                         f"got {path_len}")
+    return layout
+
+
+_LAYOUTS: dict = {}  # layer signature -> (slots, row bytes, unit), see _compaction_layout
+
+
+def _strides(x) -> tuple:
+    return tuple(x.stride()) if framework(x) == "torch" else tuple(x.strides)
+
+
+def _check_layers(caches) -> tuple[int, int, int]:
+    """The per-layer checks of _compaction_layout, and the layout they establish."""
     first = caches[0]
     batch, slots, width = (int(n) for n in first.shape)
     if len(caches) > _MAX_LAYERS:
@@ -227,14 +259,7 @@ def _compaction_layout(caches, lengths, result: AcceptResult) -> tuple[int, int,
             raise ValueError(f"caches[{layer}]: expected a {framework(first)} array like caches[0]")
         if not _is_contiguous(cache):
             raise ValueError(f"caches[{layer}]: expected a C-contiguous array")
-    check_same_device(**{f"caches[{layer}]": cache for layer, cache in enumerate(caches)},
-                      **{"result.path": result.path, "result.n_accepted": result.n_accepted, "lengths": lengths})
-    check_array("result.path", result.path, dtypes="int32", shape=(batch, None))
-    check_array("result.n_accepted", result.n_accepted, dtypes="int32", shape=(batch,))
-    path_len = int(result.path.shape[1])
-    if not 1 <= path_len <= min(_MAX_PATH, slots):
-        raise ValueError(f"result.path: expected 1..{min(_MAX_PATH, slots)} columns (D + 1 <= L_max), "
-                         f"got {path_len}")
+    check_same_device(**{f"caches[{layer}]": cache for layer, cache in enumerate(caches)})
     row_bytes = width * first.element_size() if framework(first) == "torch" else width * first.itemsize
     addresses = [int(_pointer(cache)) for cache in caches]
     unit = next(u for u in (16, 4, 2, 1) if row_bytes % u == 0 and all(a % u == 0 for a in addresses))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import warnings
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -292,7 +293,8 @@ def root_to_node_paths(tree: Tree, b: int) -> list[list[int]]:
 # are not), outputs are allocated in the inputs' framework, and every launch goes to torch's
 # current stream (CuPy's when torch is not in use), so nothing here waits for the GPU.
 
-_TOPK_THREADS = 512  # KD_TOPK_THREADS in kernels/tree_build.cu
+_TOPK_THREADS = 1024               # KD_TOPK_THREADS in kernels/tree_build.cu
+_BUILD_DRAFT_CACHE_BYTES = 80 * 1024  # logp staged in shared memory (+ 18 KB static: <= 99 KB per block)
 
 
 def _draft_topk_cupy(logits, k: int) -> DraftTopK:
@@ -307,7 +309,9 @@ def _draft_topk_cupy(logits, k: int) -> DraftTopK:
     logp = _device_empty(logits, (batch, depth, top), "float32")
     ids = _device_empty(logits, (batch, depth, top), "int32")
     if batch * depth:
-        _launch("tree_build.cu", "draft_topk_kernel", (batch * depth,), (_TOPK_THREADS,),
+        vectorized = vocab % 4 == 0 and int(_pointer(logits)) % 16 == 0
+        _launch("tree_build.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1", (batch * depth,),
+                (_TOPK_THREADS,),
                 (_pointer(logits), np.int32(vocab), np.int32(top), _pointer(logp), _pointer(ids)),
                 like=logits)
     return DraftTopK(logp=logp, ids=ids)
@@ -335,18 +339,40 @@ def _empty_tree(like, batch: int, capacity: int, max_depth: int) -> Tree:
 
 
 def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree) -> None:
-    """build_tree_kernel into preallocated outputs: one CTA per request, one heap slot per thread."""
+    """build_tree_kernel into preallocated outputs: one CTA per request.
+
+    Heap slots: 2 per thread on `slot_threads` threads (one warp up to budget 64, then
+    ceil(budget / 2) rounded up to 32); the first `cached` ranks of every depth are staged in
+    shared memory (all ranks a pop can reach, rank <= budget, unless D * K is very large).
+    """
     batch, depth_limit, topk = (int(n) for n in logp.shape)
     if batch == 0:
         return
     logp, ids, root = _contiguous(logp), _contiguous(ids), _contiguous(root)
-    threads = 32 if mode == "chain" else min(1024, -(-budget // 32) * 32)
+    if mode == "chain":
+        slot_threads, threads, cached = 32, 32, 1
+    else:
+        slot_threads = max(32, -(-budget // 64) * 32)
+        threads = 128 if slot_threads == 32 else slot_threads
+        cached = min(topk, budget + 1, _BUILD_DRAFT_CACHE_BYTES // (4 * depth_limit))
     args = (_pointer(logp), _pointer(ids), _pointer(root), np.int32(dtype_name(root) == "int64"),
             np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
-            np.int32(mode == "chain"), _pointer(out.tokens), _pointer(out.parents), _pointer(out.depths),
-            _pointer(out.n_nodes), _pointer(out.mask), _pointer(out.first_child), _pointer(out.next_sibling),
-            _pointer(out.log_weights))
-    _launch("tree_build.cu", "build_tree_kernel", (batch,), (threads,), args, like=logp)
+            np.int32(mode == "chain"), np.int32(cached), np.int32(slot_threads), _pointer(out.tokens),
+            _pointer(out.parents), _pointer(out.depths), _pointer(out.n_nodes), _pointer(out.mask),
+            _pointer(out.first_child), _pointer(out.next_sibling), _pointer(out.log_weights))
+    _allow_draft_cache(_device_index(logp))
+    _launch("tree_build.cu", "build_tree_kernel", (batch,), (threads,), args, like=logp,
+            shared_mem=4 * depth_limit * cached)
+
+
+@functools.lru_cache(maxsize=None)
+def _allow_draft_cache(device: int) -> None:
+    """Let build_tree_kernel take more than 48 KB of dynamic shared memory (once per device)."""
+    import cupy
+    with cupy.cuda.Device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # CuPy is moving this attribute
+        _kernel("tree_build.cu", "build_tree_kernel", device).max_dynamic_shared_size_bytes = \
+            _BUILD_DRAFT_CACHE_BYTES
 
 
 # launch plumbing shared with tree_accept (raw device pointers: no CuPy array per argument)

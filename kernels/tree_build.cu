@@ -1,6 +1,6 @@
 // tree_build.cu — DDTree's draft tree on the GPU (issue 3); launched from kdtree_lib/tree_build.py.
 //
-//   draft_topk_kernel   one CTA per draft position: log-softmax and the top-k of a logits row
+//   draft_topk_vec4/1   one CTA per draft position: log-softmax and the top-k of a logits row
 //                       (radix select on (value, -id) keys, then a bitonic sort of the survivors)
 //   build_tree_kernel   one CTA per request: DESIGN.md §3's best-first heap, bit-identical to the
 //                       NumPy reference (same pops, same order, ties included), then the derived
@@ -15,7 +15,8 @@
 #include "common.cuh"
 
 #define KD_MAX_NODES 1025          // budget <= 1024 pops plus the root
-#define KD_TOPK_THREADS 512
+#define KD_TOPK_THREADS 1024
+#define KD_TOPK_UNROLL 4           // loads in flight per thread
 #define KD_TOPK_DIGIT_BITS 11
 #define KD_TOPK_BINS (1 << KD_TOPK_DIGIT_BITS)
 #define KD_TOPK_CAPACITY 4096      // survivors sorted in shared memory (>= the largest k, 1024)
@@ -40,6 +41,8 @@ __device__ __forceinline__ float topk_key_value(unsigned long long key) {
 
 __device__ __forceinline__ int topk_key_id(unsigned long long key) { return (int)(~(unsigned)key); }
 
+#define KD_LOG2_E 1.4426950408889634f
+
 // Running max and sum of exp(x - max) (online softmax); -inf entries carry no mass.
 struct SoftmaxState {
     float max;
@@ -48,10 +51,10 @@ struct SoftmaxState {
 
 __device__ __forceinline__ void softmax_push(SoftmaxState& state, float x) {
     if (x > state.max) {
-        state.sum = state.sum * expf(state.max - x) + 1.0f;
+        state.sum = state.sum * exp2f((state.max - x) * KD_LOG2_E) + 1.0f;
         state.max = x;
     } else if (x != kd_neg_inf_f()) {
-        state.sum += expf(x - state.max);
+        state.sum += exp2f((x - state.max) * KD_LOG2_E);
     }
 }
 
@@ -95,14 +98,48 @@ __device__ void bitonic_sort_descending(unsigned long long* keys, int size) {
     }
 }
 
+// Visit every element of a logits row as (value, index, valid), VEC floats per load and
+// KD_TOPK_UNROLL loads in flight per thread; every lane of a warp makes the same number of calls
+// (invalid ones past the end), as the warp-wide helpers in `visit` require.
+template <int VEC, typename Visit>  // VEC: 4 or 1
+__device__ __forceinline__ void for_each_logit(const float* __restrict__ row, int vocab, Visit visit) {
+    const int vectors = vocab / VEC;  // VEC divides vocab
+    const int padded = kd_ceil_div(vectors, KD_WARP_SIZE) * KD_WARP_SIZE;
+    for (int first = threadIdx.x; first < padded; first += KD_TOPK_UNROLL * blockDim.x) {
+        float values[KD_TOPK_UNROLL][VEC];
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_UNROLL; ++u) {
+            const int q = first + u * blockDim.x;
+            if constexpr (VEC == 4) {
+                const float4 loaded = q < vectors ? reinterpret_cast<const float4*>(row)[q]
+                                                  : make_float4(kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f());
+                values[u][0] = loaded.x;
+                values[u][1] = loaded.y;
+                values[u][2] = loaded.z;
+                values[u][3] = loaded.w;
+            } else {
+                values[u][0] = q < vectors ? row[q] : kd_neg_inf_f();
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_UNROLL; ++u) {
+            const int q = first + u * blockDim.x;
+            if (q < padded) {  // warp-uniform
+#pragma unroll
+                for (int c = 0; c < VEC; ++c) visit(values[u][c], q * VEC + c, q < vectors);
+            }
+        }
+    }
+}
+
 // logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32.
 // Radix select: each pass histograms the next 11 bits of the keys that share the prefix chosen so
 // far and keeps the digit where the count of larger keys reaches k; it stops as soon as the keys
 // >= that digit fit in shared memory (usually after the first pass, which also computes the
 // softmax denominator). Keys are unique, so the survivors are exactly determined.
-extern "C" __global__ void __launch_bounds__(KD_TOPK_THREADS)
-draft_topk_kernel(const float* __restrict__ logits, int vocab, int k,
-                  float* __restrict__ out_logp, int* __restrict__ out_ids) {
+template <int VEC>
+__device__ void draft_topk_row(const float* __restrict__ logits, int vocab, int k,
+                               float* __restrict__ out_logp, int* __restrict__ out_ids) {
     __shared__ unsigned s_hist[KD_TOPK_BINS];
     __shared__ unsigned long long s_keys[KD_TOPK_CAPACITY];
     __shared__ unsigned s_scan[32];
@@ -112,7 +149,6 @@ draft_topk_kernel(const float* __restrict__ logits, int vocab, int k,
 
     const int t = threadIdx.x;
     const float* row = logits + (long long)blockIdx.x * vocab;
-    const int padded = kd_ceil_div(vocab, KD_WARP_SIZE) * KD_WARP_SIZE;  // whole warps in every loop
     constexpr int bins_per_thread = KD_TOPK_BINS / KD_TOPK_THREADS;
 
     SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
@@ -125,14 +161,12 @@ draft_topk_kernel(const float* __restrict__ logits, int vocab, int k,
         const int low = shift - bits;
         for (int bin = t; bin < KD_TOPK_BINS; bin += blockDim.x) s_hist[bin] = 0u;
         __syncthreads();
-        for (int i = t; i < padded; i += blockDim.x) {
-            const bool valid = i < vocab;
-            const float x = valid ? row[i] : kd_neg_inf_f();
-            if (first_pass) softmax_push(softmax, x);
+        for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
+            if (first_pass) softmax_push(softmax, x);  // x = -inf when not valid
             const unsigned long long key = topk_key(x, i);
             const bool in_prefix = valid && (shift == 64 || (key >> shift) == prefix);
             kd_warp_histogram_add(s_hist, in_prefix ? (int)((key >> low) & (KD_TOPK_BINS - 1)) : -1);
-        }
+        });
         __syncthreads();
         // thread t owns digits top, top-1, ... (descending), so a prefix sum over threads counts
         // the keys above each digit
@@ -165,13 +199,12 @@ draft_topk_kernel(const float* __restrict__ logits, int vocab, int k,
     // gather the survivors (keys >= threshold: exactly `survivors` of them) and sort them
     if (t == 0) s_taken = 0u;
     __syncthreads();
-    for (int i = t; i < padded; i += blockDim.x) {
-        const bool valid = i < vocab;
-        const unsigned long long key = topk_key(valid ? row[i] : 0.0f, i);
+    for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
+        const unsigned long long key = topk_key(x, i);
         const bool take = valid && key >= threshold;
         const int slot = kd_warp_append(&s_taken, take);
         if (take) s_keys[slot] = key;
-    }
+    });
     int size = 1;
     while (size < (int)survivors) size <<= 1;
     __syncthreads();
@@ -189,6 +222,19 @@ draft_topk_kernel(const float* __restrict__ logits, int vocab, int k,
     }
 }
 
+// draft_topk_vec4 needs vocab % 4 == 0 and 16-byte aligned rows; draft_topk_vec1 takes any row.
+extern "C" __global__ void __launch_bounds__(KD_TOPK_THREADS)
+draft_topk_vec4(const float* __restrict__ logits, int vocab, int k, float* __restrict__ out_logp,
+                int* __restrict__ out_ids) {
+    draft_topk_row<4>(logits, vocab, k, out_logp, out_ids);
+}
+
+extern "C" __global__ void __launch_bounds__(KD_TOPK_THREADS)
+draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __restrict__ out_logp,
+                int* __restrict__ out_ids) {
+    draft_topk_row<1>(logits, vocab, k, out_logp, out_ids);
+}
+
 // ---------------------------------------------------------------------------------------------
 // tree build
 
@@ -199,129 +245,192 @@ __device__ __forceinline__ int entry_slot(int code) { return code & 1023; }
 __device__ __forceinline__ int entry_rank(int code) { return (code >> 10) & 1023; }
 __device__ __forceinline__ int entry_depth(int code) { return code >> 20; }
 
+struct TreeScratch {
+    double log_weight[KD_MAX_NODES];
+    short parent[KD_MAX_NODES];        // node indices < 1025 and ranks < 1024 fit in 16 bits
+    short rank[KD_MAX_NODES];
+    short first_child[KD_MAX_NODES];
+    short next_sibling[KD_MAX_NODES];
+    unsigned char depth[KD_MAX_NODES];
+    double warp_weight[2][32];         // per-warp winners, double-buffered by pop parity
+    int warp_code[2][32];
+    int n_nodes;
+};
+
 // Whether entry a's rank tuple sorts before entry b's (Python tuple order, a proper prefix first;
 // two pending entries never are prefixes of each other). Climbs the popped ancestors.
-__device__ bool rank_tuple_less(int a, int b, const int* s_parent, const int* s_rank) {
+__device__ bool rank_tuple_less(int a, int b, const TreeScratch& s) {
     int node_a = entry_slot(a), rank_a = entry_rank(a), depth_a = entry_depth(a);
     int node_b = entry_slot(b), rank_b = entry_rank(b), depth_b = entry_depth(b);
     for (; depth_a > depth_b; --depth_a) {
-        rank_a = s_rank[node_a];
-        node_a = s_parent[node_a];
+        rank_a = s.rank[node_a];
+        node_a = s.parent[node_a];
     }
     for (; depth_b > depth_a; --depth_b) {
-        rank_b = s_rank[node_b];
-        node_b = s_parent[node_b];
+        rank_b = s.rank[node_b];
+        node_b = s.parent[node_b];
     }
     while (node_a != node_b) {
-        rank_a = s_rank[node_a];
-        node_a = s_parent[node_a];
-        rank_b = s_rank[node_b];
-        node_b = s_parent[node_b];
+        rank_a = s.rank[node_a];
+        node_a = s.parent[node_a];
+        rank_b = s.rank[node_b];
+        node_b = s.parent[node_b];
     }
     return rank_a < rank_b;
 }
 
 // The heap order: larger log-weight first (key = -log w), then the smaller rank tuple.
 __device__ __forceinline__ bool pops_first(double weight_a, int code_a, double weight_b, int code_b,
-                                           const int* s_parent, const int* s_rank) {
+                                           const TreeScratch& s) {
     if (weight_a != weight_b) return weight_a > weight_b;
     if (weight_a == kd_neg_inf_d()) return false;  // both empty
-    return rank_tuple_less(code_a, code_b, s_parent, s_rank);
+    return rank_tuple_less(code_a, code_b, s);
 }
 
-struct TreeScratch {
-    int parent[KD_MAX_NODES];
-    int rank[KD_MAX_NODES];
-    int depth[KD_MAX_NODES];
-    int first_child[KD_MAX_NODES];
-    int next_sibling[KD_MAX_NODES];
-    double log_weight[KD_MAX_NODES];
-    float head[32];              // logp[b, d, 0]: the first child's log-probability at each depth
-    double warp_weight[2][32];   // per-warp winners, double-buffered by pop parity
-    int warp_code[2][32];
-    int n_nodes;
+// An unsigned key ordered like the weight (-0.0 and +0.0 equal, as in the reference's comparisons);
+// 0 for an empty slot (-inf), below every finite weight.
+__device__ __forceinline__ unsigned long long weight_key(double weight) {
+    if (weight == kd_neg_inf_d()) return 0ull;
+    const long long bits = __double_as_longlong(weight == 0.0 ? 0.0 : weight);
+    return bits >= 0 ? ((unsigned long long)bits | 0x8000000000000000ull) : ~(unsigned long long)bits;
+}
+
+// The lane holding the warp's first entry in heap order (every lane gets the same answer): two
+// hardware max-reductions on the key, then, only for exactly equal weights, rank tuples.
+__device__ __forceinline__ int warp_winner(double weight, int code, const TreeScratch& s) {
+    const unsigned long long key = weight_key(weight);
+    const unsigned high = (unsigned)(key >> 32), low = (unsigned)key;
+    const unsigned top_high = __reduce_max_sync(KD_FULL_MASK, high);
+    const unsigned top_low = __reduce_max_sync(KD_FULL_MASK, high == top_high ? low : 0u);
+    const unsigned tied = __ballot_sync(KD_FULL_MASK, high == top_high && low == top_low);
+    int winner = __ffs(tied) - 1;
+    if ((top_high | top_low) != 0u) {  // every lane walks the same (rare) tie chain
+        for (unsigned rest = tied & (tied - 1); rest != 0u; rest &= rest - 1) {
+            const int lane = __ffs(rest) - 1;
+            const int other = __shfl_sync(KD_FULL_MASK, code, lane);
+            const int best = __shfl_sync(KD_FULL_MASK, code, winner);
+            if (rank_tuple_less(other, best, s)) winner = lane;
+        }
+    }
+    return winner;
+}
+
+// One heap slot: the pending next child of one popped node (weight -inf when there is none).
+struct Slot {
+    double weight;
+    int depth, rank, last_child;
+    float current, next;  // logp of this entry and of its next sibling
 };
 
-// Best-first pops of one request (all threads call; returns the node count, root included).
-// Thread t owns slot t: the pending next child of node t (weight -inf when there is none).
-__device__ int best_first_pops(const float* __restrict__ lp, int depth_limit, int topk, int budget, TreeScratch& s) {
+// The draft's log-probabilities: the first `cached` ranks of every depth are staged in shared
+// memory before the pops; deeper ranks (only reachable when D * K is large) come from global.
+struct DraftRows {
+    const float* cache;   // [D, cached] in shared memory
+    const float* global;  // [D, K]
+    int cached, topk;
+    __device__ __forceinline__ float operator()(int row, int rank) const {
+        return rank < cached ? cache[row * cached + rank] : global[(long long)row * topk + rank];
+    }
+};
+
+__device__ __forceinline__ void push_first_child(Slot& slot, double parent_weight, int parent_depth, const DraftRows& lp) {
+    const float first = lp(parent_depth, 0);
+    slot.weight = first == kd_neg_inf_f() ? kd_neg_inf_d() : parent_weight + (double)first;
+    slot.depth = parent_depth + 1;
+    slot.rank = 0;
+    slot.current = first;
+    slot.next = lp.topk > 1 ? lp(parent_depth, 1) : kd_neg_inf_f();
+}
+
+__device__ __forceinline__ void push_next_sibling(Slot& slot, const DraftRows& lp) {
+    if (slot.next == kd_neg_inf_f()) {
+        slot.weight = kd_neg_inf_d();
+        return;
+    }
+    slot.weight = (slot.weight - (double)slot.current) + (double)slot.next;  // the reference's order
+    slot.rank += 1;
+    slot.current = slot.next;
+    slot.next = slot.rank + 1 < lp.topk ? lp(slot.depth - 1, slot.rank + 1) : kd_neg_inf_f();
+}
+
+// Entry `slot_code` of `slot` competes for this thread's best entry.
+__device__ __forceinline__ void consider(const Slot& slot, int slot_code, double& best, int& code, const TreeScratch& s) {
+    if (pops_first(slot.weight, slot_code, best, code, s)) {
+        best = slot.weight;
+        code = slot_code;
+    }
+}
+
+// Node `child` was popped from `slot` (its parent's pending entry): link it, push the next sibling.
+__device__ __forceinline__ void pop_from(Slot& slot, int parent, int child, const DraftRows& lp, TreeScratch& s) {
+    if (slot.last_child < 0) s.first_child[parent] = (short)child;
+    else s.next_sibling[slot.last_child] = (short)child;
+    slot.last_child = child;
+    push_next_sibling(slot, lp);
+}
+
+// Best-first pops of one request, run by threads [0, slot_threads): thread t owns slots t (low)
+// and t + slot_threads (high), the pending next children of those nodes. With one warp
+// (budget <= 64) a pop needs no block barrier; otherwise each warp's winner goes through shared
+// memory and one __syncthreads (then every thread of the block must call this). Returns the node
+// count, root included.
+__device__ int best_first_pops(const DraftRows& lp, int depth_limit, int budget, int slot_threads, TreeScratch& s) {
     const int t = threadIdx.x, lane = kd_lane(), warp = kd_warp();
-    double weight = kd_neg_inf_d();
-    int depth = 0, rank = 0, last_child = -1;
-    float current = 0.0f, next = kd_neg_inf_f();  // logp of this entry and of its next sibling
-    const float* row = lp;                          // logp[b, depth - 1, :]
-    if (t == 0 && s.head[0] != kd_neg_inf_f()) {
-        weight = (double)s.head[0];
-        depth = 1;
-        current = s.head[0];
-        next = topk > 1 ? row[1] : kd_neg_inf_f();
+    const bool single_warp = slot_threads == KD_WARP_SIZE;
+    const bool has_slots = t < slot_threads;
+    Slot low = {kd_neg_inf_d(), 0, 0, -1, 0.0f, kd_neg_inf_f()};
+    Slot high = low;
+    if (t == 0) {  // the root's first child: log w = logp[0, 0] itself (no 0.0 + in front)
+        push_first_child(low, 0.0, 0, lp);
+        if (low.weight != kd_neg_inf_d()) low.weight = (double)low.current;
     }
     int n_nodes = 1;
     for (int i = 1; i <= budget; ++i) {  // pop i creates node i
-        const int parity = i & 1;
-        const int live_warps = kd_ceil_div(i, KD_WARP_SIZE);  // only slots < i can hold entries
-        double best = weight;
-        int code = entry_code(t, rank, depth);
-        if (warp < live_warps) {
-            const int live_lanes = min(KD_WARP_SIZE, i - warp * KD_WARP_SIZE);
-            for (int offset = 1; offset < live_lanes; offset <<= 1) {
-                const double other = __shfl_down_sync(KD_FULL_MASK, best, offset);
-                const int other_code = __shfl_down_sync(KD_FULL_MASK, code, offset);
-                if (pops_first(other, other_code, best, code, s.parent, s.rank)) {
-                    best = other;
-                    code = other_code;
+        double best = kd_neg_inf_d();
+        int code = 0;
+        if (has_slots) {
+            consider(low, entry_code(t, low.rank, low.depth), best, code, s);
+            consider(high, entry_code(t + slot_threads, high.rank, high.depth), best, code, s);
+        }
+        if (single_warp) {
+            const int winner = warp_winner(best, code, s);
+            best = __shfl_sync(KD_FULL_MASK, best, winner);
+            code = __shfl_sync(KD_FULL_MASK, code, winner);
+        } else {
+            const int parity = i & 1;
+            const int live_warps = kd_ceil_div(min(i, slot_threads), KD_WARP_SIZE);
+            if (warp < live_warps) {
+                const int winner = warp_winner(best, code, s);
+                if (lane == winner) {
+                    s.warp_weight[parity][warp] = best;
+                    s.warp_code[parity][warp] = code;
                 }
             }
-            if (lane == 0) {
-                s.warp_weight[parity][warp] = best;
-                s.warp_code[parity][warp] = code;
-            }
+            __syncthreads();
+            const int winner = warp_winner(lane < live_warps ? s.warp_weight[parity][lane] : kd_neg_inf_d(),
+                                           lane < live_warps ? s.warp_code[parity][lane] : 0, s);
+            best = s.warp_weight[parity][winner];
+            code = s.warp_code[parity][winner];
         }
-        __syncthreads();
-        best = lane < live_warps ? s.warp_weight[parity][lane] : kd_neg_inf_d();
-        code = lane < live_warps ? s.warp_code[parity][lane] : 0;
-        for (int offset = 1; offset < live_warps; offset <<= 1) {
-            const double other = __shfl_down_sync(KD_FULL_MASK, best, offset);
-            const int other_code = __shfl_down_sync(KD_FULL_MASK, code, offset);
-            if (pops_first(other, other_code, best, code, s.parent, s.rank)) {
-                best = other;
-                code = other_code;
-            }
-        }
-        best = __shfl_sync(KD_FULL_MASK, best, 0);
-        code = __shfl_sync(KD_FULL_MASK, code, 0);
         if (best == kd_neg_inf_d()) break;  // heap empty (the same decision in every thread)
 
-        const int parent = entry_slot(code), popped_rank = entry_rank(code), popped_depth = entry_depth(code);
+        const int parent = entry_slot(code), popped_depth = entry_depth(code);
         n_nodes = i + 1;
-        if (t == parent) {  // link node i under its parent, then push the parent's next child
-            if (last_child < 0) s.first_child[parent] = i;
-            else s.next_sibling[last_child] = i;
-            last_child = i;
-            if (next != kd_neg_inf_f()) {
-                weight = (weight - (double)current) + (double)next;  // the reference's order
-                ++rank;
-                current = next;
-                next = rank + 1 < topk ? row[rank + 1] : kd_neg_inf_f();
-            } else {
-                weight = kd_neg_inf_d();
-            }
+        if (t == parent % slot_threads) {
+            if (parent < slot_threads) pop_from(low, parent, i, lp, s);
+            else pop_from(high, parent, i, lp, s);
         }
-        // node i is recorded by its own slot's thread, so lanes of its warp see it after the
-        // __syncwarp below and other warps after the next pop's __syncthreads
-        if (t == (i < (int)blockDim.x ? i : 0)) {
-            s.parent[i] = parent;
-            s.rank[i] = popped_rank;
-            s.depth[i] = popped_depth;
+        // node i is recorded by the thread that owns its slot, so that thread's warp sees it after
+        // the __syncwarp below and other warps after the next pop's __syncthreads
+        if (t == i % slot_threads) {
+            s.parent[i] = (short)parent;
+            s.rank[i] = (short)entry_rank(code);
+            s.depth[i] = (unsigned char)popped_depth;
             s.log_weight[i] = best;
-        }
-        if (t == i && i < budget && popped_depth < depth_limit && s.head[popped_depth] != kd_neg_inf_f()) {
-            row = lp + (long long)popped_depth * topk;  // push node i's first child
-            weight = best + (double)s.head[popped_depth];
-            depth = popped_depth + 1;
-            rank = 0;
-            current = s.head[popped_depth];
-            next = topk > 1 ? row[1] : kd_neg_inf_f();
+            if (i < budget && popped_depth < depth_limit) {
+                if (i < slot_threads) push_first_child(low, best, popped_depth, lp);
+                else push_first_child(high, best, popped_depth, lp);
+            }
         }
         __syncwarp();
     }
@@ -329,35 +438,40 @@ __device__ int best_first_pops(const float* __restrict__ lp, int depth_limit, in
 }
 
 // The DFlash chain: node d is the argmax token of position d (one thread; at most 32 nodes).
-__device__ int chain_pops(int depth_limit, int budget, TreeScratch& s) {
+__device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s) {
     double weight = 0.0;
     int n_nodes = 1;
     for (int d = 1; d <= min(budget, depth_limit); ++d) {
-        const float lp = s.head[d - 1];
-        if (lp == kd_neg_inf_f()) break;
-        weight += (double)lp;
-        s.parent[d] = d - 1;
+        const float head = lp(d - 1, 0);
+        if (head == kd_neg_inf_f()) break;
+        weight += (double)head;
+        s.parent[d] = (short)(d - 1);
         s.rank[d] = 0;
-        s.depth[d] = d;
+        s.depth[d] = (unsigned char)d;
         s.log_weight[d] = weight;
-        s.first_child[d - 1] = d;
+        s.first_child[d - 1] = (short)d;
         n_nodes = d + 1;
     }
     return n_nodes;
 }
 
+#define KD_STAGE_UNROLL 8
+
 // logp float32 [B, D, K], ids int32 [B, D, K], root int32|int64 [B] -> the Tree of DESIGN.md §3 at
-// capacity N (every output element is written). blockDim.x: 32..1024, at least budget in "tree" mode.
-extern "C" __global__ void __launch_bounds__(1024)
+// capacity N (every output element is written). Dynamic shared memory: D * cached floats, the
+// first `cached` ranks of every depth. slot_threads: 32 for budgets <= 64 (one warp pops, the
+// others only stage and write), else blockDim.x (ceil(budget / 2) rounded up to 32).
+extern "C" __global__ void __launch_bounds__(512)
 build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
                   int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode,
+                  int cached, int slot_threads,
                   int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
                   int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
                   int* __restrict__ next_sibling, double* __restrict__ log_weights) {
     __shared__ TreeScratch s;
+    extern __shared__ float s_draft[];
     const int b = blockIdx.x, t = threadIdx.x;
     const long long draft_base = (long long)b * depth_limit * topk;
-    const float* lp = logp + draft_base;
     for (int j = t; j < capacity; j += blockDim.x) {
         s.parent[j] = -1;
         s.rank[j] = 0;
@@ -366,12 +480,26 @@ build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, c
         s.next_sibling[j] = -1;
         s.log_weight[j] = j == 0 ? 0.0 : kd_neg_inf_d();
     }
-    if (t < depth_limit) s.head[t] = lp[(long long)t * topk];
+    const int staged = depth_limit * cached;  // loads first, stores after, to keep many in flight
+    for (int first = t; first < staged; first += KD_STAGE_UNROLL * blockDim.x) {
+        float values[KD_STAGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KD_STAGE_UNROLL; ++u) {
+            const int e = first + u * blockDim.x;
+            values[u] = e < staged ? logp[draft_base + (long long)(e / cached) * topk + e % cached] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < KD_STAGE_UNROLL; ++u) {
+            const int e = first + u * blockDim.x;
+            if (e < staged) s_draft[e] = values[u];
+        }
+    }
     __syncthreads();
+    const DraftRows lp = {s_draft, logp + draft_base, cached, topk};
     if (chain_mode) {
-        if (t == 0) s.n_nodes = chain_pops(depth_limit, budget, s);
-    } else {
-        const int count = best_first_pops(lp, depth_limit, topk, budget, s);
+        if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s);
+    } else if (slot_threads == (int)blockDim.x || t < slot_threads) {
+        const int count = best_first_pops(lp, depth_limit, budget, slot_threads, s);
         if (t == 0) s.n_nodes = count;
     }
     __syncthreads();

@@ -25,9 +25,11 @@ from test_tree_kernels import (assert_same_tree, assert_topk_matches, random_acc
 def main() -> None:
     cupy.cuda.set_allocator(None)
     rng = np.random.default_rng(3)
-    logits = -rng.integers(0, 3, size=(2, 3, 3001)).astype(np.float32)
-    assert_topk_matches(draft_topk(cupy.asarray(logits), 100), logits, 100, "sanitizer", exact_ids=True)
-    for batch, depth, k, budget, style in ((3, 6, 40, 70, "ties"), (2, 4, 9, 32, "neginf")):
+    for vocab in (3001, 4000):  # scalar and float4 loads
+        logits = -rng.integers(0, 3, size=(2, 3, vocab)).astype(np.float32)
+        assert_topk_matches(draft_topk(cupy.asarray(logits), 100), logits, 100, "sanitizer", exact_ids=True)
+    for batch, depth, k, budget, style in ((3, 6, 40, 70, "ties"), (2, 4, 9, 32, "neginf"),
+                                           (1, 32, 700, 700, "ties")):  # the last reads past the cache
         logp, ids = sorted_draft(rng, batch, depth, k, style)
         for mode in ("tree", "chain"):
             want = build_tree(DraftTopK(logp, ids), budget, mode=mode, backend="numpy")

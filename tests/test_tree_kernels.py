@@ -185,14 +185,15 @@ BUILD_CASES = [  # (batch, depth D, top-k K, budget, style)
     (1, 1, 1, 1, "smooth"),
     (3, 4, 5, 7, "ties"),
     (4, 6, 3, 1024, "ties"),        # the heap empties long before the budget
-    (5, 7, 8, 32, "halves"),         # one warp exactly
-    (6, 7, 9, 33, "ties"),           # two warps, the second with one slot
-    (8, 15, 64, 64, "smooth"),
+    (5, 7, 8, 32, "halves"),         # one warp, one slot per lane
+    (6, 7, 9, 33, "ties"),           # one warp, a lane's second slot in use
+    (8, 15, 64, 64, "smooth"),       # the largest single-warp budget
     (8, 15, 64, 64, "ties"),
+    (4, 7, 9, 65, "ties"),           # two warps: winners through shared memory
     (7, 5, 33, 100, "neginf"),
     (3, 15, 300, 300, "ties"),
     (2, 32, 1024, 1024, "smooth"),   # the node ceiling: 1024 pops, 1024 threads
-    (2, 32, 1024, 1024, "ties"),
+    (2, 32, 1024, 1024, "ties"),     # ranks past the 640 staged per depth come from global memory
     (3, 9, 1024, 1023, "halves"),
 ]
 

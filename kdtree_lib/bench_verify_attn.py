@@ -35,6 +35,9 @@ HEADS = (8, 16, 64)
 NODES = (1, 8, 16, 32, 64, 128)
 LENGTHS = (1024, 4096, 32768, 131072)
 BATCHES = (1, 8, 64)
+# A few shapes spanning the regimes (memory-bound decode, the K2.6 tree, compute-bound batches).
+QUICK_SHAPES = [(1, 1, 8, 131072), (1, 8, 8, 32768), (1, 16, 8, 32768), (1, 64, 8, 32768), (8, 16, 16, 32768),
+                (1, 128, 8, 131072), (64, 16, 8, 4096)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,14 +211,14 @@ def mma_sync_rate(iters: int = 8192) -> float:
     import cupy
     from . import cuda
     from .verify_attn import KERNEL_CONFIGS, KERNEL_FILE, _device_limits
-    options = KERNEL_CONFIGS["rows64_keys64"].nvrtc_options(half=False)  # the module the kernel already uses
+    options = KERNEL_CONFIGS["rows64_keys64_stages2"].nvrtc_options(half=False)  # the module the kernel already uses
     kernel = cuda.get_function(KERNEL_FILE, "mma_sync_ceiling", options)
     sms = _device_limits()[0]
     sink = cupy.zeros(1, cupy.float32)
     blocks = 2 * sms
     seconds = time_gpu(lambda: kernel((blocks,), (256,), (sink, np.int32(iters)), stream=cuda.current_stream()),
                        reps=5, flush_bytes=1 << 20)
-    return blocks * 8 * iters * 8 * 4096 * 2 / seconds
+    return blocks * 8 * iters * 8 * 4096 / seconds  # 4096 FLOPs per m16n8k16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,19 +419,59 @@ def smoke(log=print) -> bool:
     return ok
 
 
+def explore(shapes, *, reps: int = 10, log=print) -> list[dict]:
+    """Every variant that fits, with the planner's split and with half / double of it; the kernel
+    alone and with the merge. Prints a table (tuning the planner), returns the rows."""
+    from .verify_attn import KERNEL_CONFIGS, _device_limits
+    smem_per_block = _device_limits()[1]
+    found = []
+    for batch, nodes, heads, length in shapes:
+        inputs = make_inputs(batch, nodes, heads, length, seed=1)
+        n_flops, n_bytes = flops(batch, nodes, heads, length), traffic_bytes(batch, nodes, heads, length)
+        for name, config in KERNEL_CONFIGS.items():
+            if config.smem_bytes > smem_per_block:
+                continue
+            auto = prepare_verify_launch(*inputs, config=name).plan.splits
+            for splits in sorted({auto, max(1, auto // 2), min(1024, 2 * auto)}):
+                launch = prepare_verify_launch(*inputs, config=name, splits=splits)
+                total = time_gpu(launch, reps=reps)
+                alone = time_gpu(lambda: launch(merge=False), reps=reps) if launch.plan.splits > 1 else total
+                row = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "config": name,
+                       "splits": launch.plan.splits, "auto": splits == auto, "total_us": round(total * 1e6, 1),
+                       "kernel_us": round(alone * 1e6, 1), "tflops": round(n_flops / total / 1e12, 1),
+                       "tbps": round(n_bytes / total / 1e12, 2)}
+                found.append(row)
+                log("explore " + " ".join(f"{k}={v}" for k, v in row.items()))
+    return found
+
+
+def profile_case(batch: int, nodes: int, heads: int, length: int, config=None):
+    """One warm-up and one measured launch, for `ncu --launch-skip 1 --launch-count 1 -k verify_attn`."""
+    import torch
+    launch = prepare_verify_launch(*make_inputs(batch, nodes, heads, length, seed=2), config=config)
+    launch()
+    launch()
+    torch.cuda.synchronize()
+    print("profiled", batch, nodes, heads, length, launch.plan)
+
+
 def main():
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
+    parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")
+    parser.add_argument("--profile", type=int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
+    parser.add_argument("--config", default=None, help="variant for --profile")
     args = parser.parse_args()
+    if args.profile:
+        return profile_case(*args.profile, config=args.config)
+    if args.explore:
+        return explore(QUICK_SHAPES, reps=args.reps)
     if args.smoke:
         raise SystemExit(0 if smoke() else 1)
-    shapes = None
-    if args.quick:
-        shapes = [(1, 16, 8, 32768), (1, 1, 8, 131072), (1, 64, 8, 32768), (8, 16, 16, 32768), (1, 128, 8, 131072)]
-    run(shapes, reps=args.reps)
+    run(QUICK_SHAPES if args.quick else None, reps=args.reps)
 
 
 if __name__ == "__main__":

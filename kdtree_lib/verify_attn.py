@@ -152,6 +152,7 @@ class KernelConfig:
     row_groups: int  # groups of 4 warps; a CTA holds 16 * row_tiles * row_groups query rows
     keys: int        # keys per KV tile
     stages: int      # depth of the cp.async ring
+    scoring: int = 4  # warps of a group computing S (2: two 32x32 warp tiles, less shared-memory traffic)
 
     @property
     def rows(self) -> int:
@@ -169,17 +170,30 @@ class KernelConfig:
                 + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4)
 
     def nvrtc_options(self, half: bool) -> tuple[str, ...]:
-        return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}",
-                f"-DVA_ROW_GROUPS={self.row_groups}", f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}")
+        return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
+                f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
 
-# The variants the launcher picks from (kernels/verify_attn.cu instantiates the same list for nvcc).
-KERNEL_CONFIGS = {
-    "rows64_keys64": KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2),  # 64 rows share a tile
-    "rows32_keys64": KernelConfig(row_tiles=2, row_groups=1, keys=64, stages=2),
-    "rows16_keys64": KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),  # few rows: least padding
-    "rows16_keys32": KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB (sm_120)
-}
+    @property
+    def name(self) -> str:
+        return f"rows{self.rows}_keys{self.keys}_stages{self.stages}" + ("_wide" if self.scoring == 2 else "")
+
+
+# The variants (kernels/verify_attn.cu instantiates the same list for nvcc), and which to prefer
+# for a request's rows = N*H: the largest CTA whose rows the request fills at least half.
+KERNEL_CONFIGS = {c.name: c for c in (
+    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2),  # 64 rows share each KV tile
+    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, scoring=2),
+    KernelConfig(row_tiles=2, row_groups=1, keys=64, stages=2),
+    KernelConfig(row_tiles=2, row_groups=1, keys=32, stages=3),
+    KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),
+    KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
+    KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
+)}
+PREFERRED = {64: ("rows64_keys64_stages2",),
+             32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
+             16: ("rows16_keys32_stages4", "rows16_keys64_stages2", "rows16_keys32_stages2")}
+MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits
 
 
 @dataclass(frozen=True)
@@ -205,7 +219,7 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
     the cache capacity and CTAs past a request's length exit after writing an empty partial.
     """
     if config is None:
-        preference = [name for name, c in KERNEL_CONFIGS.items() if c.rows < 2 * max(rows, 16)]
+        preference = [name for size, names in PREFERRED.items() if size < 2 * max(rows, 16) for name in names]
         fitting = [name for name in preference if KERNEL_CONFIGS[name].smem_bytes <= smem_per_block]
         if not fitting:
             raise ValueError(f"device: {smem_per_block} bytes of shared memory per block fit no kernel variant")
@@ -218,9 +232,9 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
     if splits is None:
         resident = max(1, smem_per_sm // (chosen.smem_bytes + 1024))
         wanted = max(1, (sms * resident) // max(1, batch * row_blocks))
-        splits = max(1, min(wanted, tiles // max(1, MIN_SPLIT_KEYS // chosen.keys), MAX_GRID_YZ))
-    elif not (isinstance(splits, int) and splits >= 1):
-        raise ValueError(f"splits: expected a positive integer, got {splits!r}")
+        splits = max(1, min(wanted, tiles // max(1, MIN_SPLIT_KEYS // chosen.keys), MAX_SPLITS))
+    elif not (isinstance(splits, int) and 1 <= splits <= MAX_SPLITS):
+        raise ValueError(f"splits: expected an integer in 1..{MAX_SPLITS}, got {splits!r}")
     tiles_per_split = -(-tiles // min(splits, tiles))
     return LaunchPlan(config, row_blocks, -(-tiles // tiles_per_split), tiles_per_split * chosen.keys)
 
@@ -236,12 +250,13 @@ class VerifyLaunch:
         self.plan, self.out, self.lse = plan, out, lse
         self._half, self._arrays, self._sizes = half, arrays, sizes
 
-    def __call__(self):
+    def __call__(self, *, merge: bool = True):
+        """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""
         from . import cuda
         batch, nodes, heads, l_max, words, scale_log2 = self._sizes
         if batch * nodes * heads == 0:
             return self.out, self.lse
-        main, merge = _kernel_functions(self.plan.config_name, self._half)
+        main, merge_fn = _kernel_functions(self.plan.config_name, self._half)
         a, plan, config = self._arrays, self.plan, self.plan.config
         stream = cuda.current_stream()
         main((plan.row_blocks, plan.splits, batch), (config.threads,),
@@ -249,8 +264,8 @@ class VerifyLaunch:
               a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
               np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)),
              shared_mem=config.smem_bytes, stream=stream)
-        if plan.splits > 1:
-            merge((batch * nodes * heads,), (128,),
+        if plan.splits > 1 and merge:
+            merge_fn((batch * nodes * heads, 4), (256,),
                   (a["partial_out"], a["partial_lse"], a["out"], a["lse"], np.int32(batch * nodes * heads),
                    np.int32(plan.splits)), stream=stream)
         return self.out, self.lse

@@ -131,13 +131,15 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-template <int kRowTiles, int kRowGroups, int kKeys, int kStages>
+template <int kRowTiles, int kRowGroups, int kKeys, int kStages, int kScoring>
 struct Shape {
   static constexpr int kWarpRows = 16 * kRowTiles;               // rows per warp (= per group)
   static constexpr int kRows = kWarpRows * kRowGroups;           // query rows per CTA
   static constexpr int kThreads = 128 * kRowGroups;              // 4 warps per group
-  static constexpr int kWarpKeys = kKeys / 4;                    // S columns per warp
+  static constexpr int kScoringWarps = kScoring;                 // warps of a group computing S
+  static constexpr int kWarpKeys = kKeys / kScoring;              // S columns per scoring warp
   static constexpr int kKeyTiles = kWarpKeys / 8;                // n8 tiles of S per warp
+  static constexpr int kChains = 4 / (kRowTiles * kKeyTiles) > 1 ? 4 / (kRowTiles * kKeyTiles) : 1;
   static constexpr int kPStride = (kKeys + 8) * 2;               // bytes per P row (padded)
   static constexpr int kQBytes = kRows * kRowBytes;
   static constexpr int kStageBytes = kKeys * kRowBytes;
@@ -146,11 +148,12 @@ struct Shape {
   static_assert(kKeys == 32 || kKeys == 64, "KEYS must be 32 or 64");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kRowTiles == 1 || kRowTiles == 2, "ROW_TILES must be 1 or 2");
+  static_assert(kScoring == 4 || (kScoring == 2 && kRowGroups == 2), "two scoring warps need two groups");
   static_assert(kKeys % (kThreads / 8) == 0 && kRows % (kThreads / 8) == 0, "whole load passes");
 };
 
 // One CTA: rows [blockIdx.x·ROWS, +ROWS) of request blockIdx.z over key split blockIdx.y.
-template <bool kHalf, int kRowTiles, int kRowGroups, int kKeys, int kStages>
+template <bool kHalf, int kRowTiles, int kRowGroups, int kKeys, int kStages, int kScoring>
 __device__ __forceinline__ void verify_attn_cta(
     const u16* __restrict__ q_latent,   // [B, rows, 512]
     const u16* __restrict__ q_rope,     // [B, rows, 64]
@@ -162,7 +165,7 @@ __device__ __forceinline__ void verify_attn_cta(
     float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
-  using S = Shape<kRowTiles, kRowGroups, kKeys, kStages>;
+  using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
   if (dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem[];  // 16-byte aligned is all cp.async and ldmatrix need
   const u32 q_smem = smem_address(smem);
@@ -172,7 +175,11 @@ __device__ __forceinline__ void verify_attn_cta(
   float* exchange = reinterpret_cast<float*>(p_bytes + S::kPBytes);  // [4][ROWS]: row max, then row sum
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = warp >> 2, column = warp & 3;  // column: key slice in S, output columns in O
+  const int group = warp >> 2, column = warp & 3;  // column: output columns [128c, 128c+128) in O
+  // The key slice this warp scores in S: its column, or with two scoring warps per group, columns
+  // 0-1 of group 0 and 2-3 of group 1 (so each SM sub-partition has one scoring warp).
+  const int slice = S::kScoringWarps == 4 ? column : group == 0 ? column : column - 2;
+  const bool scores = slice >= 0 && slice < S::kScoringWarps;
   const int quad_row = lane >> 2, quad_col = lane & 3;
   const int batch = gridDim.z, b = blockIdx.z, split = blockIdx.y, splits = gridDim.y;
   const int rows = nodes * heads;
@@ -243,7 +250,8 @@ __device__ __forceinline__ void verify_attn_cta(
   {
     const int q_hi = lane >> 4, k_hi = (lane >> 3) & 1, v_hi = lane >> 4, r7 = lane & 7;
     const int q_row = warp_row0 + (lane & 15);
-    const int k_row = S::kKeyTiles == 2 ? column * 16 + (lane & 7) + ((lane >> 4) << 3) : column * 8 + (lane & 7);
+    const int k_row = S::kKeyTiles == 1 ? max(slice, 0) * 8 + (lane & 7)
+                                        : max(slice, 0) * S::kWarpKeys + (lane & 7) + ((lane >> 4) << 3);
     const int v_row = lane & 15;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -265,92 +273,119 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32 stage = kv_smem + (tile % kStages) * S::kStageBytes;
     const int tile_start = key_begin + tile * kKeys;
 
-    // S = Q·Kᵀ for this warp's rows and its kWarpKeys keys, over all 576 dims.
-    float s[kRowTiles][S::kKeyTiles][4];
+    // S = Q·Kᵀ for this warp's rows and its kWarpKeys keys, over all 576 dims (scoring warps only).
+    // Small warp tiles accumulate alternate k-steps into separate chains (MMA latency).
+    float chains[S::kChains][kRowTiles][S::kKeyTiles][4];
+    float (&s)[kRowTiles][S::kKeyTiles][4] = chains[0];
+    if (scores) {
 #pragma unroll
-    for (int mt = 0; mt < kRowTiles; ++mt)
+      for (int c = 0; c < S::kChains; ++c)
 #pragma unroll
-      for (int nt = 0; nt < S::kKeyTiles; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+        for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < kWidth / 16; ++kk) {
-      u32 a[kRowTiles][4];
+          for (int nt = 0; nt < S::kKeyTiles; ++nt)
+            chains[c][mt][nt][0] = chains[c][mt][nt][1] = chains[c][mt][nt][2] = chains[c][mt][nt][3] = 0.f;
 #pragma unroll
-      for (int mt = 0; mt < kRowTiles; ++mt)
-        ldmatrix_x4(a[mt], q_lane[kk & 3] + mt * 16 * kRowBytes + (kk >> 2) * 128);
-      u32 bk[S::kKeyTiles][2];
-      if constexpr (S::kKeyTiles == 2) {
-        u32 r[4];
-        ldmatrix_x4(r, stage + k_lane[kk & 3] + (kk >> 2) * 128);
-        bk[0][0] = r[0]; bk[0][1] = r[1]; bk[1][0] = r[2]; bk[1][1] = r[3];
-      } else {
-        u32 r[2];
-        ldmatrix_x2(r, stage + k_lane[kk & 3] + (kk >> 2) * 128);
-        bk[0][0] = r[0]; bk[0][1] = r[1];
+      for (int kk = 0; kk < kWidth / 16; ++kk) {
+        u32 a[kRowTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt)
+          ldmatrix_x4(a[mt], q_lane[kk & 3] + mt * 16 * kRowBytes + (kk >> 2) * 128);
+        u32 bk[S::kKeyTiles][2];
+        if constexpr (S::kKeyTiles == 1) {
+          u32 r[2];
+          ldmatrix_x2(r, stage + k_lane[kk & 3] + (kk >> 2) * 128);
+          bk[0][0] = r[0]; bk[0][1] = r[1];
+        } else {
+#pragma unroll
+          for (int pair = 0; pair < S::kKeyTiles / 2; ++pair) {
+            u32 r[4];
+            ldmatrix_x4(r, stage + k_lane[kk & 3] + pair * 16 * kRowBytes + (kk >> 2) * 128);
+            bk[2 * pair][0] = r[0]; bk[2 * pair][1] = r[1]; bk[2 * pair + 1][0] = r[2]; bk[2 * pair + 1][1] = r[3];
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < S::kKeyTiles; ++nt)
+            mma16816<kHalf>(chains[kk % S::kChains][mt][nt], a[mt], bk[nt][0], bk[nt][1]);
       }
 #pragma unroll
-      for (int mt = 0; mt < kRowTiles; ++mt)
+      for (int c = 1; c < S::kChains; ++c)
 #pragma unroll
-        for (int nt = 0; nt < S::kKeyTiles; ++nt) mma16816<kHalf>(s[mt][nt], a[mt], bk[nt][0], bk[nt][1]);
-    }
+        for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < S::kKeyTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] += chains[c][mt][nt][e];
 
-    // Mask: keys past the split or the tree, and tree keys that are not ancestors.
-    if (tile_start + kKeys > unmasked_end) {
+      // Mask: keys past the split or the tree, and tree keys that are not ancestors.
+      if (tile_start + kKeys > unmasked_end) {
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = row0 + warp_row0 + mt * 16 + quad_row + 8 * h;
+            const bool real_row = row < rows;
+            const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
+#pragma unroll
+            for (int nt = 0; nt < S::kKeyTiles; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int key = tile_start + slice * S::kWarpKeys + nt * 8 + 2 * quad_col + e;
+                bool allowed = key < key_end;
+                if (allowed && key >= length) {
+                  const int j = key - length;  // tree slot, < nodes since key < kv_len
+                  allowed = real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
+                }
+                if (!allowed) s[mt][nt][2 * h + e] = neg_inf();
+              }
+          }
+      }
+
+      // Row maxima of this warp's keys, exchanged with the group's other scoring warps.
 #pragma unroll
       for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = row0 + warp_row0 + mt * 16 + quad_row + 8 * h;
-          const bool real_row = row < rows;
-          const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
+          float m = neg_inf();
 #pragma unroll
-          for (int nt = 0; nt < S::kKeyTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int key = tile_start + column * S::kWarpKeys + nt * 8 + 2 * quad_col + e;
-              bool allowed = key < key_end;
-              if (allowed && key >= length) {
-                const int j = key - length;  // tree slot, < nodes since key < kv_len
-                allowed = real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
-              }
-              if (!allowed) s[mt][nt][2 * h + e] = neg_inf();
-            }
+          for (int nt = 0; nt < S::kKeyTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          if (quad_col == 0) exchange[slice * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h] = m;
         }
     }
-
-    // Row maxima of this warp's keys, exchanged with the other three warps of the group.
-#pragma unroll
-    for (int mt = 0; mt < kRowTiles; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float m = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < S::kKeyTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        if (quad_col == 0) exchange[column * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h] = m;
-      }
     group_barrier(barrier_id, group_threads);
 
+    // Every warp rescales its O; scoring warps turn S into P (bf16/f16, shared memory).
 #pragma unroll
     for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + mt * 16 + quad_row + 8 * h;
-        const float tile_max = fmaxf(fmaxf(exchange[r], exchange[S::kRows + r]),
-                                     fmaxf(exchange[2 * S::kRows + r], exchange[3 * S::kRows + r]));
+        float tile_max = exchange[r];
+#pragma unroll
+        for (int w = 1; w < S::kScoringWarps; ++w) tile_max = fmaxf(tile_max, exchange[w * S::kRows + r]);
         const float new_max = fmaxf(row_max[mt][h], tile_max * scale_log2);
         const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
         const float alpha = fast_exp2(row_max[mt][h] - base);
         row_max[mt][h] = new_max;
         float sum = 0.f;
+        if (scores) {
 #pragma unroll
-        for (int nt = 0; nt < S::kKeyTiles; ++nt)
+          for (int nt = 0; nt < S::kKeyTiles; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -base));
-            s[mt][nt][2 * h + e] = p;
-            sum += p;
+            for (int e = 0; e < 2; ++e) {
+              const float p = fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -base));
+              s[mt][nt][2 * h + e] = p;
+              sum += p;
+            }
+            const int key = slice * S::kWarpKeys + nt * 8 + 2 * quad_col;
+            *reinterpret_cast<u32*>(p_bytes + r * S::kPStride + key * 2) =
+                pack2<kHalf>(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
           }
+        }
         row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
         if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
 #pragma unroll
@@ -358,12 +393,6 @@ __device__ __forceinline__ void verify_attn_cta(
             o[mt][j][2 * h] *= alpha;
             o[mt][j][2 * h + 1] *= alpha;
           }
-        }
-#pragma unroll
-        for (int nt = 0; nt < S::kKeyTiles; ++nt) {
-          const int key = column * S::kWarpKeys + nt * 8 + 2 * quad_col;
-          *reinterpret_cast<u32*>(p_bytes + r * S::kPStride + key * 2) =
-              pack2<kHalf>(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
         }
       }
     group_barrier(barrier_id, group_threads);
@@ -432,57 +461,105 @@ __device__ __forceinline__ void verify_attn_cta(
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// One block of 128 threads per (request, row); each thread owns 4 consecutive columns.
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
+// float4 per lane, independent loads), then the warps' sums are added through shared memory.
+constexpr int kMergeThreads = 256;
+constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
+
+__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+    x = take_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  return x;
+}
+
 template <bool kHalf>
 __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float4 warp_sum[kMergeThreads / 32][32];
+  __shared__ float scratch[kMergeThreads / 32];
   const i64 row = blockIdx.x;  // b * rows + row
+  const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
   float m = neg_inf();
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_lse[(i64)s * total_rows + row]);
-  const float base = m == neg_inf() ? 0.f : m;
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = partial_lse[(i64)s * total_rows + row];
+    m = fmaxf(m, weight[s]);
+  }
+  m = block_reduce(m, true, scratch);
+  const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
   float total = 0.f;
-  for (int s = 0; s < splits; ++s) total += fast_exp2((partial_lse[(i64)s * total_rows + row] - base) * kLog2e);
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
+    total += weight[s];
+  }
+  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
+
+  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
   float4 acc = {0.f, 0.f, 0.f, 0.f};
-  for (int s = 0; s < splits; ++s) {
-    const float w = fast_exp2((partial_lse[(i64)s * total_rows + row] - base) * kLog2e) * scale;
-    if (w == 0.f) continue;  // an empty split (its O is zero, but skip the read)
-    const float4 x = reinterpret_cast<const float4*>(partial_out + ((i64)s * total_rows + row) * kLatent)[threadIdx.x];
+#pragma unroll 4
+  for (int s = warp; s < splits; s += kMergeThreads / 32) {
+    const float w = weight[s];
+    const float4 x = src[s * split_stride];
     acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
   }
-  const uint2 packed = {pack2<kHalf>(acc.x, acc.y), pack2<kHalf>(acc.z, acc.w)};
-  reinterpret_cast<uint2*>(out + row * kLatent)[threadIdx.x] = packed;
-  if (threadIdx.x == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
+  warp_sum[warp][lane] = acc;
+  __syncthreads();
+  if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
+    const float* sums = reinterpret_cast<const float*>(warp_sum);
+    float x = 0.f, y = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMergeThreads / 32; ++w) {
+      x += sums[w * 128 + 2 * tid];
+      y += sums[w * 128 + 2 * tid + 1];
+    }
+    *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
+  }
+  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
 }
 
 }  // namespace va
 
-#define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES)                                              \
+#define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
       float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
-    va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES>(                                    \
+    va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
         q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
         words, chunk, scale_log2);                                                                            \
   }
 
 #ifdef VA_KEYS
 // NVRTC: the configuration the launcher chose.
-VA_KERNEL(verify_attn, VA_HALF, VA_ROW_TILES, VA_ROW_GROUPS, VA_KEYS, VA_STAGES)
+VA_KERNEL(verify_attn, VA_HALF, VA_ROW_TILES, VA_ROW_GROUPS, VA_KEYS, VA_STAGES, VA_SCORING)
 #else
 // nvcc: every configuration of kdtree_lib.verify_attn.KERNEL_CONFIGS (bf16; f16 is the same code).
-VA_KERNEL(verify_attn_rows64_keys64, 0, 2, 2, 64, 2)
-VA_KERNEL(verify_attn_rows32_keys64, 0, 2, 1, 64, 2)
-VA_KERNEL(verify_attn_rows16_keys64, 0, 1, 1, 64, 2)
-VA_KERNEL(verify_attn_rows16_keys32, 0, 1, 1, 32, 2)
+VA_KERNEL(verify_attn_rows64_keys64_stages2, 0, 2, 2, 64, 2, 4)
+VA_KERNEL(verify_attn_rows64_keys64_stages2_wide, 0, 2, 2, 64, 2, 2)
+VA_KERNEL(verify_attn_rows32_keys64_stages2, 0, 2, 1, 64, 2, 4)
+VA_KERNEL(verify_attn_rows32_keys32_stages3, 0, 2, 1, 32, 3, 4)
+VA_KERNEL(verify_attn_rows16_keys64_stages2, 0, 1, 1, 64, 2, 4)
+VA_KERNEL(verify_attn_rows16_keys32_stages4, 0, 1, 1, 32, 4, 4)
+VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)
 #endif
 
-extern "C" __global__ void __launch_bounds__(128) verify_attn_merge_bf16(
+extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(
     const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
   va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);
 }
-extern "C" __global__ void __launch_bounds__(128) verify_attn_merge_f16(
+extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(
     const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
   va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);
 }

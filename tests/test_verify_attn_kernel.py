@@ -46,20 +46,23 @@ def test_plan_covers_every_key_and_row(device, batch, rows, slots):
 
 
 def test_plan_picks_the_variant_by_rows_and_shared_memory():
-    assert plan_launch(1, 8, 4096, **H200).config_name == "rows16_keys64"
-    assert plan_launch(1, 24, 4096, **H200).config_name == "rows32_keys64"
-    assert plan_launch(1, 128, 4096, **H200).config_name == "rows64_keys64"
-    assert plan_launch(1, 128, 4096, **RTX_5090).config_name == "rows16_keys32"
+    assert plan_launch(1, 8, 4096, **H200).config.rows == 16
+    assert plan_launch(1, 24, 4096, **H200).config.rows == 32
+    assert plan_launch(1, 128, 4096, **H200).config.rows == 64
+    assert plan_launch(1, 128, 4096, **RTX_5090).config_name == "rows16_keys32_stages2"
     with pytest.raises(ValueError, match="shared memory"):
         plan_launch(1, 8, 4096, sms=1, smem_per_block=48 * 1024, smem_per_sm=48 * 1024)
     with pytest.raises(ValueError, match="config"):
         plan_launch(1, 8, 4096, **H200, config="rows128")
     assert plan_launch(1, 8, 4096, **H200, splits=3).splits == 3
+    with pytest.raises(ValueError, match="splits"):
+        plan_launch(1, 8, 4096, **H200, splits=2000)
 
 
 def test_kernel_config_shared_memory_fits_its_target():
-    assert KERNEL_CONFIGS["rows64_keys64"].smem_bytes <= H200["smem_per_block"]
-    assert KERNEL_CONFIGS["rows16_keys32"].smem_bytes <= RTX_5090["smem_per_block"]
+    assert KERNEL_CONFIGS["rows64_keys64_stages2"].smem_bytes <= H200["smem_per_block"]
+    assert KERNEL_CONFIGS["rows16_keys32_stages2"].smem_bytes <= RTX_5090["smem_per_block"]
+    assert all(c.smem_bytes <= H200["smem_per_block"] for c in KERNEL_CONFIGS.values())
 
 
 # ----------------------------------------------------------------------------------------------

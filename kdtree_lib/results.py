@@ -15,7 +15,7 @@ from pathlib import Path
 from .backend import device_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "data" / "results"
+RESULTS_DIR = REPO_ROOT / "data" / "results"  # $KDTREE_RESULTS_DIR overrides it (tests write elsewhere)
 STAMP_COLUMNS = ("date", "commit", "device")
 
 
@@ -44,7 +44,7 @@ def append_rows(topic: str, rows: list[dict], *, results_dir: Path | None = None
     """
     if not rows:
         raise ValueError("rows: expected at least one row")
-    directory = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    directory = _results_dir(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{topic}.csv"
     stamp_values = stamp()
@@ -63,8 +63,14 @@ def append_rows(topic: str, rows: list[dict], *, results_dir: Path | None = None
 
 def read_rows(topic: str, *, results_dir: Path | None = None) -> list[dict]:
     """All rows of a topic as dicts of strings (empty list when there is no file yet)."""
-    path = (Path(results_dir) if results_dir is not None else RESULTS_DIR) / f"{topic}.csv"
+    path = _results_dir(results_dir) / f"{topic}.csv"
     if not path.exists():
         return []
     with open(path, newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def _results_dir(results_dir) -> Path:
+    if results_dir is not None:
+        return Path(results_dir)
+    return Path(os.environ.get("KDTREE_RESULTS_DIR") or RESULTS_DIR)

@@ -5,12 +5,14 @@ New notebooks (NN_name.ipynb) are picked up by the glob: they must run in under 
 their defaults; add an entry to EXPECTATIONS to assert on what they record.
 """
 import os
+import shutil
 import sys
 
 import numpy as np
 import pytest
 
 from kdtree_lib.notebooks import NOTEBOOKS_DIR, discover, read_record, run_notebook
+from kdtree_lib.results import RESULTS_DIR
 
 NOTEBOOKS = discover(NOTEBOOKS_DIR)
 SECONDS_PER_NOTEBOOK = 60
@@ -75,8 +77,13 @@ def test_the_walk_is_there():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
-def test_notebook_runs_headless(path, tmp_path):
+def test_notebook_runs_headless(path, tmp_path, monkeypatch):
     figures_dir = tmp_path / "figures"
+    # notebooks read the committed results but append to a copy, so tests never touch data/results
+    results_dir = tmp_path / "results"
+    if RESULTS_DIR.exists():
+        shutil.copytree(RESULTS_DIR, results_dir)
+    monkeypatch.setenv("KDTREE_RESULTS_DIR", str(results_dir))
     run = run_notebook(path, tmp_path, SMALL_PARAMETERS.get(path.stem), figures_dir=figures_dir,
                        cell_timeout=2 * SECONDS_PER_NOTEBOOK)
     assert run.ok, f"{path.name} failed (executed copy: {run.output}): {run.error}"

@@ -91,6 +91,7 @@ class Settings:
     block_sizes: tuple[int, ...] = (8,)
     anchor_tokens: int = 512           # block positions per sequence: anchors = anchor_tokens // block_size
     labels: str = "target"
+    experts: str = "grouped_mm"        # transformers' MoE expert kernel: grouped_mm, or eager (a loop)
     bias_rate: float = 1e-3            # DeepSeek-V3's bias update speed
     warmup: int = 100
     weight_decay: float = 0.1
@@ -246,6 +247,7 @@ def train_target(settings: Settings) -> Path:
     copy_tokenizer(settings.tokenizer, directory)
 
     model = DeepseekV3ForCausalLM(target_config(settings, tokenizer.get_vocab_size(), eot)).to(device).train()
+    model.set_experts_implementation(settings.experts)
     balancer = RouterBalancer(model, settings.bias_rate)
     optimizer = make_optimizer(model.parameters(), settings.lr, settings.weight_decay)
     batches = Batches(train_tokens, settings.seq_len, settings.batch_size, settings.seed)
@@ -376,7 +378,8 @@ def train_drafter(settings: Settings, block_size: int) -> Path:
     tokenizer = load_tokenizer(settings.tokenizer)
     _, mask_id = special_ids(tokenizer)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = DeepseekV3ForCausalLM.from_pretrained(settings.out / TARGET_DIR, dtype=dtype).to(device).eval()
+    target = DeepseekV3ForCausalLM.from_pretrained(settings.out / TARGET_DIR, dtype=dtype,
+                                                   experts_implementation=settings.experts).to(device).eval()
     target.requires_grad_(False)
     drafter = DFlashDrafter(drafter_config(settings, target.config, block_size, mask_id)).to(device)
     drafter.init_weights()
@@ -468,7 +471,7 @@ def parse_args(argv) -> tuple[str, Settings]:
     parser.add_argument("--tiny", action="store_true", help="tiny models and batches: a CPU smoke run")
     defaults = Settings(out=Path(), corpus=Path())
     for name in ("device", "seed", "seq_len", "batch_size", "steps", "lr", "max_minutes", "drafter_steps",
-                 "drafter_lr", "drafter_minutes", "anchor_tokens", "labels", "bias_rate", "warmup",
+                 "drafter_lr", "drafter_minutes", "anchor_tokens", "labels", "experts", "bias_rate", "warmup",
                  "log_every", "eval_every", "eval_windows"):
         parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=None)
@@ -487,6 +490,7 @@ TINY_SETTINGS = dict(seq_len=64, batch_size=2, steps=5, drafter_steps=5, warmup=
 
 def main(argv=None) -> int:
     stage, settings = parse_args(argv)
+    torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
     if stage in ("target", "all"):
         train_target(settings)
     if stage in ("drafter", "all"):

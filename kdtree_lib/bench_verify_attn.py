@@ -158,12 +158,13 @@ def input_bytes(batch: int, nodes: int, heads: int, length: int) -> int:
 
 def benchmark_shapes(heads=HEADS, nodes=NODES, lengths=LENGTHS, batches=BATCHES, *,
                      assumed_bandwidth: float = 4.0e12, assumed_rate: float = 2.5e14):
-    """The grid minus shapes over MEMORY_LIMIT or whose kernel estimate exceeds KERNEL_TIME_LIMIT."""
+    """The grid minus shapes over MEMORY_LIMIT or whose kernel estimate exceeds KERNEL_TIME_LIMIT,
+    batch 1 first (the common case and the plots), then H = 8 (K2.6 at TP8) before other heads."""
     shapes = []
-    for h in heads:
-        for n in nodes:
-            for length in lengths:
-                for b in batches:
+    for b in batches:
+        for h in heads:
+            for n in nodes:
+                for length in lengths:
                     if input_bytes(b, n, h, length) > MEMORY_LIMIT:
                         continue
                     if roofline_seconds(b, n, h, length, bandwidth=assumed_bandwidth,
@@ -224,10 +225,14 @@ def mma_sync_rate(iters: int = 8192) -> float:
 # ----------------------------------------------------------------------------------------------
 # the run
 
-def run(shapes=None, *, reps: int = 10, baselines: bool = True, log=print) -> list[dict]:
-    """Time every provider on every shape; returns the rows (also appended to data/results)."""
+def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: float = float("inf"),
+        log=print) -> list[dict]:
+    """Time every provider on every shape, appending each shape's rows to data/results as it goes;
+    stops starting new shapes after `time_budget` seconds. Returns the rows."""
+    import time
     import torch
     from . import results
+    started = time.monotonic()
     shapes = benchmark_shapes() if shapes is None else shapes
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, cuBLAS bf16 {ceilings['matmul_tflops']:.0f} TFLOP/s, "
@@ -235,7 +240,11 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, log=print) -> li
     bandwidth, rate = ceilings["copy_tbps"] * 1e12, ceilings["matmul_tflops"] * 1e12
     mma_rate = ceilings["mma_sync_tflops"] * 1e12
     rows = []
-    for batch, nodes, heads, length in shapes:
+    for done, (batch, nodes, heads, length) in enumerate(shapes):
+        if time.monotonic() - started > time_budget:
+            log(f"time budget spent: {done} of {len(shapes)} shapes measured")
+            break
+        shape_rows = []
         q_latent, q_rope, cache, lengths, tree = make_inputs(batch, nodes, heads, length, seed=length + nodes)
         launch = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree)
         n_bytes, n_flops = traffic_bytes(batch, nodes, heads, length), flops(batch, nodes, heads, length)
@@ -261,15 +270,17 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, log=print) -> li
                     row["speedup_vs_fallback"] = round(times["torch_fallback"] / seconds, 2)
             if provider == "sdpa":
                 row["sdpa_backend"] = sdpa_backend
-            rows.append(row)
-        kernel_row = next(r for r in rows[::-1] if r["provider"] == "kernel")
+            shape_rows.append(row)
+        results.append_rows(TOPIC, shape_rows)
+        rows += shape_rows
+        kernel_row = next(r for r in shape_rows if r["provider"] == "kernel")
         log(f"B={batch:3d} N={nodes:4d} H={heads:3d} L={length:7d}: kernel {kernel_row['time_us']:9.1f} us "
             f"{kernel_row['tflops']:7.1f} TFLOP/s {kernel_row['tbps']:5.2f} TB/s "
             f"{kernel_row['pct_roofline']:5.1f}% roof ({kernel_row['pct_roofline_mma']:5.1f}% mma roof) "
-            f"x{kernel_row.get('speedup_vs_fallback', float('nan'))} vs fallback  [{plan.config_name}, {plan.splits} splits]")
+            f"x{kernel_row.get('speedup_vs_fallback', float('nan'))} vs fallback  [{plan.config_name}, {plan.splits} splits]"
+            f"  t={time.monotonic() - started:.0f}s")
         del q_latent, q_rope, cache, lengths, tree, launch
         torch.cuda.empty_cache()
-    results.append_rows(TOPIC, rows)
     return rows
 
 
@@ -464,6 +475,7 @@ def main():
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")
     parser.add_argument("--profile", type=int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
     parser.add_argument("--config", default=None, help="variant for --profile")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds before no new shape starts")
     args = parser.parse_args()
     if args.profile:
         return profile_case(*args.profile, config=args.config)
@@ -471,7 +483,7 @@ def main():
         return explore(QUICK_SHAPES, reps=args.reps)
     if args.smoke:
         raise SystemExit(0 if smoke() else 1)
-    run(QUICK_SHAPES if args.quick else None, reps=args.reps)
+    run(QUICK_SHAPES if args.quick else None, reps=args.reps, time_budget=args.budget)
 
 
 if __name__ == "__main__":

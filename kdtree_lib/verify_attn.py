@@ -190,9 +190,10 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
 )}
-PREFERRED = {64: ("rows64_keys64_stages2",),
+# Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound.
+PREFERRED = {64: ("rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
-             16: ("rows16_keys32_stages4", "rows16_keys64_stages2", "rows16_keys32_stages2")}
+             16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
 MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits
 
 

@@ -64,9 +64,10 @@ TINY_TARGET = K26_MINI | dict(hidden_size=32, intermediate_size=64, moe_intermed
                               num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
                               qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
                               num_experts_per_tok=2)
-# Qwen3-style layers as z-lab's drafters; hidden size and vocabulary are the target's
-DRAFTER = dict(intermediate_size=768, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64, feature_layers=3, rope_theta=50000.0, rms_norm_eps=1e-6)
+# Qwen3-style layers, five as z-lab's released drafters (~4M parameters); hidden size and
+# vocabulary are the target's; features from target layers 1-4 (all but the dense first and the last)
+DRAFTER = dict(intermediate_size=768, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, feature_layers=4, rope_theta=50000.0, rms_norm_eps=1e-6)
 TINY_DRAFTER = DRAFTER | dict(intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=16, feature_layers=1)
 

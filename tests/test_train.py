@@ -144,3 +144,17 @@ def test_schedule_and_batches():
     assert torch.equal(first, train.Batches(tokens, 16, 4, seed=3).next("cpu"))
     assert first.shape == (4, 17) and torch.equal(first[:, 1:] - first[:, :-1], torch.ones(4, 16, dtype=torch.long))
     assert train.fixed_windows(tokens, 16, 3)[:, 0].tolist() == [0, 491, 982]
+
+
+def test_full_size_pair_fits_the_issue_budget():
+    """K2.6-shaped target of 10-30M parameters; target + block-8 drafter at most 48 MB in bf16."""
+    settings = train.Settings(out=Path(), corpus=Path())
+    config = train.target_config(settings, 8192, 0)
+    with torch.device("meta"):
+        target = DeepseekV3ForCausalLM(config)
+        drafter = train.DFlashDrafter(train.drafter_config(settings, config, 8, 8191))
+    target_params = sum(p.numel() for p in target.parameters())
+    drafter_params = sum(p.numel() for p in drafter.parameters())
+    assert 10e6 <= target_params <= 30e6
+    assert 2 * (target_params + drafter_params) <= 48e6
+    assert drafter.config.target_layer_ids == (1, 2, 3, 4) and config.first_k_dense_replace == 1

@@ -145,12 +145,12 @@ def random_draft(batch: int, depth: int, k: int, *, seed: int = 0):
 
 def follow_posterior(tree, rng, probability: float = FOLLOW_PROBABILITY) -> np.ndarray:
     """Posterior tokens [B, N] (host tree): the first child's token with `probability`, else a token
-    no child carries, so acceptance lengths are geometric like a real drafter's."""
+    no node carries, so acceptance lengths are geometric like a real drafter's."""
     first_child = tree.first_child
     rows = np.arange(tree.batch)[:, None]
     child_token = tree.tokens[rows, np.maximum(first_child, 0)]
     agree = (first_child >= 0) & (rng.random(first_child.shape) < probability)
-    return np.where(agree, child_token, -1).astype(np.int32)
+    return np.where(agree, child_token, int(tree.tokens.max()) + 1).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,6 +258,105 @@ def bench_accept(batches=ACCEPT_BATCHES, budgets=ACCEPT_BUDGETS, depth: int = 15
             del caches
             torch.cuda.empty_cache()
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# reading the rows back (notebooks 04 and 06)
+
+SERIES = {  # method -> (label, style) in the plots
+    "serving_cpu": ("(a) serving worker: host copy + Python heap", "o-"),
+    "numpy": ("(b) NumPy reference", "s-"),
+    "kernel": ("(c) kernel (CUDA graph)", "^-"),
+    "kernel_call": ("(c) kernel via Python entry point", "^:"),
+}
+
+
+def latest_rows(topic: str, *, stage: str | None = None) -> list[dict]:
+    """The newest measurement of every configuration in data/results/<topic>.csv (rows of the most
+    recent commit of the newest device that measured it), numbers parsed."""
+    rows = [r for r in results.read_rows(topic) if stage is None or r.get("stage") == stage]
+    if not rows:
+        return []
+    newest = max(rows, key=lambda r: r["date"])
+    kept = [r for r in rows if r["commit"] == newest["commit"] and r["device"] == newest["device"]]
+    return [{key: _number(value) for key, value in row.items()} for row in kept]
+
+
+def _number(text):
+    if text in ("", None):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def select(rows: list[dict], **where) -> list[dict]:
+    return [r for r in rows if all(r.get(key) == value for key, value in where.items())]
+
+
+def build_summary(rows: list[dict]) -> dict:
+    """The issue's build targets read from the rows: speed-up (a)/(c) and kernel time at B=64,
+    budget 64; the growth of kernel time from budget 64 to 1024 against budget * log2(budget)."""
+    summary = {}
+    for depth in sorted({r["depth"] for r in rows}):
+        kernel = {(r["batch"], r["budget"]): r["time_us"] for r in select(rows, method="kernel", depth=depth)}
+        serving = {(r["batch"], r["budget"]): r["time_us"] for r in select(rows, method="serving_cpu", depth=depth)}
+        if (64, 64) in kernel:
+            summary[f"D={depth} B=64 budget=64 kernel_us"] = kernel[64, 64]
+            summary[f"D={depth} B=64 budget=64 speedup_a_over_c"] = round(serving[64, 64] / kernel[64, 64], 1)
+        if (64, 64) in kernel and (64, 1024) in kernel:
+            summary[f"D={depth} B=64 kernel growth 64->1024"] = round(kernel[64, 1024] / kernel[64, 64], 1)
+            summary[f"D={depth} budget*log2(budget) growth 64->1024"] = round(1024 * 10 / (64 * 6), 1)
+        summary[f"D={depth} all kernel rows match the reference"] = all(
+            r["matches_reference"] for r in select(rows, method="kernel", depth=depth))
+    return summary
+
+
+def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
+    """Time per step vs budget (log-log) for the three builds, with a budget * log(budget) guide."""
+    for method, (label, style) in SERIES.items():
+        points = sorted((r["budget"], r["time_us"]) for r in select(rows, method=method, batch=batch, depth=depth))
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    kernel = sorted((r["budget"], r["time_us"]) for r in select(rows, method="kernel", batch=batch, depth=depth))
+    if kernel:
+        budgets = np.array([b for b, _ in kernel], float)
+        guide = kernel[0][1] * budgets * np.log2(budgets) / (budgets[0] * np.log2(budgets[0]))
+        ax.plot(budgets, guide, color="gray", lw=0.8, ls="--", label="∝ budget·log(budget)")
+    ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)",
+           title=f"tree build, B={batch}, D={depth}")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_build_speedup(ax, rows: list[dict], *, depth: int, target: float = 1000.0) -> None:
+    """(a)/(c): the serving worker's CPU build over the kernel, per batch size."""
+    for batch in sorted({r["batch"] for r in rows if r["depth"] == depth}):
+        points = sorted((r["budget"], r["speedup_vs_serving"])
+                        for r in select(rows, method="kernel", batch=batch, depth=depth))
+        ax.plot(*zip(*points), "o-", label=f"B={batch}")
+    ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target {target:g}×")
+    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="speed-up (a)/(c)", title=f"kernel vs serving worker, D={depth}")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_accept_times(ax, rows: list[dict], *, budget: int, target_us: float = 15.0) -> None:
+    """Walk, compaction of every layer, and both (CUDA graph), vs batch size."""
+    for method, label in (("accept_kernel", "accept (walk)"), ("compact_kernel", "compaction, all layers"),
+                          ("accept_compact_kernel", "accept + compaction")):
+        points = sorted((r["batch"], r["time_us"]) for r in select(rows, method=method, budget=budget))
+        if points:
+            ax.plot(*zip(*points), "o-", label=label)
+    ax.axhline(target_us, color="gray", ls="--", lw=0.8, label=f"target {target_us:g} µs")
+    ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="GPU time per step (µs)",
+           title=f"tree accept + KV compaction, budget {budget}")
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def main(argv=None) -> None:

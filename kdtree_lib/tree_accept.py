@@ -190,10 +190,28 @@ def _check_tree_arrays(tree: Tree) -> None:
 
 
 def _compact_cache_cupy(caches, lengths, result: AcceptResult):
-    """The kernel compaction (argument shapes checked by compact_cache); returns the new lengths."""
+    """The kernel compaction (argument shapes checked by compact_cache); returns the new lengths.
+
+    A host AcceptResult (from the NumPy walk) is copied to the caches' device first; a device one
+    is used in place, so the walk-then-compact step never waits for the host.
+    """
+    if framework(result.path) == "numpy":
+        result = AcceptResult(*(_to_device_like(caches[0], to_numpy(x))
+                                for x in (result.path, result.n_accepted, result.bonus)))
     new_lengths = _device_empty(lengths, (int(lengths.shape[0]),), dtype_name(lengths))
     _launch_compact(caches, lengths, result, new_lengths)
     return new_lengths
+
+
+def _to_device_like(like, values: np.ndarray):
+    """values (int32) on the device of `like`, in its framework."""
+    values = np.ascontiguousarray(values, dtype=np.int32)
+    if framework(like) == "torch":
+        import torch
+        return torch.as_tensor(values, device=like.device)
+    import cupy
+    with cupy.cuda.Device(_device_index(like)), cuda.current_stream():
+        return cupy.asarray(values)
 
 
 def _launch_compact(caches, lengths, result: AcceptResult, new_lengths) -> None:

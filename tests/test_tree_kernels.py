@@ -434,3 +434,19 @@ def test_kernels_follow_torch_current_stream():
     assert_topk_matches(draft, logits.cpu().numpy(), 64, f"seed={seed} side stream", exact_ids=False)
     want = build_tree(DraftTopK(host(draft.logp), host(draft.ids)), 64, backend="numpy")
     assert_same_tree(tree, want, "side stream")
+
+
+@pytest.mark.gpu
+def test_compaction_takes_a_host_accept_result():
+    """Device caches with the NumPy walk's AcceptResult: copied to the device, then the kernel."""
+    import torch
+    rng, seed = fresh_rng()
+    result = random_accept_result(rng, 3, 9, 30)
+    lengths = rng.integers(0, 40, size=3).astype(np.int32)
+    raw = [rng.integers(0, 2**15, size=(3, 80, 576)).astype(np.int16) for _ in range(2)]
+    want = [r.copy() for r in raw]
+    want_lengths = compact_cache(want, lengths, result, backend="numpy")
+    caches = [torch.as_tensor(r, device="cuda").view(torch.bfloat16) for r in raw]
+    new_lengths = compact_cache(caches, torch.as_tensor(lengths, device="cuda"), result)
+    assert np.array_equal(host(new_lengths), want_lengths), f"seed={seed}"
+    assert all(np.array_equal(host(c.view(torch.int16)), w) for c, w in zip(caches, want)), f"seed={seed}"

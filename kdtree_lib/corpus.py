@@ -53,7 +53,7 @@ class FileFilter:
     def accepts(self, path: str, size: int) -> bool:
         parts = PurePosixPath(path).parts
         return (path.endswith(self.suffix) and size <= self.max_bytes
-                and not any(".dist-info" in part or part.endswith(".data") for part in parts)
+                and not any(".dist-info" in part or part.endswith(".data") or part == ".." for part in parts)
                 and not any(part in self.exclude_dirs for part in parts[:-1]))
 
     def to_dict(self) -> dict:

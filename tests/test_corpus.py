@@ -54,6 +54,7 @@ def test_filter_and_select_rules():
     assert not flt.accepts("pkg/a.py", 101)
     assert not flt.accepts("pkg/a.json", 10)
     assert not flt.accepts("pkg-1.0.dist-info/x.py", 10)
+    assert not flt.accepts("../../bin/script.py", 10)  # installed outside site-packages (wheel: pkg.data/)
     assert flt.accepts("pkg/tests.py", 10)  # only folders are excluded by name
     package = Package("p", "1", "train", select=("-p/models/", "+p/models/keep/", "-p/models/keep/no.py"))
     assert package.wanted("p/core.py")

@@ -193,15 +193,16 @@ class RouterBalancer:
         return hook
 
     @torch.no_grad()
-    def update(self) -> float:
-        """Apply one bias step; returns the mean over layers of max load / mean load - 1 (MaxVio)."""
+    def update(self) -> torch.Tensor:
+        """Apply one bias step; returns the mean over layers of max load / mean load - 1 (MaxVio),
+        as a device scalar (reading it would wait for the step)."""
         violations = []
         for router, load in zip(self.routers, self.loads):
             mean = load.mean()
             router.e_score_correction_bias += self.rate * torch.sign(mean - load)
-            violations.append(float(load.max() / mean.clamp_min(1) - 1))
+            violations.append(load.max() / mean.clamp_min(1) - 1)
             load.zero_()
-        return sum(violations) / max(len(violations), 1)
+        return torch.stack(violations).mean()
 
 
 def target_config(settings: Settings, vocab_size: int, eot: int):
@@ -273,7 +274,7 @@ def train_target(settings: Settings) -> Path:
         if step % settings.log_every == 0 or step == 1 or last:
             evaluate = step % settings.eval_every == 0 or last
             log.row(step=step, tokens=step * settings.batch_size * settings.seq_len,
-                    elapsed_s=time.perf_counter() - start, lr=lr, loss=loss.item(), max_violation=violation,
+                    elapsed_s=time.perf_counter() - start, lr=lr, loss=loss.item(), max_violation=violation.item(),
                     heldout_loss=mean_loss(model, heldout, device, settings.batch_size) if evaluate else "")
     elapsed = time.perf_counter() - start
     heldout_loss = mean_loss(model, heldout, device, settings.batch_size)

@@ -16,6 +16,7 @@ its packages', and the corpus sha256 every package's.
 
     python -m kdtree_lib.corpus build --out data/corpus/build                       # wheels via pip
     python -m kdtree_lib.corpus build --out data/corpus/build --from-site-packages  # installed copies
+    python -m kdtree_lib.corpus prompts --build data/corpus/build                   # held-out prompt file
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import csv
 import fnmatch
 import hashlib
 import json
+import random
 import subprocess
 import sys
 import zipfile
@@ -33,6 +35,7 @@ from pathlib import Path, PurePosixPath
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFEST_PATH = REPO_ROOT / "data" / "corpus" / "manifest.json"
+PROMPTS_PATH = REPO_ROOT / "data" / "corpus" / "heldout_prompts.jsonl"
 SPLITS = ("train", "heldout")
 HASH_SCHEME = "sha256 over packages in manifest order, files in sorted path order, each path + '\\n' + text + '\\0'"
 # pure-python wheels install anywhere; these flags only stop pip from choosing by the local interpreter
@@ -326,6 +329,27 @@ def read_documents(build_dir, split: str):
             yield json.loads(line)["text"]
 
 
+def heldout_prompts(build_dir, count: int, chars: int, seed: int) -> list[dict]:
+    """`count` excerpts of about `chars` characters from distinct held-out files, each starting and
+    ending at a line boundary (the prompts of the acceptance measurements, committed so that the
+    notebooks need no corpus build)."""
+    path = Path(build_dir) / "corpus-heldout.jsonl"
+    with open(path, encoding="utf-8") as f:
+        files = [json.loads(line) for line in f]
+    files = [f for f in files if len(f["text"]) >= 2 * chars]
+    if len(files) < count:
+        raise ValueError(f"count: only {len(files)} held-out files hold {2 * chars} characters")
+    rng = random.Random(seed)
+    prompts = []
+    for entry in sorted(rng.sample(files, count), key=lambda e: (e["package"], e["path"])):
+        text = entry["text"]
+        start = text.find("\n", rng.randrange(len(text) - chars)) + 1
+        end = text.rfind("\n", start, start + chars) + 1
+        prompts.append({"package": entry["package"], "path": entry["path"], "start": start,
+                        "text": text[start:end]})
+    return prompts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kdtree_lib.corpus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,8 +364,19 @@ def main(argv=None) -> int:
     build.add_argument("--wheels", type=Path, help="wheel cache (default OUT/wheels)")
     build.add_argument("--update-manifest", action="store_true",
                        help="write the measured counts and hashes into the manifest instead of checking them")
+    prompts = sub.add_parser("prompts", help="write held-out prompt excerpts for the acceptance measurements")
+    prompts.add_argument("--build", type=Path, required=True, help="a corpus build folder")
+    prompts.add_argument("--out", type=Path, default=PROMPTS_PATH)
+    prompts.add_argument("--count", type=int, default=64)
+    prompts.add_argument("--chars", type=int, default=1200)
+    prompts.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    if args.command == "prompts":
+        chosen = heldout_prompts(args.build, args.count, args.chars, args.seed)
+        args.out.write_text("".join(json.dumps(p) + "\n" for p in chosen))
+        print(f"{len(chosen)} prompts from {len({p['package'] for p in chosen})} held-out packages -> {args.out}")
+        return 0
     manifest = Manifest.load(args.manifest)
     try:
         built = read_packages(manifest, site_packages=args.site_packages, from_site=args.from_site_packages,

@@ -126,3 +126,27 @@ def test_committed_manifest_is_consistent():
         assert raw["splits"][split]["bytes"] == sum(p["bytes"] for p in members)
     assert all(len(p.sha256) == 64 for p in manifest.packages) and len(manifest.sha256) == 64
     assert 20e6 <= raw["bytes"] <= 80e6
+
+
+def test_heldout_prompts_cut_at_lines(tmp_path):
+    build = tmp_path / "build"
+    build.mkdir()
+    lines = "".join(f"line {i:03d} of the file\n" for i in range(200))
+    with open(build / "corpus-heldout.jsonl", "w") as f:
+        for name in ("a", "b", "c", "short"):
+            text = lines if name != "short" else "x = 1\n"
+            f.write(json.dumps({"package": "pkg", "path": f"pkg/{name}.py", "text": text}) + "\n")
+    prompts = corpus.heldout_prompts(build, 3, 200, seed=1)
+    assert [p["path"] for p in prompts] == ["pkg/a.py", "pkg/b.py", "pkg/c.py"]
+    for p in prompts:
+        assert p["text"].startswith("line ") and p["text"].endswith("\n") and len(p["text"]) <= 200
+        assert lines[p["start"]:].startswith(p["text"])
+    assert prompts == corpus.heldout_prompts(build, 3, 200, seed=1)
+    with pytest.raises(ValueError, match="count"):
+        corpus.heldout_prompts(build, 4, 200, seed=1)
+
+
+def test_committed_prompts_are_heldout():
+    heldout = {p.name for p in Manifest.load().split_packages("heldout")}
+    prompts = [json.loads(line) for line in corpus.PROMPTS_PATH.read_text().splitlines()]
+    assert len(prompts) == 64 and {p["package"] for p in prompts} <= heldout

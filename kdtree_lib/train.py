@@ -457,6 +457,22 @@ def link_tokenizer(directory: Path) -> None:
         link.symlink_to(Path("..") / TARGET_DIR / "tokenizer.json")
 
 
+def read_log(path) -> dict[str, np.ndarray]:
+    """A train_log.csv as float columns (cells a row left empty are NaN)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    columns = rows[0].keys() if rows else []
+    return {c: np.array([float(r[c]) if r[c] != "" else np.nan for r in rows]) for c in columns}
+
+
+def read_stage(directory) -> tuple[dict, dict] | None:
+    """(train_log columns, eval.json) of one trained folder, or None where it has not been trained."""
+    directory = Path(directory)
+    if not (directory / "train_log.csv").is_file() or not (directory / "eval.json").is_file():
+        return None
+    return read_log(directory / "train_log.csv"), json.loads((directory / "eval.json").read_text())
+
+
 def write_eval(directory: Path, settings: Settings, **values) -> None:
     run = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
     (directory / "eval.json").write_text(json.dumps(values | {"settings": run}, indent=1) + "\n")

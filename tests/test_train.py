@@ -84,6 +84,11 @@ def test_logs(models):
         assert rows[-1].get("heldout_loss", rows[-1].get("heldout_accept_tf")) != ""
         result = json.loads((models / folder / "eval.json").read_text())
         assert result["steps"] == 5 and result["settings"]["tiny"] is True
+        columns, same = train.read_stage(models / folder)
+        assert same == result and columns["step"].tolist() == [1, 2, 3, 4, 5]
+        heldout = columns.get("heldout_loss", columns.get("heldout_accept_tf"))
+        assert np.isnan(heldout[0]) and np.isfinite(heldout[-1])
+    assert train.read_stage(models / "absent") is None
     assert "heldout_perplexity" in json.loads((models / "k26-mini" / "eval.json").read_text())
 
 

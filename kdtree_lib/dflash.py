@@ -363,13 +363,15 @@ class DFlashDrafter(nn.Module):
                            lengths=torch.zeros(batch, dtype=torch.long, device=weight.device))
 
     @torch.no_grad()
-    def draft(self, cache: DFlashCache, features, bonus, n_new=None):
+    def draft(self, cache: DFlashCache, features, bonus, n_new=None, *, static: bool = False):
         """Append the newly committed tokens' features, then draft the block after `bonus`.
 
         features (B, T, F): the target features of each request's next committed tokens (those at
         positions lengths[b] ... lengths[b] + n_new[b] - 1; rows past n_new[b] are ignored);
         bonus int [B]: the token at position lengths[b] + n_new[b], not yet run by the target.
         n_new int [B] (default T for every request); T may be 0.
+        static=True: fixed shapes and no host synchronisation (what a CUDA graph captures): the
+        block attends over the whole cache capacity and the caller guarantees n_new and capacity.
         Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus.
         """
         c = self.config
@@ -380,11 +382,12 @@ class DFlashDrafter(nn.Module):
                              f"got {tuple(features.shape)}")
         device = cache.lengths.device
         n_new = torch.full((batch,), count, device=device) if n_new is None else torch.as_tensor(n_new, device=device)
-        if bool(((n_new < 0) | (n_new > count)).any()):
-            raise ValueError(f"n_new: expected values in 0..T={count}, got {n_new.tolist()}")
-        end = int(cache.lengths.max()) + count
-        if end > cache.capacity:
-            raise ValueError(f"cache: {end} slots needed, capacity {cache.capacity}")
+        if not static:
+            if bool(((n_new < 0) | (n_new > count)).any()):
+                raise ValueError(f"n_new: expected values in 0..T={count}, got {n_new.tolist()}")
+            end = int(cache.lengths.max()) + count
+            if end > cache.capacity:
+                raise ValueError(f"cache: {end} slots needed, capacity {cache.capacity}")
 
         slots = cache.lengths[:, None] + torch.arange(count, device=device)     # (B, T)
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, T, D)
@@ -396,7 +399,7 @@ class DFlashDrafter(nn.Module):
             cache.values[i].scatter_(2, index, v)
         cache.lengths = cache.lengths + n_new.long()
 
-        visible_slots = int(cache.lengths.max())
+        visible_slots = cache.capacity if static else int(cache.lengths.max())
         key_slot = torch.arange(visible_slots, device=device)
         block_pos = cache.lengths[:, None] + torch.arange(c.block_size, device=device)      # (B, Q)
         key_pos = torch.cat([key_slot.expand(batch, -1), block_pos], dim=1)                # (B, L' + Q)

@@ -287,16 +287,20 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x, ids, weights):
+        """Fixed shapes and no host synchronisation (a CUDA graph captures it): every (token, slot)
+        assignment is sorted by expert, other ranks' experts last, and those rows are dropped."""
+        experts = len(self.expert_ids)
         local = ids - self.expert_ids.start                                # (N, k)
-        mine = (local >= 0) & (local < len(self.expert_ids))
-        token = torch.arange(len(x), device=x.device)[:, None].expand_as(ids)[mine]
-        expert, weight = local[mine], weights[mine]                        # (M,) assignments
-        order = torch.argsort(expert, stable=True)
-        token, weight = token[order], weight[order]
-        ends = torch.bincount(expert, minlength=len(self.expert_ids)).cumsum(0).to(torch.int32)
+        mine = (local >= 0) & (local < experts)
+        key = torch.where(mine, local, experts).flatten()                  # (N*k,) other ranks' experts sort last
+        order = torch.argsort(key, stable=True)
+        token = torch.arange(len(x), device=x.device).repeat_interleave(ids.shape[1])[order]
+        ends = torch.searchsorted(key[order], torch.arange(experts, device=x.device), right=True).to(torch.int32)
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # (M, D)
-        return torch.zeros_like(x).index_add_(0, token, (y * weight[:, None]).to(x.dtype))
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # (N*k, D)
+        keep = mine.flatten()[order, None]                                 # rows past ends[-1] are not computed
+        y = torch.where(keep, y * weights.flatten()[order, None], 0)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 class MoE(nn.Module):
@@ -390,16 +394,16 @@ class Transformer(nn.Module):
         return out
 
     @torch.no_grad()
-    def verify(self, tree: Tree, cache: KVCache, *, feature_layers=()) -> TargetOutput:
+    def verify(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False) -> TargetOutput:
         """Logits at every tree node; the nodes' entries are written, nothing is committed
-        (cache.accept(result) keeps the accepted path)."""
-        return self.forward(tree, cache, feature_layers=feature_layers)
+        (cache.accept(result) keeps the accepted path). static: see step()."""
+        return self.forward(tree, cache, feature_layers=feature_layers, static=static)
 
-    def forward(self, tree: Tree, cache: KVCache, *, feature_layers=()) -> TargetOutput:
+    def forward(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False) -> TargetOutput:
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {self.attention!r}")
         tree = tree.to_torch(self.device)
-        step = self.step(tree, cache)
+        step = self.step(tree, cache, static=static)
         x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
         outputs = {}
         for i, layer in enumerate(self.layers):
@@ -410,15 +414,22 @@ class Transformer(nn.Module):
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return TargetOutput(logits=logits, features=features)
 
-    def step(self, tree: Tree, cache: KVCache) -> Step:
+    def step(self, tree: Tree, cache: KVCache, *, static: bool = False) -> Step:
+        """static=True: fixed shapes and no host synchronisation (what a CUDA graph captures): keys
+        span the whole cache and the caller guarantees max(lengths) + T <= L_max."""
         lengths = cache.lengths
         batch, nodes = tree.tokens.shape
-        visible = int(lengths.max()) + nodes
-        if visible > cache.capacity:
-            raise ValueError(f"cache: {nodes} new tokens after {int(lengths.max())} committed exceed "
-                             f"its capacity L_max={cache.capacity}")
+        if static:
+            visible = cache.capacity
+        else:
+            visible = int(lengths.max()) + nodes
+            if visible > cache.capacity:
+                raise ValueError(f"cache: {nodes} new tokens after {int(lengths.max())} committed exceed "
+                                 f"its capacity L_max={cache.capacity}")
+        if self.inv_freq.device != self.device:  # once: a graph cannot capture a copy from pageable memory
+            self.inv_freq = self.inv_freq.to(self.device)
         slots = lengths[:, None].long() + torch.arange(nodes, device=self.device)              # (B, T)
-        angles = (lengths[:, None] + tree.depths).float()[..., None] * self.inv_freq.to(self.device)  # (B, T, rope/2)
+        angles = (lengths[:, None] + tree.depths).float()[..., None] * self.inv_freq            # (B, T, rope/2)
         dtype = self.embed_tokens.weight.dtype
         cos, sin = ((f(angles) * self.rope_scale).to(dtype) for f in (torch.cos, torch.sin))
         mask = key_mask(lengths, tree, visible, device=self.device) if self.attention == "naive" else None

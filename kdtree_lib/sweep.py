@@ -1,23 +1,46 @@
-"""Acceptance-vs-budget sweeps from an offline oracle.
+"""Acceptance-vs-budget sweeps from an offline oracle, and the live runs that check it.
 
 At T=0 a DDTree round that starts with committed context y[:t+1] (root y[t]) accepts the longest
 prefix of the target's greedy continuation y[t+1:] that is a path of the tree, plus the root. The
 tree depends only on the drafter's top-k for that context, and decoding is lossless, so the
 contexts a live decode visits are prefixes of the target's greedy sequence. Record once per
-prompt the greedy sequence and the drafter's top-k at every position; then, for any budget, depth
-or top-k, build the trees of all positions in one batched call, read off the accepted length at
-each position, and chase the rounds: t -> t + accepted(t). That equals the live decode's
-acceptance exactly (tested against the live loop) and costs milliseconds on the GPU kernels.
+prompt the greedy sequence and the drafter's top-k at every position (`record_oracle`); then, for
+any budget, depth or top-k, build the trees of all positions in one batched call, read off the
+accepted length at each position, and chase the rounds: t -> t + accepted(t). That equals the live
+decode's acceptance exactly (tests/test_sweep_live.py runs both) and costs milliseconds on the GPU
+kernels. It is exact for budgets up to the recorded top-k (a tree of b nodes never uses a rank
+>= b), so record k_max = the largest budget swept (or the vocabulary).
+
+At T>0 the accepted length is random. `record_sampled` follows one trajectory sampled from the
+target and stores, at every position, the tree of the largest budget and the target's probability
+of each node's token given its parent's path; a smaller budget's tree is a prefix of it (pop
+order). `monte_carlo_acceptance` then samples the walk at any budget <= that and chases rounds
+along the recorded trajectory. Its one approximation: a replayed round continues from the recorded
+context, where a live round continues from the tokens it sampled itself (both are samples of the
+target), so it is compared with live runs (`live_rows`) rather than assumed.
+
+Rows (`oracle_rows`, `live_rows`, `monte_carlo_rows`) go to data/results/acceptance.csv:
+    python -m kdtree_lib.sweep --block-sizes 8 16 --prompts-per-package 8 --new-tokens 256   # on a GPU
 """
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 
-from .checks import check_array, check_positive_int, to_numpy
+from . import results
+from .checks import check_array, check_positive_int, framework, to_numpy
+from .decode import Decoder, check_pair, decoder_capacity, generate, prompt_list, resolve_backend
 from .tree_accept import accept
 from .tree_build import DraftTopK, build_tree
+
+TOPIC = "acceptance"
+BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass
@@ -31,6 +54,13 @@ class OracleRecord:
     draft: DraftTopK
     tokens: np.ndarray
 
+    def to_torch(self, device) -> "OracleRecord":
+        """The record as torch tensors on `device` (on a GPU the replay runs on the kernels)."""
+        import torch
+        return OracleRecord(DraftTopK(*(torch.as_tensor(to_numpy(x), device=device) for x in (self.draft.logp,
+                                                                                             self.draft.ids))),
+                            torch.as_tensor(to_numpy(self.tokens), device=device))
+
 
 def accepted_at_every_position(record: OracleRecord, budget: int, *, depth: int | None = None,
                                topk: int | None = None, mode: str = "tree",
@@ -38,14 +68,17 @@ def accepted_at_every_position(record: OracleRecord, budget: int, *, depth: int 
     """int32 [T]: the number of nodes (root included) a round starting at position t accepts."""
     logp, ids, tokens = _sliced(record, depth, topk)
     positions, depth_limit, _ = logp.shape
-    tree = build_tree(DraftTopK(logp, ids), budget, root=tokens[:positions].astype(np.int32), mode=mode,
-                      backend=backend)
-    tree = tree.to_numpy()
+    tree = build_tree(DraftTopK(logp, ids), budget, root=tokens[:positions], mode=mode, backend=backend)
     # The greedy target's token at a node of depth d on the greedy path is tokens[t + d + 1]; nodes
     # off that path are never reached by the walk, so their posterior does not matter.
-    continuation = np.stack([tokens[t + 1: t + 2 + depth_limit] for t in range(positions)])  # (T, D+1)
-    posterior = np.take_along_axis(continuation, tree.depths.astype(np.int64), axis=1).astype(np.int32)
-    return np.asarray(accept(tree, posterior, backend="numpy").n_accepted)
+    if framework(tree.depths) == "torch":  # a record on the GPU: trees, posterior and walk stay there
+        continuation = tokens[1:].unfold(0, depth_limit + 1, 1)[:positions]                   # (T, D+1)
+        posterior = continuation.gather(1, tree.depths.long())
+    else:
+        tokens = to_numpy(tokens)
+        continuation = np.lib.stride_tricks.sliding_window_view(tokens[1:], depth_limit + 1)[:positions]
+        posterior = np.take_along_axis(continuation, to_numpy(tree.depths).astype(np.int64), axis=1)
+    return to_numpy(accept(tree, posterior, backend=backend).n_accepted).astype(np.int32)
 
 
 def round_lengths(accepted: np.ndarray, n_new_tokens: int | None = None) -> list[int]:
@@ -77,13 +110,361 @@ def _sliced(record: OracleRecord, depth, topk):
     logp = check_array("record.draft.logp", record.draft.logp, dtypes="float32", ndim=3)
     positions, depth_limit, k = logp.shape
     check_array("record.draft.ids", record.draft.ids, dtypes="int32", shape=(positions, depth_limit, k))
-    tokens = to_numpy(check_array("record.tokens", record.tokens, dtypes=("int32", "int64"),
-                                  shape=(positions + depth_limit + 1,)))
+    check_array("record.tokens", record.tokens, dtypes=("int32", "int64"), shape=(positions + depth_limit + 1,))
     depth = depth_limit if depth is None else check_positive_int("depth", depth)
     topk = k if topk is None else check_positive_int("topk", topk)
     if depth > depth_limit:
         raise ValueError(f"depth: at most the recorded depth {depth_limit}, got {depth}")
     if topk > k:
         raise ValueError(f"topk: at most the recorded top-k {k}, got {topk}")
-    return (np.ascontiguousarray(to_numpy(logp)[:, :depth, :topk]),
-            np.ascontiguousarray(to_numpy(record.draft.ids)[:, :depth, :topk]), tokens[: positions + depth + 1])
+    return (_contiguous(logp[:, :depth, :topk]), _contiguous(record.draft.ids[:, :depth, :topk]),
+            _contiguous(record.tokens[: positions + depth + 1]))
+
+
+def _contiguous(x):
+    return x.contiguous() if framework(x) == "torch" else np.ascontiguousarray(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# recording from the live models
+
+def record_oracle(target, drafter, prompt_ids, n_tokens: int, k_max: int, *, backend: str = "auto") -> list[OracleRecord]:
+    """One OracleRecord per prompt: n_tokens positions of the target's greedy run, the drafter's
+    top-k_max at each (the run goes D tokens further, for the continuations).
+
+    The run is the decode loop itself (kdtree_lib.decode.Decoder) with a one-node tree per round and
+    the drafter called every round, so the features and drafts are computed as a live decode does.
+    """
+    n_tokens, k_max = check_positive_int("n_tokens", n_tokens), check_positive_int("k_max", k_max)
+    depth = drafter.config.draft_depth
+    decoder, prompts = _recorder(target, drafter, prompt_ids, n_tokens + depth, method="ar", budget=1,
+                                 topk=min(k_max, target.config.vocab_size), temperature=0.0, backend=backend)
+    logp, ids = [], []
+    for position in range(n_tokens + depth):
+        draft = decoder.step().draft
+        if position < n_tokens:
+            logp.append(draft.logp)
+            ids.append(draft.ids)
+    logp, ids = to_numpy(_stack(logp)), to_numpy(_stack(ids))                               # (B, T, D, K)
+    tokens = decoder.out[:, :n_tokens + depth].cpu().numpy()
+    return [OracleRecord(DraftTopK(np.ascontiguousarray(logp[b]), np.ascontiguousarray(ids[b])),
+                         np.concatenate([[prompt[-1]], tokens[b]]).astype(np.int32))
+            for b, prompt in enumerate(prompts)]
+
+
+@dataclass
+class SampledRecord:
+    """One prompt at T > 0: along a trajectory sampled from the target, the tree of `budget` nodes
+    built at each position and the target's probability of each node's token given its parent's path.
+
+    parents int32 [T, N] (N = budget + 1, pop order, -1 for the root and padding);
+    node_probs float32 [T, N]: p_T(token of node i | path to its parent), 1 at the root, 0 for padding.
+    """
+    parents: np.ndarray
+    node_probs: np.ndarray
+    temperature: float
+
+    @property
+    def budget(self) -> int:
+        return int(self.parents.shape[1]) - 1
+
+
+def record_sampled(target, drafter, prompt_ids, n_tokens: int, *, budget: int, temperature: float, seed: int = 0,
+                   backend: str = "auto") -> list[SampledRecord]:
+    """One SampledRecord per prompt: n_tokens positions of a trajectory sampled at `temperature`."""
+    n_tokens = check_positive_int("n_tokens", n_tokens)
+    if not temperature > 0:
+        raise ValueError(f"temperature: expected a number > 0 (use record_oracle at T = 0), got {temperature!r}")
+    decoder, prompts = _recorder(target, drafter, prompt_ids, n_tokens, method="ddtree", budget=budget,
+                                 temperature=float(temperature), backend=backend, walk=False, seed=seed)
+    parents, probs = [], []
+    for _ in range(n_tokens):
+        step = decoder.step()
+        device = step.logits.device
+        node_parents = torch.as_tensor(step.tree.parents, device=device).long()            # (B, N)
+        node_tokens = torch.as_tensor(step.tree.tokens, device=device).long()
+        vocab = step.logits.shape[-1]
+        p = torch.softmax(step.logits / temperature, dim=-1).flatten(1)                    # (B, N*V)
+        node_p = p.gather(1, node_parents.clamp(min=0) * vocab + node_tokens)
+        node_p = torch.where(node_parents >= 0, node_p, 0.0)
+        node_p[:, 0] = 1.0
+        parents.append(node_parents)
+        probs.append(node_p)
+    parents = torch.stack(parents, dim=1).int().cpu().numpy()                                   # (B, T, N)
+    probs = torch.stack(probs, dim=1).float().cpu().numpy()
+    return [SampledRecord(parents[b], probs[b], float(temperature)) for b in range(len(prompts))]
+
+
+def _recorder(target, drafter, prompt_ids, steps: int, *, backend: str, seed: int = 0, **settings):
+    """A Decoder that drafts every round, reset to the prompts for `steps` rounds."""
+    check_pair(target, drafter)
+    prompts = prompt_list(prompt_ids, target.config.vocab_size)
+    depth = drafter.config.draft_depth
+    nodes = 1 if settings["method"] == "ar" else settings["budget"] + 1
+    decoder = Decoder(target, drafter, batch=len(prompts), capacity=decoder_capacity(prompts, steps, nodes, depth),
+                      backend=resolve_backend(backend, target), draft=True, **settings)
+    decoder.reset(prompts, max_new_tokens=steps, seed=seed)
+    return decoder, prompts
+
+
+def _stack(items):
+    return torch.stack(items, dim=1) if framework(items[0]) == "torch" else np.stack(items, axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Monte-Carlo replay at T > 0
+
+def sampled_accepted(record: SampledRecord, budget: int, n_samples: int, rng: np.random.Generator) -> np.ndarray:
+    """int32 [T, S]: sampled accepted lengths (root included) of a round at each position, budget <= record's.
+
+    The walk at node v picks child c with probability node_probs[c] (children of v in the budget's
+    tree, disjoint events since their tokens differ) and stops otherwise.
+    """
+    budget = check_positive_int("budget", budget)
+    if budget > record.budget:
+        raise ValueError(f"budget: at most the recorded budget {record.budget}, got {budget}")
+    parents = record.parents[:, :budget + 1].astype(np.int64)                                  # (T, N)
+    probs = record.node_probs[:, :budget + 1].astype(np.float64)
+    high = _cumulative_within_siblings(parents, probs)                                        # (T, N)
+    low = high - probs
+    positions, nodes = parents.shape
+    node = np.zeros((positions, n_samples), np.int64)
+    length = np.ones((positions, n_samples), np.int32)
+    walking = np.ones((positions, n_samples), bool)
+    while walking.any():
+        u = rng.random((positions, n_samples))[..., None]
+        hit = ((parents[:, None, :] == node[..., None]) & (low[:, None, :] <= u) & (u < high[:, None, :])
+               & walking[..., None])                                                           # (T, S, N)
+        found = hit.any(axis=-1)
+        node = np.where(found, hit.argmax(axis=-1), node)
+        length += found
+        walking &= found
+    return length
+
+
+def _cumulative_within_siblings(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """For each node, the sum of its own and its earlier siblings' probabilities (pop order)."""
+    order = np.argsort(parents, axis=1, kind="stable")                 # siblings grouped, pop order inside
+    sorted_parents = np.take_along_axis(parents, order, axis=1)
+    sorted_probs = np.take_along_axis(probs, order, axis=1)
+    running = np.cumsum(sorted_probs, axis=1)
+    starts = np.ones(sorted_parents.shape, bool)
+    starts[:, 1:] = sorted_parents[:, 1:] != sorted_parents[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, np.arange(parents.shape[1]), 0), axis=1)
+    before_group = np.take_along_axis(running - sorted_probs, first, axis=1)
+    result = np.empty_like(probs)
+    np.put_along_axis(result, order, running - before_group, axis=1)
+    return result
+
+
+def monte_carlo_acceptance(records: list[SampledRecord], budget: int, *, n_samples: int = 64,
+                           seed: int = 0) -> tuple[float, float, list[int]]:
+    """(mean tokens per round, its standard error over the samples, every sampled round's length)."""
+    rng = np.random.default_rng(seed)
+    per_sample = [[] for _ in range(n_samples)]
+    for record in records:
+        accepted = sampled_accepted(record, budget, n_samples, rng)
+        for s in range(n_samples):
+            per_sample[s] += round_lengths(accepted[:, s])
+    means = np.array([np.mean(r) for r in per_sample])
+    return float(means.mean()), float(means.std(ddof=1) / np.sqrt(n_samples)), [n for r in per_sample for n in r]
+
+
+# ----------------------------------------------------------------------------------------------
+# rows for data/results/acceptance.csv
+
+def oracle_rows(records: list[OracleRecord], budgets=BUDGETS, *, package: str, block_size: int, mode: str = "tree",
+                depth: int | None = None, topk: int | None = None, n_new_tokens: int | None = None,
+                backend: str = "auto", pair: str = "", progress: bool = True) -> list[dict]:
+    """One row per budget: the oracle's mean acceptance over every round of every record."""
+    rows = []
+    for budget in _progress(budgets, f"oracle {package} b{block_size}", progress):
+        rounds = [n for record in records
+                  for n in round_lengths(accepted_at_every_position(record, budget, depth=depth, topk=topk,
+                                                                    mode=mode, backend=backend), n_new_tokens)]
+        rows.append(_row("oracle", rounds, package=package, block_size=block_size, mode=mode, budget=budget,
+                         depth=depth or block_size - 1, topk=topk or int(records[0].draft.logp.shape[-1]),
+                         temperature=0.0, prompts=len(records), backend=backend, pair=pair))
+    return rows
+
+
+def live_rows(target, drafter, prompts, budgets=BUDGETS, *, package: str, max_new_tokens: int,
+              method: str = "ddtree", temperature: float = 0.0, seeds=(0,), backend: str = "auto", pair: str = "",
+              progress: bool = True, **options) -> list[dict]:
+    """One row per budget: generate's acceptance (one batch of all prompts per seed); at T > 0 the
+    standard error is over the seeds' means."""
+    rows = []
+    for budget in _progress(budgets, f"live {package} {method}", progress):
+        runs = [generate(target, drafter, prompts, method=method, budget=budget, temperature=temperature,
+                         max_new_tokens=max_new_tokens, backend=backend, seed=seed, **options) for seed in seeds]
+        rounds = [int(n) for run in runs for a in run.acceptance for n in a]
+        means = [run.mean_acceptance for run in runs]
+        stderr = float(np.std(means, ddof=1) / np.sqrt(len(means))) if len(means) > 1 else float("nan")
+        rows.append(_row("live", rounds, package=package, block_size=drafter.config.block_size,
+                         mode="chain" if method == "chain" else "tree", budget=budget,
+                         depth=drafter.config.draft_depth, topk=min(budget, target.config.vocab_size),
+                         temperature=float(temperature), prompts=len(prompts), backend=runs[0].backend, pair=pair,
+                         stderr=stderr, seeds=len(seeds)))
+    return rows
+
+
+def monte_carlo_rows(records: list[SampledRecord], budgets, *, package: str, block_size: int, n_samples: int = 64,
+                     seed: int = 0, pair: str = "", progress: bool = True) -> list[dict]:
+    """One row per budget: the Monte-Carlo replay's mean acceptance and standard error at T > 0."""
+    rows = []
+    for budget in _progress(budgets, f"monte carlo {package} b{block_size}", progress):
+        mean, stderr, rounds = monte_carlo_acceptance(records, budget, n_samples=n_samples, seed=seed)
+        rows.append(_row("monte_carlo", rounds, package=package, block_size=block_size, mode="tree", budget=budget,
+                         depth=block_size - 1, topk=budget, temperature=records[0].temperature,
+                         prompts=len(records), backend="numpy", pair=pair, stderr=stderr, seeds=n_samples))
+    return rows
+
+
+def _row(source: str, rounds, *, stderr: float = float("nan"), **columns) -> dict:
+    counts = np.bincount(np.asarray(rounds, np.int64), minlength=2)[1:] if len(rounds) else np.zeros(0, np.int64)
+    return {"source": source, **columns, "rounds": len(rounds),
+            "mean_acceptance": float(np.mean(rounds)) if len(rounds) else float("nan"), "stderr": stderr,
+            "histogram": json.dumps(counts.tolist())}
+
+
+def _progress(items, description: str, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(list(items), desc=description, unit="budget", disable=not enabled, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# reading rows back and plotting them
+
+def latest(rows: list[dict], **criteria) -> list[dict]:
+    """Rows matching `criteria` (compared as text), the newest row per (source, package, block,
+    mode, budget, temperature), oldest first."""
+    keys = ("source", "package", "block_size", "mode", "budget", "temperature", "pair")
+    newest = {}
+    for row in rows:
+        if all(_matches(row.get(k), v) for k, v in criteria.items()):
+            newest[tuple(str(row.get(k)) for k in keys)] = row
+    return list(newest.values())
+
+
+def _matches(value, wanted) -> bool:
+    if isinstance(wanted, (int, float)) and not isinstance(wanted, bool):
+        try:
+            return float(value) == float(wanted)
+        except (TypeError, ValueError):
+            return False
+    return str(value) == str(wanted)
+
+
+def plot_acceptance_vs_budget(ax, rows: list[dict], *, title: str = "") -> None:
+    """Mean acceptance length vs budget (log2 axis): a line per (source, block size, mode), live
+    runs as markers with error bars where they have several seeds."""
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["source"], int(float(row["block_size"])), row["mode"]), []).append(row)
+    styles = {"oracle": dict(marker=".", linestyle="-"), "monte_carlo": dict(marker=".", linestyle="--"),
+              "live": dict(marker="o", linestyle="none", markersize=7, markerfacecolor="none")}
+    colors = {}
+    for (source, block, mode), group in sorted(groups.items()):
+        group.sort(key=lambda r: float(r["budget"]))
+        budget = np.array([float(r["budget"]) for r in group])
+        mean = np.array([float(r["mean_acceptance"]) for r in group])
+        error = np.array([float(r.get("stderr") or "nan") for r in group])
+        color = colors.setdefault((block, mode), f"C{len(colors)}")
+        label = f"{source.replace('_', ' ')}, block {block}" + (", chain" if mode == "chain" else "")
+        ax.errorbar(budget, mean, yerr=np.where(np.isfinite(error), error, 0), color=color, label=label,
+                    **styles.get(source, {}))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (draft nodes per tree)")
+    ax.set_ylabel("mean acceptance length (tokens per round)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_acceptance_histogram(ax, rows: list[dict], *, title: str = "") -> None:
+    """Fraction of rounds by acceptance length, one bar group per row (e.g. a few budgets)."""
+    width = 0.8 / max(len(rows), 1)
+    for i, row in enumerate(rows):
+        counts = np.array(json.loads(row["histogram"]), float)
+        lengths = np.arange(1, len(counts) + 1)
+        ax.bar(lengths + (i - (len(rows) - 1) / 2) * width, counts / max(counts.sum(), 1), width=width,
+               label=f"budget {int(float(row['budget']))}, block {int(float(row['block_size']))}")
+    ax.set_xlabel("acceptance length (tokens per round)")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# held-out prompts and the command line
+
+def heldout_prompts(per_package: int, prompt_tokens: int, *, build_dir=None, tokenizer_path=None) -> dict[str, list]:
+    """{package: [int64 arrays]}: the first `prompt_tokens` tokens of the first `per_package` files
+    (long enough) of each held-out package of the corpus build."""
+    from .corpus import REPO_ROOT
+    from .tokenizer import TOKENIZER_PATH, load_tokenizer
+    build_dir = Path(build_dir) if build_dir is not None else REPO_ROOT / "data" / "corpus" / "build"
+    tokenizer = load_tokenizer(tokenizer_path or TOKENIZER_PATH)
+    prompts: dict[str, list] = {}
+    with open(build_dir / "corpus-heldout.jsonl", encoding="utf-8") as handle:
+        for line in handle:
+            document = json.loads(line)
+            chosen = prompts.setdefault(document["package"], [])
+            if len(chosen) < per_package:
+                ids = tokenizer.encode(document["text"]).ids
+                if len(ids) >= prompt_tokens:
+                    chosen.append(np.asarray(ids[:prompt_tokens], np.int64))
+    return prompts
+
+
+def main(argv=None) -> int:
+    from .decode import load_pair, stand_in_paths
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models-dir", type=Path, default=None)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    parser.add_argument("--live-budgets", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--prompts-per-package", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0, help="the T > 0 comparison (0 skips it)")
+    parser.add_argument("--mc-budget", type=int, default=64, help="largest budget of the T > 0 recording")
+    parser.add_argument("--seeds", type=int, default=4, help="live runs per budget at T > 0")
+    parser.add_argument("--results-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    packages = heldout_prompts(args.prompts_per_package, args.prompt_tokens)
+    rows = []
+    for block_size in args.block_sizes:
+        target_path, drafter_path = stand_in_paths(block_size, args.models_dir)
+        if not (drafter_path / "config.json").is_file():
+            print(f"no drafter at {drafter_path}: block size {block_size} skipped", file=sys.stderr)
+            continue
+        target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
+        pair = f"{target_path.name}+{drafter_path.name}"
+        k_max = min(max(args.budgets), target.config.vocab_size)
+        for package, prompts in packages.items():
+            records = record_oracle(target, drafter, prompts, args.new_tokens, k_max)
+            if device == "cuda":
+                records = [record.to_torch(device) for record in records]
+            for mode in ("tree", "chain"):
+                rows += oracle_rows(records, args.budgets, package=package, block_size=block_size, mode=mode,
+                                    n_new_tokens=args.new_tokens, pair=pair)
+            rows += live_rows(target, drafter, prompts, args.live_budgets, package=package,
+                              max_new_tokens=args.new_tokens, pair=pair)
+            if args.temperature > 0:
+                sampled = record_sampled(target, drafter, prompts, args.new_tokens, budget=args.mc_budget,
+                                         temperature=args.temperature)
+                budgets = [b for b in args.live_budgets if b <= args.mc_budget]
+                rows += monte_carlo_rows(sampled, budgets, package=package, block_size=block_size, pair=pair)
+                rows += live_rows(target, drafter, prompts, budgets, package=package, max_new_tokens=args.new_tokens,
+                                  temperature=args.temperature, seeds=range(args.seeds), pair=pair)
+    if rows:
+        print(f"{len(rows)} rows -> {results.append_rows(TOPIC, rows, results_dir=args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,607 @@
+"""DDTree decoding end to end, lossless: draft → top-k → tree build → verify → posterior → accept.
+
+One round (a *step*) advances every request of a batch, at shapes fixed by (batch, budget):
+
+    draft      drafter.draft: the DFlash block after each root, from the target features of the
+               tokens committed last round; then draft_topk               DraftTopK [B, D, K]
+    tree       build_tree: DDTree's best-first tree of `budget` nodes, DFlash's chain, or (method
+               "ar") the root alone                                         Tree [B, N]
+    verify     target.verify: every node attends to its request's cache and to its ancestors
+               (absorbed MLA), then the posterior: the target's token at every node (argmax at
+               T = 0, a sample of softmax(logits / T) at T > 0)             logits [B, N, V]
+    accept     tree_accept.accept walks the tree with the posterior; compact_cache keeps the
+               accepted nodes' KV entries; the commit appends the emitted tokens (the accepted
+               drafts, then the bonus), logs the acceptance length, checks stop tokens and
+               max_new_tokens, and hands the accepted nodes' features and the bonus (the next
+               root) to the drafter
+
+Every emitted token is the target's own token at its context, so greedy DDTree and chain output
+equals greedy autoregressive output, and at T > 0 the output has the target's sampling
+distribution (tests/test_decode.py checks both). The prompt's last token is the first root: the
+prefill commits prompt[:-1], and a round commits n_accepted tokens (its root and the accepted
+drafts) to both caches.
+
+Backends (`backend`): "numpy" runs the reference tree ops on the host (any device, eager only);
+"cupy" runs the kernels (draft top-k, tree build, accept, compaction) on the GPU, where a step has
+no host synchronisation at all; "auto" picks "cupy" when the target is on a GPU CuPy can use. The
+verify attention is the target's own (`load_target(..., attention="absorbed",
+attention_backend="auto")` runs the verify kernel on a GPU, the torch reference on a CPU).
+
+CUDA graphs: a Decoder preallocates everything a step touches (both caches at a fixed capacity,
+roots, features, output and acceptance buffers) and updates it in place, so the whole step, from
+the drafter forward to the compaction, is captured once per (batch, budget, capacity) and replayed;
+the host only reads `active.any()` every `sync_every` steps. The eager path runs the very same step
+function. Finished requests keep running in lockstep and change nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import backend as _backend
+from .checks import check_positive_int, to_numpy
+from .dflash import DFlashConfig, DFlashDrafter, load_drafter
+from .model import ModelConfig, Transformer, load_target
+from .tree_accept import AcceptResult, accept, compact_cache
+from .tree_build import MAX_BUDGET, DraftTopK, Tree, build_tree, draft_topk, tree_from_parents
+
+METHODS = ("ar", "chain", "ddtree")
+STAGES = ("draft", "tree", "verify", "accept")
+TREE_MODES = {"ar": "root", "chain": "chain", "ddtree": "tree"}
+MAX_STOP_TOKENS = 16
+CAPACITY_ROUND = 64     # cache capacities are rounded up so prompts of similar length share a graph
+WARMUP_STEPS = 2        # eager steps before a capture (kernel compilation, lazy library init)
+CACHED_DECODERS = 4     # decoders (and their graphs) kept for reuse across generate calls
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO_ROOT / "data" / "models"
+
+
+@dataclass
+class DecodeResult:
+    """What generate returns: tokens and acceptance per request, and where the time went."""
+    tokens: list[np.ndarray]        # per request: the new tokens (through the first stop token, at most max_new_tokens)
+    acceptance: list[np.ndarray]    # per request: tokens committed per round (root + accepted drafts), in order
+    method: str
+    budget: int
+    batch: int
+    backend: str
+    cuda_graph: bool
+    rounds: int                     # steps run (the batch moves in lockstep)
+    prefill_seconds: float
+    decode_seconds: float           # the rounds' wall clock (capture excluded)
+    capture_seconds: float = 0.0    # a CUDA graph's capture, when this call made one
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # per stage, summed (profile_stages=True)
+
+    @property
+    def new_tokens(self) -> int:
+        return int(sum(len(t) for t in self.tokens))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def mean_acceptance(self) -> float:
+        """Mean tokens per round over every request's rounds (1 for autoregressive decoding)."""
+        rounds = np.concatenate(self.acceptance) if self.acceptance else np.zeros(0)
+        return float(rounds.mean()) if rounds.size else float("nan")
+
+
+@dataclass
+class StepOutputs:
+    """A step's intermediate results (what the offline oracle records)."""
+    draft: DraftTopK | None
+    tree: Tree
+    logits: torch.Tensor      # float32 [B, N, V]
+    posterior: torch.Tensor   # int64 [B, N]
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+
+def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int = 32, temperature: float = 0.0,
+             max_new_tokens: int = 64, stop_tokens=(), backend: str = "auto", cuda_graph="auto", seed: int = 0,
+             profile_stages: bool = False, sync_every: int = 4) -> DecodeResult:
+    """Decode every prompt with the target (and the drafter for "chain"/"ddtree"); lossless.
+
+    prompt_ids: one sequence of ids, a list of sequences (lengths may differ), or an int array
+    [B, P]. budget: draft nodes per tree (the chain drafts min(budget, D)). cuda_graph: "auto"
+    captures the step where the kernels run (backend "cupy"), True insists, False runs eagerly.
+    profile_stages: CUDA-event (or host-clock) times per stage, eager only. sync_every: steps
+    between the host's stop checks (its only synchronisation).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    budget = check_positive_int("budget", budget)
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget: at most {MAX_BUDGET} draft nodes, got {budget}")
+    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+    sync_every = check_positive_int("sync_every", sync_every)
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+    if method != "ar":
+        check_pair(target, drafter)
+    prompts = prompt_list(prompt_ids, target.config.vocab_size)
+    stops = _stop_list(stop_tokens, target.config.vocab_size)
+    chosen = resolve_backend(backend, target)
+    graph = _resolve_graph(cuda_graph, chosen, target)
+    if profile_stages and graph:
+        raise ValueError("profile_stages: stage times need cuda_graph=False (a graph replays the step as a whole)")
+    depth = drafter.config.draft_depth if method != "ar" else 0
+    nodes = {"ar": 1, "chain": min(budget, depth) + 1, "ddtree": budget + 1}[method]
+    capacity = decoder_capacity(prompts, max_new_tokens, nodes, depth)
+    decoder = _cached_decoder(target, drafter if method != "ar" else None, method=method, budget=budget,
+                              batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen)
+    return decoder.run(prompts, max_new_tokens=max_new_tokens, stop_tokens=stops, seed=seed, cuda_graph=graph,
+                       profile_stages=profile_stages, sync_every=sync_every)
+
+
+def resolve_backend(backend: str, target) -> str:
+    """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU)."""
+    if backend not in ("auto", "numpy", "cupy"):
+        raise ValueError(f"backend: expected 'auto', 'numpy' or 'cupy', got {backend!r}")
+    on_gpu = target.device.type == "cuda"
+    if backend == "auto":
+        return "cupy" if on_gpu and _backend.cuda_available() else "numpy"
+    if backend == "cupy" and not (on_gpu and _backend.cuda_available()):
+        raise ValueError("backend: 'cupy' needs the target on a CUDA device and CuPy")
+    return backend
+
+
+def _resolve_graph(cuda_graph, backend: str, target) -> bool:
+    if cuda_graph == "auto":
+        return backend == "cupy"
+    if cuda_graph not in (True, False):
+        raise ValueError(f"cuda_graph: expected 'auto', True or False, got {cuda_graph!r}")
+    if cuda_graph and backend != "cupy":
+        raise ValueError("cuda_graph: a captured step needs the target on a GPU and backend 'cupy' "
+                         "(the reference tree ops synchronise with the host)")
+    return cuda_graph
+
+
+def check_pair(target, drafter) -> None:
+    """The drafter fits the target: bound, same vocabulary and hidden size, features it can read."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise ValueError(f"drafter: methods 'chain' and 'ddtree' need a DFlashDrafter, got {type(drafter).__name__}")
+    c = drafter.config
+    if drafter.target is None:
+        raise ValueError("drafter: not bound to a target (load_drafter(path, target) or drafter.bind(target))")
+    if c.vocab_size != target.config.vocab_size or c.hidden_size != target.config.hidden_size:
+        raise ValueError(f"drafter: vocabulary {c.vocab_size} / hidden size {c.hidden_size} differ from the "
+                         f"target's {target.config.vocab_size} / {target.config.hidden_size}")
+    if max(c.target_layer_ids) >= target.config.num_hidden_layers:
+        raise ValueError(f"drafter: target_layer_ids {c.target_layer_ids} exceed the target's "
+                         f"{target.config.num_hidden_layers} layers")
+
+
+def prompt_list(prompt_ids, vocab: int) -> list[np.ndarray]:
+    """One int64 array per request from a sequence, a list of sequences or an array [B, P]."""
+    if isinstance(prompt_ids, (np.ndarray, torch.Tensor)):
+        array = to_numpy(prompt_ids)
+        if array.ndim not in (1, 2):
+            raise ValueError(f"prompt_ids: expected 1 or 2 dimensions, got shape {tuple(array.shape)}")
+        rows = [array] if array.ndim == 1 else list(array)
+    elif isinstance(prompt_ids, (list, tuple)) and prompt_ids and all(np.isscalar(t) for t in prompt_ids):
+        rows = [np.asarray(prompt_ids)]
+    elif isinstance(prompt_ids, (list, tuple)) and prompt_ids:
+        rows = [np.asarray(to_numpy(p) if isinstance(p, torch.Tensor) else p) for p in prompt_ids]
+    else:
+        raise ValueError("prompt_ids: expected a non-empty sequence of token ids or of prompts")
+    prompts = []
+    for b, row in enumerate(rows):
+        if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"prompt_ids[{b}]: expected a non-empty 1-D sequence of integer ids")
+        if row.min() < 0 or row.max() >= vocab:
+            raise ValueError(f"prompt_ids[{b}]: ids must lie in 0..{vocab - 1}")
+        prompts.append(row.astype(np.int64))
+    return prompts
+
+
+def decoder_capacity(prompts, max_new_tokens: int, nodes: int, depth: int) -> int:
+    """Cache slots for the longest prompt, the new tokens, one tree of `nodes` and the drafter's
+    D + 1 context rows, rounded up to CAPACITY_ROUND."""
+    needed = max(len(p) for p in prompts) - 1 + max_new_tokens + nodes + depth + 1
+    return -(-needed // CAPACITY_ROUND) * CAPACITY_ROUND
+
+
+def _stop_list(stop_tokens, vocab: int) -> tuple[int, ...]:
+    stops = tuple(int(t) for t in stop_tokens)
+    if len(stops) > MAX_STOP_TOKENS:
+        raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS}, got {len(stops)}")
+    if any(not 0 <= t < vocab for t in stops):
+        raise ValueError(f"stop_tokens: ids must lie in 0..{vocab - 1}, got {stops}")
+    return stops
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoder: preallocated state, the step, the loop
+
+_DECODERS: OrderedDict = OrderedDict()
+
+
+def _cached_decoder(target, drafter, **settings) -> "Decoder":
+    """The Decoder for these settings, reused (with its CUDA graph) while it stays in a small LRU."""
+    key = (id(target), id(drafter), tuple(sorted(settings.items())))
+    if key in _DECODERS:
+        _DECODERS.move_to_end(key)
+        return _DECODERS[key]
+    decoder = Decoder(target, drafter, **settings)
+    _DECODERS[key] = decoder
+    while len(_DECODERS) > CACHED_DECODERS:
+        _DECODERS.popitem(last=False)
+    return decoder
+
+
+def clear_decoders() -> None:
+    """Forget the cached decoders (their caches and graphs)."""
+    _DECODERS.clear()
+
+
+class Decoder:
+    """Everything one (target, drafter, method, budget, batch, capacity) step touches, preallocated.
+
+    method "ar" | "chain" | "ddtree" as in generate; `topk` overrides K (the oracle recorder keeps
+    a wider top-k than the tree needs); walk=False commits only the root each round (the root's
+    posterior is the bonus), which is how the oracle records a plain autoregressive trajectory
+    while drafting at every position.
+    """
+
+    def __init__(self, target, drafter, *, method: str, budget: int, batch: int, capacity: int,
+                 temperature: float, backend: str, topk: int | None = None, walk: bool = True,
+                 draft: bool | None = None):
+        self.target, self.drafter = target, drafter
+        self.method, self.budget, self.batch, self.capacity = method, budget, batch, capacity
+        self.temperature, self.backend, self.walk = temperature, backend, walk
+        self.tree_mode = TREE_MODES[method]
+        self.drafting = method != "ar" if draft is None else draft
+        vocab = target.config.vocab_size
+        self.depth = drafter.config.draft_depth if self.drafting else 0
+        self.topk = topk or (1 if method == "chain" else min(budget, vocab))
+        self.nodes = {"root": 1, "chain": min(budget, self.depth) + 1, "tree": budget + 1}[self.tree_mode]
+        self.feature_layers = tuple(drafter.config.target_layer_ids) if self.drafting else ()
+        device = self.device = target.device
+        long = dict(dtype=torch.long, device=device)
+
+        self.cache = target.new_cache(batch, capacity)                         # kv [B, L, 576], lengths int32 [B]
+        self.draft_cache = drafter.new_cache(batch, capacity) if self.drafting else None
+        width = self.depth + 1
+        self.root = torch.zeros(batch, **long)                                 # the next round's root token
+        self.features = (torch.zeros(batch, width, drafter.config.feature_size, dtype=target.embed_tokens.weight.dtype,
+                                     device=device) if self.drafting else None)  # (B, D+1, F)
+        self.n_features = torch.zeros(batch, **long)                           # new rows of `features`
+        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.out = torch.zeros(batch, capacity + width + 1, **long)            # last column: discard slot
+        self.out_len = torch.zeros(batch, **long)
+        self.max_new = torch.zeros(batch, **long)
+        self.stop_table = torch.full((MAX_STOP_TOKENS,), -1, **long)
+        self.accepted = torch.zeros(batch, capacity + 64, **long)              # per round; last column: overflow
+        self.round = torch.zeros((), **long)
+        self.columns = torch.arange(width, **long)                             # (D+1,)
+        self.root_path = torch.full((batch, width), -1, **long)
+        self.root_path[:, 0] = 0
+        self.generator = torch.Generator(device=device)
+        self.root_tree = self._root_tree() if self.tree_mode == "root" else None
+        self.graph = None
+
+    # ------------------------------------------------------------------------------------------
+    # the step (fixed shapes; no host synchronisation on the "cupy" backend)
+
+    def step(self, timer=None) -> StepOutputs:
+        """One round for every request; finished requests run too and change nothing."""
+        timer = timer or _no_timer
+        with timer("draft"):
+            draft = self._draft() if self.drafting else None
+        with timer("tree"):
+            tree = self._tree(draft)
+        with timer("verify"):
+            out = self.target.verify(tree, self.cache, feature_layers=self.feature_layers, static=True)
+            posterior = sample_posterior(out.logits, self.temperature, self.generator)   # (B, N)
+        with timer("accept"):
+            if self.walk and self.tree_mode != "root":
+                result = accept(tree, self._tree_input(posterior), backend=self.backend)
+                new_lengths = compact_cache(self.cache.kv, self.cache.lengths, result, backend=self.backend)
+                path, n_accepted, bonus = (self._on_device(x) for x in (result.path, result.n_accepted, result.bonus))
+            else:  # the root alone: its entry is already in place
+                new_lengths = self.cache.lengths + 1
+                path, n_accepted, bonus = self.root_path, torch.ones_like(self.root), posterior[:, 0]
+            self._commit(self._on_device(tree.tokens), out.features, path, n_accepted, bonus, new_lengths)
+        return StepOutputs(draft=draft, tree=tree, logits=out.logits, posterior=posterior)
+
+    def _draft(self) -> DraftTopK:
+        lengths = self.draft_cache.lengths  # draft() rebinds lengths; a replayed graph needs the same buffer
+        logits = self.drafter.draft(self.draft_cache, self.features, self.root, self.n_features, static=True)
+        lengths.copy_(self.draft_cache.lengths)
+        self.draft_cache.lengths = lengths
+        return draft_topk(logits, self.topk, backend=self.backend)                     # (B, D, K)
+
+    def _tree(self, draft: DraftTopK | None) -> Tree:
+        if self.tree_mode == "root":
+            if self.backend == "cupy":
+                self.root_tree.tokens.copy_(self.root[:, None])
+            else:
+                self.root_tree.tokens[:, 0] = to_numpy(self.root)
+            return self.root_tree
+        root = self._tree_input(self.root)
+        return build_tree(draft, self.budget, root=root, mode=self.tree_mode, backend=self.backend)
+
+    def _root_tree(self) -> Tree:
+        tree = tree_from_parents(np.full((self.batch, 1), -1, np.int32), np.zeros((self.batch, 1), np.int32))
+        return tree.to_torch(self.device) if self.backend == "cupy" else tree
+
+    def _tree_input(self, x):
+        """Tensors the tree ops read: on the device for the kernels, on the host for the reference."""
+        return x if self.backend == "cupy" else to_numpy(x)
+
+    def _on_device(self, x) -> torch.Tensor:
+        return torch.as_tensor(x, device=self.device).long()
+
+    def _commit(self, tree_tokens, features, path, n_accepted, bonus, new_lengths) -> None:
+        """Emit the accepted drafts and the bonus, log the round, stop, and feed the drafter."""
+        live = self.active.clone()                                                       # (B,)
+        drafts = tree_tokens.gather(1, path[:, 1:].clamp(min=0))                         # (B, D) junk past n_acc-1
+        emitted = torch.cat([drafts, bonus[:, None]], dim=1)                             # (B, D+1)
+        emitted.scatter_(1, (n_accepted - 1)[:, None], bonus[:, None])                   # the bonus ends the run
+        valid = live[:, None] & (self.columns < n_accepted[:, None])                     # (B, D+1)
+        discard = self.out.shape[1] - 1
+        self.out.scatter_(1, torch.where(valid, self.out_len[:, None] + self.columns, discard), emitted)
+        committed = torch.where(live, n_accepted, 0)
+        column = self.round.clamp(max=self.accepted.shape[1] - 1).view(1)
+        self.accepted.index_copy_(1, column, committed[:, None])
+        self.round += 1
+        stopped = (valid[..., None] & (emitted[..., None] == self.stop_table)).flatten(1).any(dim=1)
+        self.out_len += committed
+        self.cache.lengths.copy_(torch.where(live, new_lengths, self.cache.lengths))
+        if self.drafting:
+            rows = path.clamp(min=0)[..., None].expand(-1, -1, features.shape[-1])     # (B, D+1, F)
+            self.features.copy_(features.gather(1, rows))
+            self.n_features.copy_(committed)
+        self.root.copy_(torch.where(live, bonus, self.root))
+        self.active &= ~stopped & (self.out_len < self.max_new)
+
+    # ------------------------------------------------------------------------------------------
+    # a request batch: prefill, then rounds
+
+    @torch.no_grad()
+    def reset(self, prompts: list[np.ndarray], *, max_new_tokens: int, stop_tokens=(), seed: int = 0) -> None:
+        """Prefill prompt[:-1] into the target's cache and the drafter's context; roots = last tokens."""
+        if len(prompts) != self.batch:
+            raise ValueError(f"prompts: this decoder holds {self.batch} requests, got {len(prompts)}")
+        device = self.device
+        committed = torch.tensor([len(p) - 1 for p in prompts], device=device)
+        if int(committed.max()) + max_new_tokens + self.capacity_margin > self.capacity:
+            raise ValueError(f"prompts: {int(committed.max())} prompt tokens + {max_new_tokens} new tokens do not "
+                             f"fit this decoder's capacity {self.capacity}")
+        lengths = self.cache.lengths
+        lengths.zero_()
+        width = int(committed.max())
+        features = None
+        if width > 0:
+            tokens = torch.zeros(self.batch, width, dtype=torch.long)
+            for b, prompt in enumerate(prompts):
+                tokens[b, :len(prompt) - 1] = torch.from_numpy(prompt[:-1])
+            out = self.target.prefill(tokens.to(device), self.cache, n_valid=committed.to(torch.int32),
+                                      feature_layers=self.feature_layers)
+            lengths.copy_(self.cache.lengths)
+            self.cache.lengths = lengths
+            features = out.features
+        self.root.copy_(torch.tensor([int(p[-1]) for p in prompts], device=device))
+        if self.drafting:  # the drafter's context: the prompt's features (this first draft is discarded)
+            if features is None:
+                features = self.features[:, :0]
+            draft_lengths = self.draft_cache.lengths
+            draft_lengths.zero_()
+            self.drafter.draft(self.draft_cache, features, self.root, committed)
+            draft_lengths.copy_(self.draft_cache.lengths)
+            self.draft_cache.lengths = draft_lengths
+            self.features.zero_()
+        self.n_features.zero_()
+        self.active.fill_(True)
+        self.out.zero_()
+        self.out_len.zero_()
+        self.max_new.fill_(max_new_tokens)
+        self.stop_table.fill_(-1)
+        if stop_tokens:
+            self.stop_table[:len(stop_tokens)] = torch.tensor(stop_tokens, device=device)
+        self.accepted.zero_()
+        self.round.zero_()
+        self.generator.manual_seed(seed)
+
+    @property
+    def capacity_margin(self) -> int:
+        """Slots past committed + new tokens a step may write: the tree, and the drafter's D + 1 rows."""
+        return self.nodes + self.depth + 1
+
+    @torch.no_grad()
+    def run(self, prompts, *, max_new_tokens: int, stop_tokens=(), seed: int = 0, cuda_graph: bool = False,
+            profile_stages: bool = False, sync_every: int = 4) -> DecodeResult:
+        start = _now(self.device)
+        self.reset(prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, seed=seed)
+        prefill_end = _now(self.device)
+        timer = StageTimer(self.device) if profile_stages else None
+        rounds, capture_seconds, limit = 0, 0.0, max_new_tokens + sync_every
+        if cuda_graph and self.graph is None:
+            rounds += self._warm_up()
+            capture_seconds = self._capture()
+        while rounds < limit:
+            for _ in range(sync_every):
+                if cuda_graph:
+                    self.graph.replay()
+                else:
+                    self.step(timer)
+            rounds += sync_every
+            if not bool(self.active.any()):  # the loop's one synchronisation
+                break
+        end = _now(self.device)
+        return self._result(prompts, stop_tokens, max_new_tokens, rounds, cuda_graph,
+                            prefill_seconds=prefill_end - start,
+                            decode_seconds=end - prefill_end - capture_seconds, capture_seconds=capture_seconds,
+                            stage_seconds=timer.totals() if timer else {})
+
+    def _warm_up(self) -> int:
+        """Eager steps on a side stream before the first capture (they are real rounds)."""
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self.step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return WARMUP_STEPS
+
+    def _capture(self) -> float:
+        """Capture one step into a CUDA graph (nothing runs); returns the seconds it took."""
+        start = _now(self.device)
+        graph = torch.cuda.CUDAGraph()
+        if self.temperature > 0:
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
+            self.step()
+        self.graph = graph
+        return _now(self.device) - start
+
+    def _result(self, prompts, stop_tokens, max_new_tokens, rounds, cuda_graph, **times) -> DecodeResult:
+        out, out_len = self.out.cpu().numpy(), self.out_len.cpu().numpy()
+        per_round = self.accepted[:, :min(rounds, self.accepted.shape[1])].cpu().numpy()
+        tokens, acceptance = [], []
+        for b in range(self.batch):
+            new = out[b, :min(int(out_len[b]), max_new_tokens)]
+            hits = np.flatnonzero(np.isin(new, stop_tokens)) if stop_tokens else []
+            tokens.append(new[: hits[0] + 1] if len(hits) else new)
+            acceptance.append(per_round[b][per_round[b] > 0])
+        return DecodeResult(tokens=tokens, acceptance=acceptance, method=self.method, budget=self.budget,
+                            batch=self.batch, backend=self.backend, cuda_graph=cuda_graph, rounds=rounds, **times)
+
+
+def sample_posterior(logits, temperature: float, generator=None) -> torch.Tensor:
+    """The target's token at every node, int64 [B, N]: argmax at T = 0; at T > 0 a sample of
+    softmax(logits / T) by the exponential race argmax(p / E), E ~ Exp(1) (no host synchronisation,
+    unlike torch.multinomial)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# stage times
+
+class StageTimer:
+    """Per-stage times: CUDA events on a GPU (read once, at the end), the host clock on a CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.events: list[tuple[str, object, object]] = []
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((stage, start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self.seconds[stage] += time.perf_counter() - begin
+
+    def totals(self) -> dict[str, float]:
+        if self.events:
+            self.events[-1][2].synchronize()
+            for stage, start, end in self.events:
+                self.seconds[stage] += start.elapsed_time(end) / 1e3
+            self.events.clear()
+        return dict(self.seconds)
+
+
+@contextlib.contextmanager
+def _no_timer(stage: str):
+    yield
+
+
+def _now(device) -> float:
+    """Wall clock after the device's queued work (a synchronisation outside the rounds)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------------------------
+# pairs: the stand-in pair from data/models, or a tiny random one (tests, CPU notebooks)
+
+# K2.6's switches at toy size; the MLA latent keeps the verify contract's 512 + 64 widths
+TINY_TARGET = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                   num_attention_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
+                   v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                   topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+                   rope_theta=50000.0, rope_factor=4.0, rope_original_max_position=256, rope_mscale=1.0,
+                   rope_mscale_all_dim=1.0)
+TINY_DRAFTER = dict(intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=32, target_layer_ids=(1,), rope_theta=50000.0)
+
+
+def random_pair(*, vocab: int = 64, block_size: int = 8, seed: int = 0, device="cpu", dtype=torch.float32,
+                weight_std: float = 0.35, logit_scale: float = 1.0, draft_sharpness: float = 1.0):
+    """A tiny random target (kdtree_lib.model) and DFlash drafter bound to it; no files, no transformers.
+
+    weight_std: the target's weights are normal(0, weight_std) (smaller values make a target that
+    repeats one token); logit_scale multiplies its LM head (larger: more peaked distributions);
+    draft_sharpness scales the drafter's final norm, hence its logits (small values give flat
+    drafts: a tree of budget >= vocabulary then holds every next token, so rounds accept >= 2).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    config = ModelConfig(vocab_size=vocab, **TINY_TARGET)
+    target = Transformer(config)
+    with torch.no_grad():
+        for name, tensor in [*target.named_parameters(), *target.named_buffers()]:
+            if name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+            else:
+                scale = weight_std * (logit_scale if name == "lm_head.weight" else 1.0)
+                tensor.copy_(scale * torch.randn(tensor.shape, generator=generator))
+    target = target.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    drafter = DFlashDrafter(DFlashConfig(hidden_size=config.hidden_size, vocab_size=vocab, block_size=block_size,
+                                         mask_token_id=vocab - 1, num_target_layers=config.num_hidden_layers,
+                                         **TINY_DRAFTER))
+    with torch.no_grad():
+        for name, tensor in drafter.named_parameters():
+            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator) if name.endswith("norm.weight")
+                         else 0.2 * torch.randn(tensor.shape, generator=generator))
+        drafter.norm.weight.mul_(draft_sharpness)
+    drafter = drafter.bind(target).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return target, drafter
+
+
+def stand_in_paths(block_size: int = 8, models_dir=None) -> tuple[Path, Path]:
+    """(target, drafter) folders of the trained stand-in pair (block size 8 or 16)."""
+    models_dir = Path(models_dir) if models_dir is not None else MODELS_DIR
+    drafter = "k26-mini-dflash" if block_size == 8 else f"k26-mini-dflash-b{block_size}"
+    return models_dir / "k26-mini", models_dir / drafter
+
+
+def load_pair(target_path, drafter_path, *, device="cpu", dtype=torch.float32):
+    """The target (absorbed attention, kernels where a GPU is) and its drafter from checkpoint folders."""
+    target = load_target(target_path, device=device, dtype=dtype, attention="absorbed", attention_backend="auto")
+    return target, load_drafter(drafter_path, target, device=device, dtype=dtype)
+
+
+def stand_in_or_random(block_size: int = 8, *, device="cpu", dtype=torch.float32, models_dir=None, vocab: int = 64,
+                       seed: int = 0):
+    """(target, drafter, description): the trained stand-in pair when its checkpoints exist, else a
+    tiny random pair (notebooks say which one they ran)."""
+    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    if (target_path / "config.json").is_file() and (drafter_path / "config.json").is_file():
+        target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
+        return target, drafter, f"stand-in pair {target_path.name} + {drafter_path.name}"
+    target, drafter = random_pair(vocab=vocab, block_size=block_size, seed=seed, device=device, dtype=dtype)
+    return target, drafter, (f"tiny RANDOM pair (vocab {vocab}, block {block_size}): {target_path} or "
+                             f"{drafter_path} has no checkpoint yet, so acceptance numbers mean nothing")

@@ -48,22 +48,25 @@ TARGET_DIR = "k26-mini"
 SHARD_SIZE = "16MB"
 LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
 
-# K2.6's architecture (data/configs/kimi-k2.6.json) at ~14M parameters: MLA with q/kv low rank,
-# decoupled RoPE (YaRN), one dense layer, then MoE with one shared expert, sigmoid noaux_tc routing.
+# K2.6's architecture (data/configs/kimi-k2.6.json) at ~19M parameters. Its attention geometry is
+# K2.6's own: the 576-wide absorbed cache entry (kv_lora_rank 512 + rope 64) that the verify kernels
+# are built for, 128/64/128 per-head dims and the same YaRN, hence the same softmax scale; fewer heads
+# (4), a small q_lora_rank, hidden 256. One dense layer, then MoE: 16 routed experts (top 4) and one
+# shared expert, sigmoid noaux_tc routing.
 K26_MINI = dict(
     vocab_size=8192, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=6,
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
-    qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
     n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-    rms_norm_eps=1e-5, max_position_embeddings=4096, num_nextn_predict_layers=0, tie_word_embeddings=False,
+    rms_norm_eps=1e-5, max_position_embeddings=262144, num_nextn_predict_layers=0, tie_word_embeddings=False,
     rope_interleave=True, attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
-                     "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                      "mscale": 1.0, "mscale_all_dim": 1.0})
+# tiny, for CPU smoke runs; the cache geometry (512 + 64) stays, so the decode path runs on it too
 TINY_TARGET = K26_MINI | dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-                              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                              num_experts_per_tok=2)
+                              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, qk_nope_head_dim=8,
+                              v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2)
 # Qwen3-style layers, five as z-lab's released drafters (~4M parameters); hidden size and
 # vocabulary are the target's; features from target layers 1-4 (all but the dense first and the last)
 DRAFTER = dict(intermediate_size=768, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,

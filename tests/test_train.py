@@ -163,3 +163,7 @@ def test_full_size_pair_fits_the_issue_budget():
     assert 10e6 <= target_params <= 30e6
     assert 2 * (target_params + drafter_params) <= 48e6
     assert drafter.config.target_layer_ids == (1, 2, 3, 4) and config.first_k_dense_replace == 1
+    # the absorbed cache entry and the softmax scale are K2.6's own (what the verify kernels assume)
+    ours, kimi = (ModelConfig.from_dict(raw) for raw in (
+        config.to_dict(), json.loads((REPO / "data" / "configs" / "kimi-k2.6.json").read_text())))
+    assert ours.cache_dim == kimi.cache_dim == 576 and ours.softmax_scale == pytest.approx(kimi.softmax_scale)

@@ -233,6 +233,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
     import torch
     from . import results
     started = time.monotonic()
+    run_stamp = results.stamp()["date"]  # every row of this run carries it (latest_run)
     shapes = benchmark_shapes() if shapes is None else shapes
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, cuBLAS bf16 {ceilings['matmul_tflops']:.0f} TFLOP/s, "
@@ -248,7 +249,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
         q_latent, q_rope, cache, lengths, tree = make_inputs(batch, nodes, heads, length, seed=length + nodes)
         launch = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree)
         n_bytes, n_flops = traffic_bytes(batch, nodes, heads, length), flops(batch, nodes, heads, length)
-        common = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "rows": nodes * heads,
+        common = {"run": run_stamp, "batch": batch, "nodes": nodes, "heads": heads, "length": length, "rows": nodes * heads,
                   "bytes": n_bytes, "flops": n_flops, **{k: round(v, 3) for k, v in ceilings.items()}}
         roof = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=rate)
         roof_mma = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=mma_rate)
@@ -322,16 +323,15 @@ PROVIDER_STYLE = {"kernel": ("C0", "o-"), "torch_fallback": ("C3", "s--"), "sdpa
 
 
 def latest_run(rows: list[dict]) -> list[dict]:
-    """The rows of the newest run (one append shares one date stamp), numbers parsed."""
+    """The rows of the newest run, numbers parsed. A run is its `run` stamp (the start of
+    bench.run; rows from before that column existed are grouped by commit and device)."""
     if not rows:
         return []
-    newest = max(r["date"] for r in rows)
-    parsed = []
-    for row in rows:
-        if row["date"] != newest:
-            continue
-        parsed.append({k: _number(v) for k, v in row.items()})
-    return parsed
+
+    def run_id(row):
+        return row.get("run") or f"{row['commit']}@{row['device']}"
+    newest = run_id(max(rows, key=lambda r: r["date"]))
+    return [{k: _number(v) for k, v in row.items()} for row in rows if run_id(row) == newest]
 
 
 def _number(text):

@@ -141,7 +141,7 @@ def _torch():
 # CuPy kernel (kernels/verify_attn.cu): tensor-core tree-verify attention
 
 KERNEL_FILE = "verify_attn.cu"
-MIN_SPLIT_KEYS = 256  # a key split streams at least this many keys, so merging stays cheap
+MIN_SPLIT_KEYS = 64  # a split may be a single KV tile: short contexts still spread over the SMs
 MAX_GRID_YZ = 65535
 
 
@@ -241,7 +241,8 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
 
 
 class VerifyLaunch:
-    """One prepared verify-attention call: device views, outputs, workspace and the plan.
+    """One prepared verify-attention call: device views, outputs, workspace, plan and the kernel
+    arguments, built once so a call costs only the launches (decode loops, benchmarks).
 
     Calling it enqueues the kernel (and the split merge) on torch's current stream; nothing here
     synchronises, so it can run back to back in a benchmark or inside a CUDA graph.
@@ -249,26 +250,28 @@ class VerifyLaunch:
 
     def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse):
         self.plan, self.out, self.lse = plan, out, lse
-        self._half, self._arrays, self._sizes = half, arrays, sizes
+        self._arrays = arrays  # keeps the converted inputs and the workspace alive
+        batch, nodes, heads, l_max, words, scale_log2 = sizes
+        self._calls = []  # (function, grid, block, args, shared memory): the kernel, then the merge
+        if batch * nodes * heads == 0:
+            return
+        main, merge = _kernel_functions(plan.config_name, half)
+        a, config = arrays, plan.config
+        self._calls.append((main, (plan.row_blocks, plan.splits, batch), (config.threads,),
+                            (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
+                             a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
+                             np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)), config.smem_bytes))
+        if plan.splits > 1:
+            rows = batch * nodes * heads
+            self._calls.append((merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
+                                                           np.int32(rows), np.int32(plan.splits)), 0))
 
     def __call__(self, *, merge: bool = True):
         """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""
         from . import cuda
-        batch, nodes, heads, l_max, words, scale_log2 = self._sizes
-        if batch * nodes * heads == 0:
-            return self.out, self.lse
-        main, merge_fn = _kernel_functions(self.plan.config_name, self._half)
-        a, plan, config = self._arrays, self.plan, self.plan.config
         stream = cuda.current_stream()
-        main((plan.row_blocks, plan.splits, batch), (config.threads,),
-             (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
-              a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
-              np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)),
-             shared_mem=config.smem_bytes, stream=stream)
-        if plan.splits > 1 and merge:
-            merge_fn((batch * nodes * heads, 4), (256,),
-                  (a["partial_out"], a["partial_lse"], a["out"], a["lse"], np.int32(batch * nodes * heads),
-                   np.int32(plan.splits)), stream=stream)
+        for function, grid, block, args, shared_mem in self._calls[:None if merge else 1]:
+            function(grid, block, args, shared_mem=shared_mem, stream=stream)
         return self.out, self.lse
 
 

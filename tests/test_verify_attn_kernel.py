@@ -65,6 +65,32 @@ def test_kernel_config_shared_memory_fits_its_target():
     assert all(c.smem_bytes <= H200["smem_per_block"] for c in KERNEL_CONFIGS.values())
 
 
+def test_launch_enqueues_kernel_then_merge(monkeypatch):
+    """The prepared launch's grids and argument counts (CPU: the kernels are stand-ins)."""
+    from kdtree_lib import verify_attn
+    calls = []
+
+    def stand_in(name):
+        return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, len(args),
+                                                                                 shared_mem))
+    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half: (stand_in("main"), stand_in("merge")))
+    monkeypatch.setattr(cuda, "current_stream", lambda: None)
+    plan = plan_launch(2, 3 * 8, 1000, **H200, splits=3)
+    arrays = dict.fromkeys(("q_latent", "q_rope", "cache", "lengths", "mask", "out", "lse", "partial_out",
+                            "partial_lse"))
+    launch = verify_attn.VerifyLaunch(plan, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")
+    assert launch() == ("out", "lse")
+    assert calls == [("main", (plan.row_blocks, 3, 2), (plan.config.threads,), 15, plan.config.smem_bytes),
+                     ("merge", (2 * 3 * 8, 4), (256,), 6, 0)]
+    calls.clear()
+    launch(merge=False)
+    assert [name for name, *_ in calls] == ["main"]
+    calls.clear()
+    single = plan_launch(2, 24, 1000, **H200, splits=1)
+    verify_attn.VerifyLaunch(single, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")()
+    assert [name for name, *_ in calls] == ["main"]
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: host checks (metadata only)
 

@@ -86,6 +86,7 @@ class BenchSettings:
     results_dir: str | None = None
     check: bool = False                       # also return logits: segmented step vs Transformer.verify
     deadline: float | None = None             # time.time() after which no (context, batch) block starts
+    run: str = ""                             # stamp shared by the rows of one command (all TP degrees)
 
 
 def k26_settings(**overrides) -> BenchSettings:
@@ -409,7 +410,8 @@ def verify_step_worker(tp: TensorParallel, settings: BenchSettings) -> dict:
                           seed=settings.seed)
     drafter = random_drafter(settings.drafter, model, seed=settings.seed) if settings.drafter else None
     clock, rows, check = Clock(device), [], {}
-    common = {"tp": tp.size, "gpus": tp.size if device.type == "cuda" else 0, "layers": settings.layers,
+    common = {"run": settings.run, "tp": tp.size, "gpus": tp.size if device.type == "cuda" else 0,
+              "layers": settings.layers,
               "dtype": settings.dtype, "expert_bits": 16, **_ceilings(device)}
     graphs = settings.graphs and device.type == "cuda"
     vocab = min(settings.draft_vocab, config.vocab_size)
@@ -488,6 +490,39 @@ def _summary(rows: list[dict]) -> str:
 def _log(tp: TensorParallel, text: str) -> None:
     if tp.rank == 0:
         print(text, flush=True)
+
+
+def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:
+    """Seconds per verify round of the whole model, per (tp, graph, batch, nodes, context): the
+    dense layer rows times first_k_dense_replace and the mean MoE layer row times the MoE layers
+    (per component), plus the head and, for a tree (N > 1), the drafter and the tree kernels."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    drafts: dict[tuple, list[dict]] = {}
+    for row in rows:
+        where = (int(row["tp"]), int(row["batch"]), int(row["nodes"]), int(row["context"]))
+        if row["scope"] == "draft":
+            drafts.setdefault(where, []).append(row)
+        else:
+            groups.setdefault((_flag(row["graph"]), *where), {}).setdefault(row["scope"], []).append(row)
+    out = []
+    for (graph, tp, batch, nodes, context), scoped in sorted(groups.items()):
+        layers = scoped.get("layer", [])
+        dense = [r for r in layers if not _flag(r["moe_layer"])]
+        moe = [r for r in layers if _flag(r["moe_layer"])]
+        if not dense or not moe or "step" not in scoped:
+            continue
+        counts = {config.first_k_dense_replace: dense, len(config.moe_layers): moe}
+        row = {"tp": tp, "graph": graph, "batch": batch, "nodes": nodes, "context": context}
+        for name in COMPONENTS:
+            row[name] = sum(count * float(np.mean([float(r[f"{name}_seconds"]) for r in picked]))
+                            for count, picked in counts.items())
+        row["head"] = float(np.mean([float(r["head_seconds"]) for r in scoped["step"]]))
+        draft = drafts.get((tp, batch, nodes, context), [])
+        row["draft"] = float(np.mean([sum(float(r[name]) for name in r if name.endswith("_seconds")
+                                          and r[name] not in (None, "")) for r in draft])) if draft else 0.0
+        row["total"] = sum(row[name] for name in (*COMPONENTS, "head", "draft"))
+        out.append(row)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -686,6 +721,7 @@ def main(argv=None) -> None:
                             results_dir=None if args.results_dir is None else str(args.results_dir))
     if args.no_drafter:
         settings = replace(settings, drafter=None)
+    settings = replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if args.max_minutes is not None:
         settings = replace(settings, deadline=time.time() + 60 * args.max_minutes)
     if "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank of WORLD

@@ -79,6 +79,22 @@ def test_timing_rows_are_well_formed(runs):
     assert fitted.attention > 0 and fitted.moe > 0
 
 
+def test_layers_scale_to_the_whole_model(runs):
+    _, two, results_dir = runs
+    written = read_rows("tp_verify_step", results_dir=results_dir)  # the same rows as CSV strings
+    for rows in (two["rows"], written):
+        whole = bench_tp.whole_model_rows(rows, K26)
+        assert {(r["batch"], r["nodes"]) for r in whole} == {(b, n) for b in (1, 2) for n in NODES}
+        for row in whole:
+            layers = [r for r in two["rows"] if r["scope"] == "layer"
+                      and (r["batch"], r["nodes"]) == (row["batch"], row["nodes"])]
+            dense, moe = layers[0], layers[1:]
+            want = dense["attention_seconds"] + 60 * np.mean([r["attention_seconds"] for r in moe])
+            assert row["attention"] == pytest.approx(want)
+            assert (row["draft"] > 0) == (row["nodes"] > 1)
+            assert row["total"] == pytest.approx(sum(row[k] for k in (*bench_tp.COMPONENTS, "head", "draft")))
+
+
 def test_random_weights_give_every_rank_its_slice_of_one_model():
     reader = RandomWeights("cpu", torch.float32, seed=3)
     full = reader.read("model.layers.1.self_attn.q_b_proj.weight", (12, 5))

@@ -18,6 +18,11 @@ with train_log.csv (one row per logged step) and eval.json (held-out metrics, th
 
     python -m kdtree_lib.train all --out data/models --corpus data/corpus/build      # on a GPU
     python -m kdtree_lib.train all --tiny --steps 5 --out /tmp/models --corpus ...   # CPU smoke run
+    python -m kdtree_lib.train acceptance --prompts 64 --new-tokens 256              # the quality bar
+
+`acceptance` measures the pair as DDTree decodes it: the T = 0 oracle of kdtree_lib.sweep (exactly a
+live decode's rounds) of the DFlash chain and of DDTree trees at budgets 8, 32 and 128, on the
+committed held-out prompts (data/corpus/heldout_prompts.jsonl); rows go to data/results/acceptance.csv.
 
 Drafter labels: greedy decoding accepts a draft token iff it equals the target's argmax, so by
 default (--labels target) block position k learns the target's argmax for token anchor + k given
@@ -40,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .corpus import PROMPTS_PATH
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, save_drafter
 from .tokenizer import TOKENIZER_PATH, corpus_tokens, load_tokenizer, special_ids
 
@@ -47,6 +53,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_DIR = "k26-mini"
 SHARD_SIZE = "16MB"
 LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
+ACCEPTANCE_BUDGETS = (8, 32, 128)
+PROMPTS_PACKAGE = "heldout"     # the `package` of acceptance rows measured on the committed prompts
 
 # K2.6's architecture (data/configs/kimi-k2.6.json) at ~19M parameters. Its attention geometry is
 # K2.6's own: the 576-wide absorbed cache entry (kv_lora_rank 512 + rope 64) that the verify kernels
@@ -443,6 +451,66 @@ def train_drafter(settings: Settings, block_size: int) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
+# acceptance on held-out prompts
+
+def load_prompts(count: int, prompt_tokens: int, *, tokenizer_path=TOKENIZER_PATH, path=PROMPTS_PATH) -> list:
+    """The first `count` committed held-out prompts, each cut to its first `prompt_tokens` tokens."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    texts = [json.loads(line)["text"] for line in Path(path).read_text().splitlines()]
+    if not 1 <= count <= len(texts):
+        raise ValueError(f"count: expected 1..{len(texts)} prompts, got {count}")
+    prompts = [np.asarray(tokenizer.encode(text).ids[:prompt_tokens], np.int64) for text in texts[:count]]
+    if min(len(p) for p in prompts) < 2:
+        raise ValueError(f"prompt_tokens: expected at least 2, got {prompt_tokens}")
+    return prompts
+
+
+def acceptance_rows(models_dir, block_size: int, *, budgets=ACCEPTANCE_BUDGETS, n_prompts: int = 64,
+                    prompt_tokens: int = 128, new_tokens: int = 256, device: str = "auto") -> list[dict]:
+    """Mean acceptance length of the DFlash chain and of DDTree at each budget (T = 0), one row each.
+
+    The target's greedy run from each prompt is recorded once with the drafter's top-k at every
+    position (kdtree_lib.sweep.record_oracle); chain and trees are then built from it, exactly the
+    rounds a live decode makes.
+    """
+    from .decode import load_pair, stand_in_paths
+    from .sweep import oracle_rows, record_oracle
+    device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                          "cpu" if device == "auto" else device)
+    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    target, drafter = load_pair(target_path, drafter_path, device=device,
+                                dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    prompts = load_prompts(n_prompts, prompt_tokens)
+    records = record_oracle(target, drafter, prompts, new_tokens, min(max(budgets), target.config.vocab_size))
+    if device.type == "cuda":
+        records = [record.to_torch(device) for record in records]
+    pair = f"{target_path.name}+{drafter_path.name}"
+    return [row | {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+            for mode in ("chain", "tree")
+            for row in oracle_rows(records, budgets, package=PROMPTS_PACKAGE, block_size=block_size, mode=mode,
+                                   n_new_tokens=new_tokens, pair=pair, progress=False)]
+
+
+def measure_acceptance(settings: Settings, n_prompts: int, prompt_tokens: int, new_tokens: int) -> list[dict]:
+    """acceptance_rows for every trained block size, appended to data/results/acceptance.csv."""
+    from .results import append_rows
+    from .sweep import TOPIC
+    rows = []
+    for block_size in settings.block_sizes:
+        if not (settings.out / drafter_dir(block_size) / "config.json").is_file():
+            print(f"no drafter for block size {block_size} in {settings.out}: skipped")
+            continue
+        rows += acceptance_rows(settings.out, block_size, n_prompts=n_prompts, prompt_tokens=prompt_tokens,
+                                new_tokens=new_tokens, device=settings.device)
+    for row in rows:
+        print(f"block {row['block_size']:2d} {row['mode']:5s} budget {row['budget']:3d}: "
+              f"{row['mean_acceptance']:.3f} tokens per round over {row['rounds']} rounds")
+    if rows:
+        print(f"{len(rows)} rows -> {append_rows(TOPIC, rows)}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # files
 
 def copy_tokenizer(tokenizer: Path, directory: Path) -> None:
@@ -481,10 +549,10 @@ def write_eval(directory: Path, settings: Settings, **values) -> None:
     (directory / "eval.json").write_text(json.dumps(values | {"settings": run}, indent=1) + "\n")
 
 
-def parse_args(argv) -> tuple[str, Settings]:
+def parse_args(argv) -> tuple[str, Settings, dict]:
     parser = argparse.ArgumentParser(prog="python -m kdtree_lib.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("target", "drafter", "all"))
+    parser.add_argument("stage", choices=("target", "drafter", "all", "acceptance"))
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "models")
     parser.add_argument("--corpus", type=Path, default=REPO_ROOT / "data" / "corpus" / "build",
                         help="corpus build folder (corpus-*.jsonl, or cached tokens-*.npy)")
@@ -496,12 +564,17 @@ def parse_args(argv) -> tuple[str, Settings]:
                  "log_every", "eval_every", "eval_windows"):
         parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--prompts", type=int, default=64, help="acceptance: held-out prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="acceptance: tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=256, help="acceptance: greedy tokens per prompt")
     args = parser.parse_args(argv)
+    acceptance = {"n_prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
     values = TINY_SETTINGS.copy() if args.tiny else {}
-    values.update({k: v for k, v in vars(args).items() if v is not None and k != "stage"})
+    values.update({k: v for k, v in vars(args).items()
+                   if v is not None and k not in ("stage", "prompts", "prompt_tokens", "new_tokens")})
     if "block_sizes" in values:
         values["block_sizes"] = tuple(values["block_sizes"])
-    return args.stage, Settings(**values, command=list(argv if argv is not None else sys.argv[1:]))
+    return args.stage, Settings(**values, command=list(argv if argv is not None else sys.argv[1:])), acceptance
 
 
 # a CPU smoke run: every code path, seconds not minutes
@@ -510,13 +583,15 @@ TINY_SETTINGS = dict(seq_len=64, batch_size=2, steps=5, drafter_steps=5, warmup=
 
 
 def main(argv=None) -> int:
-    stage, settings = parse_args(argv)
+    stage, settings, acceptance = parse_args(argv)
     torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
     if stage in ("target", "all"):
         train_target(settings)
     if stage in ("drafter", "all"):
         for block_size in settings.block_sizes:
             train_drafter(settings, block_size)
+    if stage == "acceptance":
+        measure_acceptance(settings, **acceptance)
     return 0
 
 

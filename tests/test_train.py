@@ -167,3 +167,19 @@ def test_full_size_pair_fits_the_issue_budget():
     ours, kimi = (ModelConfig.from_dict(raw) for raw in (
         config.to_dict(), json.loads((REPO / "data" / "configs" / "kimi-k2.6.json").read_text())))
     assert ours.cache_dim == kimi.cache_dim == 576 and ours.softmax_scale == pytest.approx(kimi.softmax_scale)
+
+
+def test_acceptance_rows_on_committed_prompts(models, tmp_path, monkeypatch):
+    prompts = train.load_prompts(3, 20)
+    assert len(prompts) == 3 and all(p.dtype == np.int64 and len(p) == 20 for p in prompts)
+    with pytest.raises(ValueError, match="count"):
+        train.load_prompts(65, 20)
+    monkeypatch.setenv("KDTREE_RESULTS_DIR", str(tmp_path))
+    assert train.main(["acceptance", "--out", str(models), "--block-sizes", "8", "32", "--prompts", "2",
+                       "--prompt-tokens", "16", "--new-tokens", "6"]) == 0
+    with open(tmp_path / "acceptance.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mode"], int(r["budget"])) for r in rows] == [(m, b) for m in ("chain", "tree") for b in (8, 32, 128)]
+    for row in rows:
+        assert row["package"] == "heldout" and row["pair"] == "k26-mini+k26-mini-dflash" and row["new_tokens"] == "6"
+        assert 1 <= float(row["mean_acceptance"]) <= 8

@@ -16,7 +16,6 @@ Times are medians over reps, each after an L2 flush (a 256 MB memset), by CUDA e
 """
 from __future__ import annotations
 
-import math
 import statistics
 
 import numpy as np
@@ -196,15 +195,19 @@ def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20) -> float:
 def measure_ceilings() -> dict:
     """Copy bandwidth (bytes read + written), bf16 matmul rate (cuBLAS), mma.sync rate (ours)."""
     import torch
-    x = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    copy_s = time_gpu(lambda: y.copy_(x), reps=10, flush_bytes=1 << 20)
-    del x, y
+    copy_s = _copy_seconds(2 * GIB)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_s = time_gpu(lambda: torch.mm(a, b), reps=10, flush_bytes=1 << 20)
     return {"copy_tbps": 2 * 2 * GIB / copy_s / 1e12, "matmul_tflops": 2 * 8192 ** 3 / mm_s / 1e12,
             "mma_sync_tflops": mma_sync_rate() / 1e12}
+
+
+def _copy_seconds(n_bytes: int) -> float:
+    import torch
+    source = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return time_gpu(lambda: target.copy_(source), reps=10, flush_bytes=1 << 20)
 
 
 def mma_sync_rate(iters: int = 8192) -> float:
@@ -298,9 +301,8 @@ def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dic
     if working_set > MEMORY_LIMIT or est > BASELINE_TIME_LIMIT:
         return out
     additive = fallback_mask(lengths, tree, slots, q_latent.device)
-    out["torch_fallback"] = time_gpu(lambda: torch_fallback(q_latent, q_rope, cache, additive), reps=reps)
     bool_mask = (additive == 0)[:, None]  # (B, 1, N, S)
-    del additive
+    out["torch_fallback"] = time_gpu(lambda: torch_fallback(q_latent, q_rope, cache, additive), reps=reps)
     expanded_kv = batch * heads * slots * (CACHE_DIM + LATENT_DIM) * 2  # if a backend materialises K/V per head
     for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
         if backend == SDPBackend.MATH and working_set + expanded_kv > MEMORY_LIMIT:

@@ -9,9 +9,13 @@
 // Kernel (one CTA = ROWS query rows × one split of the key range):
 //   * Q (ROWS × 576) is loaded once into shared memory; KV tiles of KEYS rows stream through a
 //     STAGES-deep cp.async ring, each tile read from global once per CTA for all heads and nodes.
-//   * Warps form ROW_GROUPS groups of 4. In a group every warp owns 16·ROW_TILES rows; warp c
-//     computes S = Q·Kᵀ for keys [c·KEYS/4, (c+1)·KEYS/4) of the tile and owns output columns
-//     [128c, 128c+128) of O, so the 64 KB fp32 accumulator of a 64-row CTA is spread over 8 warps.
+//   * Warps form ROW_GROUPS groups of 4. In a group every warp owns 16·ROW_TILES rows and output
+//     columns [128c, 128c+128) of O (warp c), so the 128 KB fp32 accumulator of a 64-row CTA is
+//     spread over 8 warps. S = Q·Kᵀ is cut by keys among SCORING warps of the group: 4 (16×32
+//     or 32×16 warp tiles) or, in the "wide" variant, 2 with 32×32 tiles (256 instead of 384
+//     bytes of ldmatrix traffic per MMA; group 0 scores with warps 0-1 and group 1 with warps 6-7,
+//     so each SM sub-partition keeps one scoring warp). Small warp tiles split the k loop over
+//     independent accumulator chains so MMA latency stays hidden.
 //   * Online softmax in the log2 domain: row maxima are exchanged through shared memory (named
 //     barrier per group), P is written to shared memory as bf16/f16 and re-read with ldmatrix as
 //     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
@@ -23,7 +27,7 @@
 // free of bank conflicts; P rows are padded by 16 bytes instead.
 //
 // Configurations are template parameters. NVRTC (the launcher) builds one per module, selected with
-// -DVA_HALF=0|1 -DVA_ROW_TILES -DVA_ROW_GROUPS -DVA_KEYS -DVA_STAGES; a plain nvcc build (CI's
+// -DVA_HALF=0|1 -DVA_ROW_TILES -DVA_ROW_GROUPS -DVA_KEYS -DVA_STAGES -DVA_SCORING; a plain nvcc build (CI's
 // compile test, ptxas -v) instantiates every configuration the launcher may pick.
 
 typedef unsigned short u16;
@@ -565,7 +569,7 @@ extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merg
 }
 
 // The mma.sync ceiling: 8 independent m16n8k16 bf16 chains per warp on register operands, no
-// memory traffic. FLOPs = blocks · warps · iters · 8 · 4096.
+// memory traffic. FLOPs = blocks · warps · iters · 8 chains · 4096 (one m16n8k16).
 extern "C" __global__ void __launch_bounds__(256) mma_sync_ceiling(float* sink, int iters) {
   const u32 x = 0x3c003c00u ^ (threadIdx.x & 0x00010001u);  // small finite bf16 pairs
   const u32 a[4] = {x, x ^ 0x00020000u, x, x ^ 0x00000002u};

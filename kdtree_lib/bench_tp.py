@@ -402,8 +402,21 @@ def time_tree_kernels(cache: KVCache, batch: int, nodes: int, settings: BenchSet
 
 def verify_step_worker(tp: TensorParallel, settings: BenchSettings) -> dict:
     """One rank's sweep (launch it with run_tp_bench). Returns {"rows": [...], "check": {...}}; rank 0
-    appends its rows to data/results/<topic>.csv after each (context, batch) block."""
-    device = torch.device("cuda", torch.cuda.current_device()) if settings.device == "cuda" else torch.device("cpu")
+    appends its rows to data/results/<topic>.csv after each (context, batch) block.
+
+    On CPUs each rank runs one intra-op thread: ranks share the cores, and an OpenMP pool spinning
+    on a busy core turns a microsecond op (index_add_) into tens of milliseconds."""
+    if settings.device == "cuda":
+        return _sweep(tp, settings, torch.device("cuda", torch.cuda.current_device()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _sweep(tp, settings, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(tp: TensorParallel, settings: BenchSettings, device: torch.device) -> dict:
     dtype = getattr(torch, settings.dtype)
     config = replace(settings.config, num_hidden_layers=settings.layers)
     model = random_target(config, tp, device=device, dtype=dtype, attention_backend=settings.attention_backend,
@@ -614,11 +627,12 @@ def calibrate_on_rows(rows: list[dict], config: ModelConfig, *, tp: int | None =
     return calibrate(layers, config, hardware, expert_bits=16, correlation=0.0), hardware, layers
 
 
-def drafter_roofline_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, context: int,
-                             new_tokens: int = 5, shards: int = 1, head_shards: int | None = None) -> float:
-    """One drafter forward at the roofline: its weights (layers split over `shards` GPUs, the target's
-    LM head over `head_shards`) and its context cache read once, the FLOPs of the block and the new
-    tokens; with shards > 1, two all-reduces per layer and the head's all-gather (latency-bound)."""
+def drafter_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, context: int, new_tokens: int = 5,
+                    shards: int = 1, head_shards: int | None = None, efficiency: float = 1.0) -> float:
+    """One drafter forward: its weights (layers split over `shards` GPUs, the target's LM head over
+    `head_shards`) and its context cache read once, the FLOPs of the block and the new tokens, at
+    the roofline divided by `efficiency`; with shards > 1 also two all-reduces per layer and the
+    head's all-gather (latency-bound messages)."""
     c = config
     head_shards = shards if head_shards is None else head_shards
     per_layer = (c.hidden_size * c.head_dim * 2 * (c.num_attention_heads + c.num_key_value_heads)
@@ -630,7 +644,7 @@ def drafter_roofline_seconds(config: DFlashConfig, hardware: Hardware, *, batch:
     attention_flops = 4 * batch * c.block_size * c.num_attention_heads * c.head_dim * context * c.num_hidden_layers
     weight_bytes = (body / shards + head / head_shards) * BF16
     flops = 2 * tokens * body / shards + 2 * batch * (c.block_size - 1) * head / head_shards + attention_flops / shards
-    seconds = _roofline(weight_bytes + cache_bytes, flops, hardware)
+    seconds = _roofline(weight_bytes + cache_bytes, flops, hardware) / efficiency
     if shards > 1:
         group = replace(hardware, gpus=shards)
         seconds += (2 * c.num_hidden_layers + 1) * allreduce_time(tokens * c.hidden_size * BF16, group)
@@ -638,10 +652,10 @@ def drafter_roofline_seconds(config: DFlashConfig, hardware: Hardware, *, batch:
 
 
 def drafter_efficiency(rows: list[dict], config: DFlashConfig, hardware: Hardware, *, new_tokens: int = 5) -> float:
-    """Roofline / measured time of the drafter rows (median): replicated layers, LM head over tp."""
-    ratios = [drafter_roofline_seconds(config, hardware, batch=int(r["batch"]), context=int(r["context"]),
-                                       new_tokens=new_tokens, shards=1, head_shards=int(r["tp"]))
-              / float(r["drafter_seconds"]) for r in rows if r.get("drafter_seconds") not in (None, "")]
+    """Roofline / measured drafter time (median over rows): its layers replicated, LM head over tp."""
+    ratios = [drafter_seconds(config, hardware, batch=int(r["batch"]), context=int(r["context"]),
+                              new_tokens=new_tokens, head_shards=int(r["tp"])) / float(r["drafter_seconds"])
+              for r in rows if r.get("drafter_seconds") not in (None, "")]
     if not ratios:
         raise ValueError("rows: no drafter_seconds measured")
     return float(np.median(ratios))

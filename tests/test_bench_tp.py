@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from kdtree_lib import bench_tp
 from kdtree_lib.bench_tp import (BenchSettings, RandomWeights, acceptance_curve, best_budgets, calibrate_on_rows,
-                                 ct200_projection, drafter_config, drafter_efficiency, drafter_roofline_seconds,
+                                 ct200_projection, drafter_config, drafter_efficiency, drafter_seconds,
                                  fit_correlation, random_target, routed_experts, run_tp_bench, select_rows,
                                  tree_kernel_seconds, union_curve)
 from kdtree_lib.model import ModelConfig, TensorParallel, load_config
@@ -181,11 +181,12 @@ def test_calibration_on_bench_rows_and_the_projection():
 
 def test_drafter_cost_model():
     drafter = drafter_config(K26)
-    one = drafter_roofline_seconds(drafter, CT200, batch=1, context=4096)
+    one = drafter_seconds(drafter, CT200, batch=1, context=4096)
     assert one > 0
-    assert drafter_roofline_seconds(drafter, CT200, batch=1, context=32768) > one
-    sharded = drafter_roofline_seconds(drafter, CT200, batch=1, context=4096, shards=8)
+    assert drafter_seconds(drafter, CT200, batch=1, context=32768) > one
+    sharded = drafter_seconds(drafter, CT200, batch=1, context=4096, shards=8)
     assert sharded < one  # an eighth of the bytes, plus 13 small all-reduces
+    assert drafter_seconds(drafter, CT200, batch=1, context=4096, efficiency=0.5) == pytest.approx(2 * one)
     measured = [{"batch": "1", "context": "4096", "tp": "1", "drafter_seconds": str(one / 0.25)}]
     assert drafter_efficiency(measured, drafter, CT200) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="drafter_seconds"):

@@ -465,8 +465,9 @@ class Decoder:
         return _now(self.device) - start
 
     def _result(self, prompts, stop_tokens, max_new_tokens, rounds, cuda_graph, **times) -> DecodeResult:
-        out, out_len = self.out.cpu().numpy(), self.out_len.cpu().numpy()
-        per_round = self.accepted[:, :min(rounds, self.accepted.shape[1])].cpu().numpy()
+        # copies: on a CPU, .cpu() returns the decoder's own buffers, which the next call overwrites
+        out, out_len = self.out.cpu().numpy().copy(), self.out_len.cpu().numpy().copy()
+        per_round = self.accepted[:, :min(rounds, self.accepted.shape[1])].cpu().numpy().copy()
         tokens, acceptance = [], []
         for b in range(self.batch):
             new = out[b, :min(int(out_len[b]), max_new_tokens)]

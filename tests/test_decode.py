@@ -1,0 +1,259 @@
+"""kdtree_lib.decode: lossless DDTree / chain decoding against autoregressive decoding.
+
+CPU: greedy outputs equal token for token (batch of ragged prompts, stop tokens, max_new_tokens),
+the sampled output's distribution equals the target's exact one (chi-square on the first two
+tokens), bad arguments. GPU (`-m gpu`): the same with the kernels in bf16, and graph == eager.
+All on tiny random pairs, so no trained checkpoint is needed.
+"""
+import numpy as np
+import pytest
+import torch
+
+from kdtree_lib.backend import cuda_available
+from kdtree_lib.decode import STAGES, clear_decoders, generate, random_pair
+
+VOCAB = 32
+PROMPTS = [np.array([5, 9, 2, 30, 11, 7, 1]), np.array([17]), np.array([3, 3, 8])]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Flat drafts: a tree of budget >= VOCAB holds every next token, so rounds accept >= 2."""
+    return random_pair(vocab=VOCAB, block_size=5, seed=3, draft_sharpness=0.05)
+
+
+def tokens_of(result):
+    return [t.tolist() for t in result.tokens]
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy: lossless
+
+@pytest.mark.parametrize("budget", [1, 6, 48])
+def test_greedy_ddtree_and_chain_equal_autoregressive(pair, budget):
+    target, drafter = pair
+    ar = generate(target, drafter, PROMPTS, method="ar", max_new_tokens=30)
+    assert [len(t) for t in ar.tokens] == [30] * 3 and all(len(set(t)) > 3 for t in tokens_of(ar))
+    assert all((a == 1).all() for a in ar.acceptance)
+    for method in ("chain", "ddtree"):
+        spec = generate(target, drafter, PROMPTS, method=method, budget=budget, max_new_tokens=30)
+        assert tokens_of(spec) == tokens_of(ar), method
+        for tokens, rounds in zip(spec.tokens, spec.acceptance):
+            assert rounds.sum() >= len(tokens) and rounds.max() <= drafter.config.block_size
+    if budget == 48:  # the tree accepts at least two tokens every round here
+        assert min(a.min() for a in spec.acceptance) >= 2
+
+
+def test_batching_does_not_change_a_request(pair):
+    target, drafter = pair
+    batch = generate(target, drafter, PROMPTS, budget=40, max_new_tokens=20)
+    for b, prompt in enumerate(PROMPTS):
+        alone = generate(target, drafter, prompt, budget=40, max_new_tokens=20)
+        assert alone.tokens[0].tolist() == batch.tokens[b].tolist()
+        assert alone.acceptance[0].tolist() == batch.acceptance[b].tolist()
+
+
+def test_stop_tokens_end_each_request_at_its_first_stop(pair):
+    target, drafter = pair
+    free = tokens_of(generate(target, drafter, PROMPTS, method="ar", max_new_tokens=30))
+    stop = free[0][9]  # a token request 0 produces, not first at position 9 necessarily
+    expected = [t[: t.index(stop) + 1] if stop in t else t for t in free]
+    assert any(len(t) < 30 for t in expected)
+    for method, budget in (("ar", 1), ("chain", 8), ("ddtree", 48)):
+        result = generate(target, drafter, PROMPTS, method=method, budget=budget, max_new_tokens=30,
+                          stop_tokens=(stop,))
+        assert tokens_of(result) == expected, method
+        finished_early = [len(t) < 30 for t in expected]
+        assert result.rounds <= 30 + 4 and any(finished_early)
+
+
+def test_stage_times_and_throughput_are_reported(pair):
+    target, drafter = pair
+    result = generate(target, drafter, PROMPTS, budget=16, max_new_tokens=12, profile_stages=True)
+    assert set(result.stage_seconds) == set(STAGES) and all(v > 0 for v in result.stage_seconds.values())
+    assert sum(result.stage_seconds.values()) <= result.decode_seconds
+    assert result.new_tokens == 36 and result.tokens_per_second > 0 and result.mean_acceptance >= 1
+    assert not result.cuda_graph and result.backend == "numpy"
+
+
+def test_a_decoder_is_reused_and_reset_between_calls(pair):
+    target, drafter = pair
+    clear_decoders()
+    first = generate(target, drafter, PROMPTS, budget=12, max_new_tokens=10)
+    second = generate(target, drafter, PROMPTS, budget=12, max_new_tokens=10)
+    assert tokens_of(first) == tokens_of(second)
+    from kdtree_lib import decode
+    assert len(decode._DECODERS) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# T > 0: the target's sampling distribution
+
+def exact_first_two(target, prompt, temperature):
+    """float64 [V, V]: the target's probability of (y1, y2) after `prompt`, sampling at temperature."""
+    vocab = target.config.vocab_size
+    rows = torch.as_tensor(np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1))
+    cache = target.new_cache(vocab, rows.shape[1])
+    logits = target.prefill(rows, cache).logits.double()                      # (V, P+1, V)
+    first = torch.softmax(logits[0, -2] / temperature, -1)                    # p(y1 | prompt)
+    second = torch.softmax(logits[:, -1] / temperature, -1)                   # p(y2 | prompt, y1)
+    return (first[:, None] * second).numpy()
+
+
+def chi_square_p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson's test; cells expected below 5 pooled into one."""
+    n = counts.sum()
+    expected = expected_probs.ravel() * n
+    observed = counts.ravel().astype(float)
+    big = expected >= 5
+    observed = np.append(observed[big], observed[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def peaked_pair():
+    """A target with a few likely tokens per context, and a drafter that often guesses them."""
+    return random_pair(vocab=12, block_size=4, seed=5, logit_scale=0.5, draft_sharpness=0.5)
+
+
+@pytest.mark.parametrize("method, budget", [("ddtree", 12), ("chain", 3)])
+def test_sampled_output_has_the_targets_distribution(peaked_pair, method, budget):
+    target, drafter = peaked_pair
+    prompt, temperature, samples = np.array([3, 11, 6]), 0.8, 1000
+    exact = exact_first_two(target, prompt, temperature)
+    result = generate(target, drafter, [prompt] * samples, method=method, budget=budget, temperature=temperature,
+                      max_new_tokens=2, seed=1, sync_every=1)
+    pairs = np.array([t[:2] for t in result.tokens])
+    counts = np.zeros_like(exact)
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    assert np.concatenate(result.acceptance).max() >= 2, "some rounds must accept a draft token"
+    p_value = chi_square_p_value(counts, exact)
+    print(f"{method}: chi-square p = {p_value:.3g}")
+    assert p_value > 1e-3
+    # the test has power: the same samples against the distribution at another temperature fail it
+    assert chi_square_p_value(counts, exact_first_two(target, prompt, 1.5 * temperature)) < 1e-6
+
+
+def test_a_seed_reproduces_a_sampled_run(peaked_pair):
+    target, drafter = peaked_pair
+    prompts = [p % 12 for p in PROMPTS]
+    runs = [generate(target, drafter, prompts, budget=8, temperature=1.0, max_new_tokens=12, seed=s)
+            for s in (4, 4, 5)]
+    assert tokens_of(runs[0]) == tokens_of(runs[1]) != tokens_of(runs[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="beam"), "method: expected one of"),
+    (dict(budget=0), "budget: expected a positive integer"),
+    (dict(budget=2048), "budget: at most 1024"),
+    (dict(temperature=-1.0), "temperature: expected a number >= 0"),
+    (dict(max_new_tokens=0), "max_new_tokens: expected a positive integer"),
+    (dict(prompt_ids=[]), "prompt_ids: expected a non-empty"),
+    (dict(prompt_ids=[[1, 2], []]), r"prompt_ids\[1\]: expected a non-empty"),
+    (dict(prompt_ids=[1, VOCAB]), r"prompt_ids\[0\]: ids must lie in 0..31"),
+    (dict(stop_tokens=(VOCAB,)), "stop_tokens: ids must lie"),
+    (dict(backend="cuda"), "backend: expected 'auto', 'numpy' or 'cupy'"),
+    (dict(cuda_graph=True), "cuda_graph: a captured step needs"),
+    (dict(drafter=None), "drafter: methods 'chain' and 'ddtree' need a DFlashDrafter"),
+])
+def test_bad_arguments_are_named(pair, kwargs, message):
+    target, drafter = pair
+    arguments = dict(drafter=drafter, prompt_ids=PROMPTS[0]) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate(target, arguments.pop("drafter"), arguments.pop("prompt_ids"), **arguments)
+
+
+def test_a_drafter_of_another_vocabulary_is_refused(pair):
+    target, _ = pair
+    _, other = random_pair(vocab=48, block_size=5)
+    with pytest.raises(ValueError, match="drafter: vocabulary 48"):
+        generate(target, other, PROMPTS[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the kernels in bf16, CUDA graphs
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_pair():
+    if not (cuda_available() and torch.cuda.is_available()):
+        pytest.skip("needs a CUDA GPU with CuPy and torch")
+    target, drafter = random_pair(vocab=256, block_size=8, seed=11, logit_scale=2.0, draft_sharpness=0.3,
+                                  device="cuda", dtype=torch.bfloat16)
+    return target, drafter
+
+
+def gpu_prompts(count=2):
+    rng = np.random.default_rng(12)
+    return [rng.integers(0, 256, size=n) for n in (37, 5, 64, 1, 20, 9, 50, 2)[:count]]
+
+
+def assert_equal_or_near_tie(target, prompts, reference, other, tolerance=0.15):
+    """Token lists equal, or equal up to a position where the target's fp32 logits of the two
+    different tokens are within `tolerance` (bf16 rounding may pick either of a near tie)."""
+    exact = target.float()
+    try:
+        for prompt, want, got in zip(prompts, reference, other):
+            mismatch = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+            if mismatch is None:
+                assert len(want) == len(got)
+                continue
+            context = torch.as_tensor(np.concatenate([prompt, want[:mismatch]]), device="cuda")[None]
+            logits = exact.prefill(context, exact.new_cache(1, context.shape[1] + 64)).logits[0, -1]
+            gap = float(logits[want[mismatch]] - logits[got[mismatch]])
+            print(f"first difference at token {mismatch}: fp32 logit gap {gap:.4f}")
+            assert abs(gap) <= tolerance
+    finally:
+        target.to(torch.bfloat16)
+
+
+@gpu
+def test_gpu_kernels_greedy_lossless_bf16(gpu_pair):
+    target, drafter = gpu_pair
+    prompts = gpu_prompts(2)
+    ar = generate(target, drafter, prompts, method="ar", max_new_tokens=48)
+    for method, budget in (("chain", 8), ("ddtree", 16), ("ddtree", 128)):
+        result = generate(target, drafter, prompts, method=method, budget=budget, max_new_tokens=48)
+        assert result.backend == "cupy" and result.cuda_graph
+        assert_equal_or_near_tie(target, prompts, tokens_of(ar), tokens_of(result))
+
+
+@gpu
+@pytest.mark.parametrize("batch, budget", [(1, 8), (2, 64), (8, 32)])
+def test_gpu_graph_equals_eager(gpu_pair, batch, budget):
+    target, drafter = gpu_pair
+    prompts = gpu_prompts(batch)
+    eager = generate(target, drafter, prompts, budget=budget, max_new_tokens=40, cuda_graph=False, stop_tokens=(7,))
+    graph = generate(target, drafter, prompts, budget=budget, max_new_tokens=40, cuda_graph=True, stop_tokens=(7,))
+    again = generate(target, drafter, prompts, budget=budget, max_new_tokens=40, cuda_graph=True, stop_tokens=(7,))
+    assert tokens_of(graph) == tokens_of(eager) == tokens_of(again)
+    assert [a.tolist() for a in graph.acceptance] == [a.tolist() for a in eager.acceptance]
+    print(f"B={batch} budget={budget}: eager {eager.tokens_per_second:.0f} tok/s, graph "
+          f"{again.tokens_per_second:.0f} tok/s (capture {graph.capture_seconds * 1e3:.0f} ms)")
+
+
+@gpu
+def test_gpu_reference_tree_ops_equal_the_kernels(gpu_pair):
+    target, drafter = gpu_pair
+    prompts = gpu_prompts(2)
+    kernels = generate(target, drafter, prompts, budget=32, max_new_tokens=32, backend="cupy", cuda_graph=False)
+    reference = generate(target, drafter, prompts, budget=32, max_new_tokens=32, backend="numpy")
+    assert tokens_of(kernels) == tokens_of(reference)
+    assert [a.tolist() for a in kernels.acceptance] == [a.tolist() for a in reference.acceptance]
+
+
+@gpu
+def test_gpu_stage_times_use_cuda_events(gpu_pair):
+    target, drafter = gpu_pair
+    result = generate(target, drafter, gpu_prompts(2), budget=32, max_new_tokens=24, cuda_graph=False,
+                      profile_stages=True)
+    assert set(result.stage_seconds) == set(STAGES) and all(v > 0 for v in result.stage_seconds.values())

@@ -32,6 +32,7 @@ or under torchrun:  torchrun --nproc-per-node 8 -m kdtree_lib.bench_tp --layers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
@@ -51,7 +52,7 @@ from .model import KVCache, ModelConfig, TensorParallel, Transformer, launch, lo
 from .model.checkpoint import empty_target, load_weights
 from .model.model import MoE
 from .projection import (CT200, Efficiency, Hardware, _roofline, allreduce_time, calibrate,
-                         expected_distinct_experts, projected_speedup)
+                         expected_distinct_experts, projected_speedup, step_costs)
 from .synthetic import zipf_draft_logits
 from .tree_build import DraftTopK, Tree, build_tree, draft_topk, tree_from_parents
 
@@ -404,14 +405,21 @@ def verify_step_worker(tp: TensorParallel, settings: BenchSettings) -> dict:
     """One rank's sweep (launch it with run_tp_bench). Returns {"rows": [...], "check": {...}}; rank 0
     appends its rows to data/results/<topic>.csv after each (context, batch) block.
 
-    On CPUs each rank runs one intra-op thread: ranks share the cores, and an OpenMP pool spinning
-    on a busy core turns a microsecond op (index_add_) into tens of milliseconds."""
+    On CPUs each rank runs one intra-op thread (see one_cpu_thread)."""
     if settings.device == "cuda":
         return _sweep(tp, settings, torch.device("cuda", torch.cuda.current_device()))
+    with one_cpu_thread():
+        return _sweep(tp, settings, torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def one_cpu_thread():
+    """One torch intra-op thread inside: on a shared or busy CPU an OpenMP pool spinning for a core
+    turns a microsecond op (index_add_ in the expert loop) into tens of milliseconds."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _sweep(tp, settings, torch.device("cpu"))
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -549,7 +557,8 @@ def routed_experts(model: Transformer, tokens) -> list[np.ndarray]:
     routers = [block.mlp.gate for block in model.layers if isinstance(block.mlp, MoE)]
     hooks = [router.register_forward_hook(lambda module, args, out: picked.append(out[1])) for router in routers]
     try:
-        model.prefill(tokens.to(model.device), model.new_cache(*tokens.shape))
+        with one_cpu_thread() if model.device.type == "cpu" else contextlib.nullcontext():
+            model.prefill(tokens.to(model.device), model.new_cache(*tokens.shape))
     finally:
         for hook in hooks:
             hook.remove()
@@ -619,12 +628,17 @@ def measured_hardware(rows: list[dict], *, tp: int) -> Hardware:
 def calibrate_on_rows(rows: list[dict], config: ModelConfig, *, tp: int | None = None,
                       graph: bool = True) -> tuple[Efficiency, Hardware, list[dict]]:
     """projection.calibrate on the layer rows of one TP degree (random weights route uniformly, so
-    correlation 0 and bf16 experts): (efficiency, the measured hardware, the rows used)."""
+    correlation 0 and bf16 experts), and the head's efficiency from the step rows' head_seconds:
+    (efficiency, the measured hardware, the layer rows used)."""
     layers = select_rows(rows, "layer", tp=tp, graph=graph)
     if not layers:
         raise ValueError(f"rows: no layer rows with tp={tp}, graph={graph}")
     hardware = measured_hardware(layers, tp=int(layers[0]["tp"]))
-    return calibrate(layers, config, hardware, expert_bits=16, correlation=0.0), hardware, layers
+    efficiency = calibrate(layers, config, hardware, expert_bits=16, correlation=0.0)
+    heads = [step_costs(config, hardware, batch=int(r["batch"]), nodes=int(r["nodes"]), context=int(r["context"]))
+             ["rest"] / float(r["head_seconds"]) for r in select_rows(rows, "step", tp=hardware.gpus, graph=graph)
+             if r.get("head_seconds") not in (None, "")]
+    return (replace(efficiency, rest=float(np.median(heads))) if heads else efficiency), hardware, layers
 
 
 def drafter_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, context: int, new_tokens: int = 5,

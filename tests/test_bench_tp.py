@@ -6,27 +6,35 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
 from kdtree_lib import bench_tp
 from kdtree_lib.bench_tp import (BenchSettings, RandomWeights, acceptance_curve, best_budgets, calibrate_on_rows,
                                  ct200_projection, drafter_config, drafter_efficiency, drafter_seconds,
                                  fit_correlation, random_target, routed_experts, run_tp_bench, select_rows,
                                  tree_kernel_seconds, union_curve)
 from kdtree_lib.model import ModelConfig, TensorParallel, load_config
-from kdtree_lib.model.reference import tiny_config
-from kdtree_lib.projection import CT200, Efficiency, expected_distinct_experts, layer_costs
+from kdtree_lib.projection import CT200, Efficiency, expected_distinct_experts, layer_costs, step_costs
 from kdtree_lib.results import read_rows
 
 K26 = load_config(Path(__file__).resolve().parent.parent / "data" / "configs" / "kimi-k2.6.json")
-TINY = ModelConfig.from_dict(tiny_config())
 NODES = (1, 6)
 
 
+def tiny_model_config() -> ModelConfig:
+    """transformers' tiny DeepseekV3 config with K2.6's switches (the reference module needs transformers)."""
+    reference = pytest.importorskip("kdtree_lib.model.reference")
+    return ModelConfig.from_dict(reference.tiny_config())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model_config()
+
+
 def tiny_settings(**overrides) -> BenchSettings:
-    drafter = drafter_config(TINY, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=32, block_size=4,
+    config = tiny_model_config()
+    drafter = drafter_config(config, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=32, block_size=4,
                              feature_layers=1)
-    settings = BenchSettings(config=TINY, layers=3, batches=(1, 2), nodes=NODES, contexts=(8,), device="cpu",
+    settings = BenchSettings(config=config, layers=3, batches=(1, 2), nodes=NODES, contexts=(8,), device="cpu",
                              dtype="float32", graphs=False, repeats=2, warmup=1, drafter=drafter, topic=None,
                              check=True)
     return replace(settings, **overrides)
@@ -40,15 +48,15 @@ def runs(tmp_path_factory):
     return one, two, results_dir
 
 
-def test_tp2_over_gloo_equals_tp1_and_the_segmented_step_is_the_model(runs):
+def test_tp2_over_gloo_equals_tp1_and_the_segmented_step_is_the_model(runs, tiny):
     one, two, _ = runs
     for run in (one, two):
         torch.testing.assert_close(run["check"]["segmented"], run["check"]["verify"], atol=2e-5, rtol=0)
     torch.testing.assert_close(two["check"]["segmented"], one["check"]["segmented"], atol=2e-5, rtol=0)
-    assert one["check"]["verify"].shape == (1, max(NODES), TINY.vocab_size)
+    assert one["check"]["verify"].shape == (1, max(NODES), tiny.vocab_size)
 
 
-def test_timing_rows_are_well_formed(runs):
+def test_timing_rows_are_well_formed(runs, tiny):
     one, two, results_dir = runs
     for run, degree in ((one, 1), (two, 2)):
         rows = run["rows"]
@@ -64,7 +72,7 @@ def test_timing_rows_are_well_formed(runs):
                     assert (row["allreduce_seconds"] > 0) == (degree > 1)
                     assert sum(parts) == pytest.approx(row["layer_seconds"], rel=0.5)  # medians of sums vs sums
                 for row in layers[1:]:
-                    k, experts = TINY.num_experts_per_tok, TINY.n_routed_experts
+                    k, experts = tiny.num_experts_per_tok, tiny.n_routed_experts
                     assert k <= row["experts_touched"] <= min(experts, batch * nodes * k)
                     assert row["router_seconds"] > 0 and row["experts_seconds"] > 0 and row["shared_seconds"] > 0
                 assert layers[0]["router_seconds"] == ""
@@ -75,7 +83,7 @@ def test_timing_rows_are_well_formed(runs):
     written = read_rows("tp_verify_step", results_dir=results_dir)
     assert len(written) == len(two["rows"]) and {r["scope"] for r in written} == {"layer", "step", "draft"}
     hardware = replace(CT200, name="test", gpus=2)
-    fitted = bench_tp.calibrate(select_rows(written, "layer", graph=False), TINY, hardware)
+    fitted = bench_tp.calibrate(select_rows(written, "layer", graph=False), tiny, hardware)
     assert fitted.attention > 0 and fitted.moe > 0
 
 
@@ -107,14 +115,14 @@ def test_random_weights_give_every_rank_its_slice_of_one_model():
 
 
 @pytest.fixture(scope="module")
-def routes():
-    model = random_target(TINY, TensorParallel(), device="cpu", dtype=torch.float32, seed=1)
-    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (6, 40))
+def routes(tiny):
+    model = random_target(tiny, TensorParallel(), device="cpu", dtype=torch.float32, seed=1)
+    tokens = np.random.default_rng(0).integers(0, tiny.vocab_size, (6, 40))
     return routed_experts(model, tokens)
 
 
-def test_router_union_grows_with_the_tree_and_is_bounded(routes):
-    k, experts = TINY.num_experts_per_tok, TINY.n_routed_experts
+def test_router_union_grows_with_the_tree_and_is_bounded(routes, tiny):
+    k, experts = tiny.num_experts_per_tok, tiny.n_routed_experts
     assert len(routes) == 2 and routes[0].shape == (6, 40, k)  # the two MoE layers of three
     rows = union_curve(routes, [1, 2, 8, 32], batch=2, windows=16)
     for layer in (0, 1):
@@ -158,6 +166,11 @@ def test_calibration_on_bench_rows_and_the_projection():
     rows = h200_rows(truth) + [dict(r, graph="False", moe_seconds="1.0") for r in h200_rows(truth)]
     efficiency, hardware, used = calibrate_on_rows(rows, K26, graph=True)
     assert efficiency.attention == pytest.approx(0.3) and efficiency.moe == pytest.approx(0.6)
+    assert efficiency.rest == 1.0  # no step rows: the head stays at its roofline
+    head = step_costs(K26, hardware, batch=1, nodes=16, context=4096)["rest"]
+    step = {"scope": "step", "tp": "2", "graph": "True", "batch": "1", "nodes": "16", "context": "4096",
+            "head_seconds": str(head / 0.2)}
+    assert calibrate_on_rows(rows + [step], K26)[0].rest == pytest.approx(0.2)
     assert hardware.gpus == 2 and hardware.memory_bandwidth == 4.2e12 and len(used) == 8
     with pytest.raises(ValueError, match="tp=4"):
         calibrate_on_rows(rows, K26, tp=4)

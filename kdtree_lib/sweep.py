@@ -157,10 +157,11 @@ class SampledRecord:
     """One prompt at T > 0: along a trajectory sampled from the target, the tree of `budget` nodes
     built at each position and the target's probability of each node's token given its parent's path.
 
-    parents int32 [T, N] (N = budget + 1, pop order, -1 for the root and padding);
+    parents, tokens int32 [T, N] (N = budget + 1, pop order; parent -1 for the root and padding);
     node_probs float32 [T, N]: p_T(token of node i | path to its parent), 1 at the root, 0 for padding.
     """
     parents: np.ndarray
+    tokens: np.ndarray
     node_probs: np.ndarray
     temperature: float
 
@@ -177,7 +178,7 @@ def record_sampled(target, drafter, prompt_ids, n_tokens: int, *, budget: int, t
         raise ValueError(f"temperature: expected a number > 0 (use record_oracle at T = 0), got {temperature!r}")
     decoder, prompts = _recorder(target, drafter, prompt_ids, n_tokens, method="ddtree", budget=budget,
                                  temperature=float(temperature), backend=backend, walk=False, seed=seed)
-    parents, probs = [], []
+    parents, tokens, probs = [], [], []
     for _ in range(n_tokens):
         step = decoder.step()
         device = step.logits.device
@@ -189,10 +190,11 @@ def record_sampled(target, drafter, prompt_ids, n_tokens: int, *, budget: int, t
         node_p = torch.where(node_parents >= 0, node_p, 0.0)
         node_p[:, 0] = 1.0
         parents.append(node_parents)
+        tokens.append(node_tokens)
         probs.append(node_p)
-    parents = torch.stack(parents, dim=1).int().cpu().numpy()                                   # (B, T, N)
+    parents, tokens = (torch.stack(x, dim=1).int().cpu().numpy() for x in (parents, tokens))   # (B, T, N)
     probs = torch.stack(probs, dim=1).float().cpu().numpy()
-    return [SampledRecord(parents[b], probs[b], float(temperature)) for b in range(len(prompts))]
+    return [SampledRecord(parents[b], tokens[b], probs[b], float(temperature)) for b in range(len(prompts))]
 
 
 def _recorder(target, drafter, prompt_ids, steps: int, *, backend: str, seed: int = 0, **settings):

@@ -1,0 +1,129 @@
+"""The offline oracle against live decoding on a tiny random pair: exactly equal at T = 0, the
+Monte-Carlo replay within statistical error of live runs at T > 0; rows, files and plots."""
+import json
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kdtree_lib import results
+from kdtree_lib.decode import generate, random_pair
+from kdtree_lib.sweep import (SampledRecord, accepted_at_every_position, latest, live_rows, monte_carlo_acceptance,
+                              monte_carlo_rows, oracle_rows, plot_acceptance_histogram, plot_acceptance_vs_budget,
+                              record_oracle, record_sampled, round_lengths, sampled_accepted)
+
+VOCAB, NEW_TOKENS = 32, 40
+PROMPTS = [np.array([5, 9, 2, 30, 11, 7, 1]), np.array([17]), np.array([3, 3, 8])]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return random_pair(vocab=VOCAB, block_size=5, seed=3, draft_sharpness=0.05)
+
+
+@pytest.fixture(scope="module")
+def records(pair):
+    target, drafter = pair
+    return record_oracle(target, drafter, PROMPTS, NEW_TOKENS, k_max=64)
+
+
+def test_record_layout(pair, records):
+    target, drafter = pair
+    depth = drafter.config.draft_depth
+    ar = generate(target, drafter, PROMPTS, method="ar", max_new_tokens=NEW_TOKENS + depth)
+    for prompt, record, greedy in zip(PROMPTS, records, ar.tokens):
+        assert record.draft.logp.shape == (NEW_TOKENS, depth, VOCAB)  # k_max capped at the vocabulary
+        assert record.tokens[0] == prompt[-1] and record.tokens[1:].tolist() == greedy.tolist()
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 48])
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_oracle_equals_live_decode_at_t0(pair, records, budget, mode):
+    target, drafter = pair
+    live = generate(target, drafter, PROMPTS, method="ddtree" if mode == "tree" else "chain", budget=budget,
+                    max_new_tokens=NEW_TOKENS)
+    oracle = [round_lengths(accepted_at_every_position(record, budget, mode=mode), NEW_TOKENS) for record in records]
+    assert oracle == [a.tolist() for a in live.acceptance]
+    if mode == "tree" and budget == 48:
+        assert min(min(r) for r in oracle) >= 2
+
+
+def test_oracle_on_torch_tensors_equals_numpy(records):
+    on_torch = records[0].to_torch("cpu")
+    assert isinstance(on_torch.tokens, torch.Tensor)
+    for budget in (3, 40):
+        assert (accepted_at_every_position(on_torch, budget) == accepted_at_every_position(records[0], budget)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# T > 0
+
+def test_monte_carlo_walk_matches_its_exact_expectation():
+    """Root with children a (p .5) and b (p .3); a has child c (p .6): E[length] = 1 + .8 + .5 * .6."""
+    parents = np.array([[-1, 0, 0, 1]] * 5, np.int32)
+    probs = np.array([[1.0, 0.5, 0.3, 0.6]] * 5, np.float32)
+    record = SampledRecord(parents, np.array([[0, 1, 2, 3]] * 5, np.int32), probs, temperature=1.0)
+    lengths = sampled_accepted(record, 3, 4000, np.random.default_rng(0))
+    assert abs(lengths.mean() - 2.1) < 4 * lengths.std() / np.sqrt(lengths.size)
+    assert sampled_accepted(record, 1, 4000, np.random.default_rng(0)).mean() == pytest.approx(1.5, abs=0.02)
+    with pytest.raises(ValueError, match="budget: at most the recorded budget 3"):
+        sampled_accepted(record, 4, 10, np.random.default_rng(0))
+
+
+def test_sampled_record_holds_the_targets_probabilities(pair):
+    target, drafter = pair
+    temperature = 2.0
+    record = record_sampled(target, drafter, [PROMPTS[0]], 3, budget=40, temperature=temperature)[0]
+    prompt = torch.as_tensor(PROMPTS[0])[None]
+    logits = target.prefill(prompt, target.new_cache(1, len(PROMPTS[0]))).logits[0, -1]
+    probs = torch.softmax(logits / temperature, -1).numpy()
+    depth_one = record.parents[0] == 0
+    assert depth_one.sum() > 1 and record.node_probs[0, 0] == 1
+    assert np.allclose(record.node_probs[0, depth_one], probs[record.tokens[0, depth_one]], atol=1e-6)
+    assert record.node_probs[0, depth_one].sum() <= 1 + 1e-5
+
+
+def test_monte_carlo_replay_agrees_with_live_runs_at_t_positive():
+    target, drafter = random_pair(vocab=VOCAB, block_size=5, seed=3, draft_sharpness=0.3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, size=int(n)) for n in rng.integers(1, 8, size=6)]
+    temperature = 1.0
+    sampled = [r for seed in (1, 2) for r in record_sampled(target, drafter, prompts, 48, budget=16,
+                                                            temperature=temperature, seed=seed)]
+    for budget in (4, 16):
+        replay, replay_error, _ = monte_carlo_acceptance(sampled, budget, n_samples=32)
+        live = [generate(target, drafter, prompts, budget=budget, max_new_tokens=48, temperature=temperature,
+                         seed=seed).mean_acceptance for seed in range(4)]
+        live_mean, live_error = np.mean(live), np.std(live, ddof=1) / 2
+        print(f"budget {budget}: replay {replay:.3f} ± {replay_error:.3f}, live {live_mean:.3f} ± {live_error:.3f}")
+        # the replay's error bar covers only the walk; one recorded trajectory per prompt adds a few %
+        assert abs(replay - live_mean) < 4 * np.hypot(replay_error, live_error) + 0.05 * live_mean
+        assert replay > 1.05
+
+
+# ----------------------------------------------------------------------------------------------
+# rows, files, plots
+
+def test_rows_go_to_the_results_file_and_plot(pair, records, tmp_path):
+    target, drafter = pair
+    rows = oracle_rows(records, [1, 8, 48], package="random", block_size=5, n_new_tokens=NEW_TOKENS, progress=False)
+    rows += live_rows(target, drafter, PROMPTS, [8, 48], package="random", max_new_tokens=NEW_TOKENS, progress=False)
+    sampled = record_sampled(target, drafter, PROMPTS[:2], 12, budget=8, temperature=1.0)
+    rows += monte_carlo_rows(sampled, [4, 8], package="random", block_size=5, n_samples=8, progress=False)
+    path = results.append_rows("acceptance", rows, results_dir=tmp_path)
+    stored = results.read_rows("acceptance", results_dir=tmp_path)
+    assert path.exists() and len(stored) == len(rows) == 7
+    oracle = {int(r["budget"]): float(r["mean_acceptance"]) for r in latest(stored, source="oracle")}
+    live = {int(r["budget"]): float(r["mean_acceptance"]) for r in latest(stored, source="live")}
+    assert oracle[8] == live[8] and oracle[48] == live[48] and oracle[48] > oracle[1] >= 1.0
+    histogram = json.loads(latest(stored, source="oracle", budget=48)[0]["histogram"])
+    assert sum(histogram) == int(latest(stored, source="oracle", budget=48)[0]["rounds"]) and histogram[0] == 0
+    fig, axes = plt.subplots(1, 2)
+    plot_acceptance_vs_budget(axes[0], latest(stored, temperature=0.0), title="t")
+    plot_acceptance_histogram(axes[1], latest(stored, source="oracle"), title="h")
+    assert len(axes[0].lines) >= 2 and len(axes[1].patches) > 0
+    plt.close(fig)

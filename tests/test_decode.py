@@ -257,3 +257,30 @@ def test_gpu_stage_times_use_cuda_events(gpu_pair):
     result = generate(target, drafter, gpu_prompts(2), budget=32, max_new_tokens=24, cuda_graph=False,
                       profile_stages=True)
     assert set(result.stage_seconds) == set(STAGES) and all(v > 0 for v in result.stage_seconds.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# the benchmark's reference-style baseline is a lossless decoder too
+
+def test_reference_style_baseline_equals_transformers_greedy():
+    pytest.importorskip("transformers")
+    from kdtree_lib.bench_decode import reference_style_generate
+    from kdtree_lib.dflash import DFlashConfig, DFlashDrafter
+    from kdtree_lib.model.reference import random_model, tiny_config
+    hf = random_model(tiny_config(vocab_size=64), seed=4, std=0.3)
+    drafter = DFlashDrafter(DFlashConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=64,
+                                         block_size=4, mask_token_id=63, target_layer_ids=(1,)))
+    torch.manual_seed(0)
+    drafter.init_weights(0.05)
+    drafter.bind(hf).eval()
+    prompt = np.array([4, 9, 33, 2, 60])
+    context = torch.as_tensor(prompt)[None]
+    with torch.no_grad():
+        for _ in range(16):
+            context = torch.cat([context, hf(input_ids=context).logits[:, -1:].argmax(-1)], dim=1)
+    greedy = context[0, len(prompt):].tolist()
+    for budget in (1, 5, 40):
+        result = reference_style_generate(hf, drafter, prompt, budget=budget, max_new_tokens=16)
+        assert result.tokens[0].tolist() == greedy
+        assert result.acceptance[0].sum() >= 16

@@ -1,0 +1,323 @@
+"""Decode throughput of AR, chain and DDTree on the stand-in pair, graph and eager, and baselines.
+
+Rows go to data/results/decode.csv, one per (impl, method, batch, budget, cuda_graph), stamped by
+results.append_rows. Every row is the median of `repeats` generate calls after a warm-up call (the
+warm-up compiles the kernels and captures the graph), with the same prompts and max_new_tokens:
+
+- impl "kdtree": kdtree_lib.decode.generate with the kernels (backend "cupy"), graph and eager;
+  the eager rows also carry per-round stage times (draft, tree, verify, accept) from one extra
+  profiled call (CUDA events);
+- impl "host_tree": the same loop with the reference tree ops on the host (backend "numpy"):
+  what a serving worker that builds trees with a Python heap per request pays;
+- impl "reference_style": OUR re-implementation, in the style of the DDTree paper's reference code
+  (transformers' DeepseekV3ForCausalLM with a DynamicCache, the drafter's top-k copied to the host,
+  the Python heapq build, a dense additive 4-D mask, the walk on the host, the cache gathered after
+  each round), batch 1. It is not the official code (that is neither fetched nor committed); it
+  needs transformers and is skipped, with the reason printed, where it is not installed.
+
+    python -m kdtree_lib.bench_decode [--quick] [--results-dir DIR]        # on a GPU
+
+The summary checks the issue's targets from the rows: DDTree >= 5x the reference-style tokens/s at
+the same budget (batch 1), and DDTree's speedup over AR >= 0.8 x its mean acceptance length.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from . import results
+from .decode import STAGES, DecodeResult, generate, stand_in_or_random, stand_in_paths
+from .dflash import hf_features, load_drafter
+from .tree_accept import accept
+from .tree_build import DraftTopK, build_tree, unpack_mask
+
+TOPIC = "decode"
+BATCHES = (1, 8)
+BUDGETS = (8, 16, 32, 64, 128, 256)
+QUICK_BUDGETS = (8, 32, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference-style baseline (our re-implementation of the paper code's style, batch 1)
+
+@torch.no_grad()
+def reference_style_generate(hf_target, drafter, prompt, *, budget: int, max_new_tokens: int) -> DecodeResult:
+    """Greedy DDTree on a transformers causal LM, every round through the host (see the module docstring)."""
+    device = hf_target.device
+    dtype = next(hf_target.parameters()).dtype
+    layer_ids = drafter.config.target_layer_ids
+    prompt = torch.as_tensor(np.asarray(prompt), device=device).long()
+    topk = min(budget, drafter.config.vocab_size)
+    start = _sync_now()
+    cache = _dynamic_cache(hf_target)
+    draft_cache = drafter.new_cache(1, len(prompt) + max_new_tokens + drafter.config.block_size + 1)
+    if len(prompt) > 1:
+        out = hf_target(input_ids=prompt[None, :-1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        new_features = hf_features(out.hidden_states, layer_ids)                           # (1, P-1, F)
+    else:
+        new_features = torch.zeros(1, 0, drafter.config.feature_size, dtype=dtype, device=device)
+    prefill_end = _sync_now()
+    root, tokens, rounds = int(prompt[-1]), [], []
+    while len(tokens) < max_new_tokens:
+        logits = drafter.draft(draft_cache, new_features, torch.tensor([root], device=device))    # (1, D, V)
+        top = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
+        draft = DraftTopK(top.values.float().cpu().numpy(), top.indices.int().cpu().numpy())       # host copy
+        tree = build_tree(draft, budget, root=np.array([root], np.int32), backend="numpy")        # Python heap
+        n, committed = int(tree.n_nodes[0]), cache.get_seq_length()
+        visible = np.concatenate([np.ones((n, committed), bool), unpack_mask(tree.mask, tree.capacity)[0, :n, :n]], 1)
+        mask = torch.zeros(1, 1, n, committed + n, dtype=dtype, device=device)
+        mask.masked_fill_(~torch.as_tensor(visible, device=device), torch.finfo(dtype).min)  # dense additive mask
+        out = hf_target(input_ids=torch.as_tensor(tree.tokens[:, :n], device=device).long(),
+                        position_ids=committed + torch.as_tensor(tree.depths[:, :n], device=device).long(),
+                        attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        posterior = np.zeros((1, tree.capacity), np.int64)
+        posterior[0, :n] = out.logits[0].argmax(-1).cpu().numpy()                                # host copy
+        result = accept(tree, posterior, backend="numpy")
+        path = result.path[0, :int(result.n_accepted[0])]
+        keep = torch.as_tensor(np.concatenate([np.arange(committed), committed + path]), device=device)
+        for layer in cache.layers:  # keep the committed prefix and the accepted nodes
+            layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
+        new_features = hf_features(out.hidden_states, layer_ids)[:, torch.as_tensor(path, device=device)]
+        tokens += tree.tokens[0, path[1:]].tolist() + [int(result.bonus[0])]
+        rounds.append(len(path))
+        root = int(result.bonus[0])
+    end = _sync_now()
+    return DecodeResult(tokens=[np.array(tokens[:max_new_tokens])], acceptance=[np.array(rounds)],
+                        method="ddtree", budget=budget, batch=1, backend="reference_style", cuda_graph=False,
+                        rounds=len(rounds), prefill_seconds=prefill_end - start, decode_seconds=end - prefill_end)
+
+
+def _dynamic_cache(hf_target):
+    from transformers.cache_utils import DynamicCache
+    return DynamicCache(config=hf_target.config)
+
+
+def load_hf_pair(block_size: int = 8, *, device="cuda", dtype=torch.bfloat16, models_dir=None):
+    """transformers' DeepseekV3ForCausalLM from the stand-in target's folder, and its drafter bound to it."""
+    from transformers import DeepseekV3ForCausalLM
+    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    hf_target = DeepseekV3ForCausalLM.from_pretrained(target_path, dtype=dtype, attn_implementation="sdpa")
+    hf_target = hf_target.to(device).eval()
+    return hf_target, load_drafter(drafter_path, hf_target, device=device, dtype=dtype)
+
+
+def _sync_now() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------------------------
+# measurements
+
+def bench_prompts(batch: int, prompt_tokens: int, vocab: int, *, seed: int = 0) -> list[np.ndarray]:
+    """Held-out corpus prompts (round-robin over packages) when the corpus and tokenizer are here,
+    else random token ids."""
+    try:
+        from .sweep import heldout_prompts
+        packages = heldout_prompts(-(-batch // 2), prompt_tokens)
+        pool = [p for group in zip(*packages.values()) for p in group]
+        if len(pool) >= batch and all(p.max() < vocab for p in pool):
+            return pool[:batch]
+    except (OSError, ImportError, ValueError):
+        pass
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=prompt_tokens) for _ in range(batch)]
+
+
+def measure(call, repeats: int) -> tuple[DecodeResult, float]:
+    """(the last result, median tokens/s) of `repeats` calls of call() after a warm-up call."""
+    call()
+    speeds, result = [], None
+    for _ in range(repeats):
+        result = call()
+        speeds.append(result.tokens_per_second)
+    return result, statistics.median(speeds)
+
+
+def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str, prompt_tokens: int,
+        new_tokens: int, block_size: int, stages: dict | None = None) -> dict:
+    values = {"impl": impl, "method": result.method, "batch": result.batch, "budget": result.budget,
+              "cuda_graph": result.cuda_graph, "backend": result.backend, "block_size": block_size, "pair": pair,
+              "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "tokens_per_second": tokens_per_second,
+              "mean_acceptance": result.mean_acceptance, "rounds": result.rounds,
+              "ms_per_round": 1e3 * result.decode_seconds / max(result.rounds, 1)}
+    for stage in STAGES:
+        values[f"{stage}_ms_per_round"] = (1e3 * stages[stage] / max(result.rounds, 1)) if stages else ""
+    return values
+
+
+def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_tokens: int = 128, repeats: int = 3,
+        block_size: int = 8, reference_style: bool = True, host_tree: bool = True, results_dir=None,
+        log=print) -> list[dict]:
+    """Every measurement of the module docstring; appends the rows and returns them."""
+    device = "cuda"
+    target, drafter, pair = stand_in_or_random(block_size, device=device, dtype=torch.bfloat16)
+    log(f"pair: {pair}")
+    common = dict(pair=pair, prompt_tokens=prompt_tokens, new_tokens=new_tokens, block_size=block_size)
+    chain_budget = drafter.config.draft_depth
+    rows = []
+    for batch in batches:
+        prompts = bench_prompts(batch, prompt_tokens, target.config.vocab_size)
+        settings = [("ar", 1), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
+        for method, budget in settings:
+            for graph in (True, False):
+                def call(profile=False):
+                    return generate(target, drafter, prompts, method=method, budget=budget, max_new_tokens=new_tokens,
+                                    backend="cupy", cuda_graph=graph, profile_stages=profile)
+                result, speed = measure(call, repeats)
+                stages = call(profile=True).stage_seconds if not graph else None
+                rows.append(row(result, speed, impl="kdtree", stages=stages, **common))
+                log(_line(rows[-1]))
+            if host_tree and method == "ddtree":
+                result, speed = measure(lambda: generate(target, drafter, prompts, method=method, budget=budget,
+                                                         max_new_tokens=new_tokens, backend="numpy"), 1)
+                rows.append(row(result, speed, impl="host_tree", **common))
+                log(_line(rows[-1]))
+    if reference_style:
+        rows += run_reference_style(budgets, new_tokens=new_tokens, prompt_tokens=prompt_tokens, block_size=block_size,
+                                    pair=pair, log=log)
+    results.append_rows(TOPIC, rows, results_dir=results_dir)
+    return rows
+
+
+def run_reference_style(budgets, *, new_tokens: int, prompt_tokens: int, block_size: int, pair: str,
+                        log=print) -> list[dict]:
+    """Batch-1 reference-style rows, or one row saying why it could not run."""
+    try:
+        hf_target, drafter = load_hf_pair(block_size)
+    except (ImportError, OSError, ValueError) as err:
+        reason = f"reference_style skipped: {type(err).__name__}: {err}"
+        log(reason)
+        return [{"impl": "reference_style", "method": "ddtree", "batch": 1, "pair": pair, "status": reason[:300]}]
+    prompt = bench_prompts(1, prompt_tokens, hf_target.config.vocab_size)[0]
+    rows = []
+    for budget in budgets:
+        result, speed = measure(lambda: reference_style_generate(hf_target, drafter, prompt, budget=budget,
+                                                                 max_new_tokens=new_tokens), 1)
+        rows.append(row(result, speed, impl="reference_style", pair=pair, prompt_tokens=prompt_tokens,
+                        new_tokens=new_tokens, block_size=block_size))
+        log(_line(rows[-1]))
+    return rows
+
+
+def _line(r: dict) -> str:
+    graph = "graph" if r["cuda_graph"] is True else "eager"
+    return (f"{r['impl']:15s} {r['method']:6s} B={r['batch']:<2d} budget={r['budget']:<4d} {graph:5s} "
+            f"{r['tokens_per_second']:9.1f} tok/s  accept {r['mean_acceptance']:.2f}  {r['ms_per_round']:.2f} ms/round")
+
+
+# ----------------------------------------------------------------------------------------------
+# reading rows back
+
+def _number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """The newest row per (impl, method, batch, budget, cuda_graph, pair)."""
+    newest = {}
+    for r in rows:
+        newest[tuple(str(r.get(k)) for k in ("impl", "method", "batch", "budget", "cuda_graph", "pair"))] = r
+    return list(newest.values())
+
+
+def select(rows: list[dict], **where) -> list[dict]:
+    return [r for r in rows if all(str(r.get(k)) == str(v) for k, v in where.items())]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (batch, budget): DDTree graph tokens/s, its speedup over AR (graph) against 0.8 x mean
+    acceptance, and its ratio to the reference style (batch 1)."""
+    rows = latest_rows(rows)
+    lines = []
+    for r in select(rows, impl="kdtree", method="ddtree", cuda_graph=True):
+        batch, budget = r["batch"], r["budget"]
+        ar = select(rows, impl="kdtree", method="ar", cuda_graph=True, batch=batch)
+        reference = select(rows, impl="reference_style", batch=batch, budget=budget)
+        eager = select(rows, impl="kdtree", method="ddtree", cuda_graph=False, batch=batch, budget=budget)
+        speed, acceptance = _number(r["tokens_per_second"]), _number(r["mean_acceptance"])
+        speedup = speed / _number(ar[0]["tokens_per_second"]) if ar else float("nan")
+        lines.append({"batch": int(_number(batch)), "budget": int(_number(budget)), "tokens_per_second": speed,
+                      "mean_acceptance": acceptance, "speedup_vs_ar": speedup,
+                      "speedup_target": 0.8 * acceptance, "meets_speedup_target": speedup >= 0.8 * acceptance,
+                      "graph_gain": speed / _number(eager[0]["tokens_per_second"]) if eager else float("nan"),
+                      "vs_reference_style": (speed / _number(reference[0]["tokens_per_second"])
+                                             if reference and reference[0].get("tokens_per_second") else float("nan"))})
+    return sorted(lines, key=lambda line: (line["batch"], line["budget"]))
+
+
+def plot_throughput(ax, rows: list[dict], *, batch: int) -> None:
+    """Tokens/s vs budget: DDTree graph and eager, host-tree and reference-style lines; AR and chain
+    as horizontal lines."""
+    rows = latest_rows(rows)
+    series = [("kdtree", "ddtree", True, "DDTree, CUDA graph", "-o"), ("kdtree", "ddtree", False, "DDTree, eager", "--o"),
+              ("host_tree", "ddtree", False, "DDTree, host heap tree", ":s"),
+              ("reference_style", "ddtree", False, "reference style (transformers + heapq + dense mask)", "-.^")]
+    for impl, method, graph, label, style in series:
+        chosen = sorted(select(rows, impl=impl, method=method, cuda_graph=graph, batch=batch),
+                        key=lambda r: _number(r["budget"]))
+        chosen = [r for r in chosen if r.get("tokens_per_second")]
+        if chosen:
+            ax.plot([_number(r["budget"]) for r in chosen], [_number(r["tokens_per_second"]) for r in chosen],
+                    style, label=label)
+    for index, (method, label) in enumerate((("ar", "autoregressive"), ("chain", "DFlash chain"))):
+        for r in select(rows, impl="kdtree", method=method, cuda_graph=True, batch=batch):
+            ax.axhline(_number(r["tokens_per_second"]), color=f"C{5 + index}", linestyle=":", label=f"{label}, graph")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("budget (draft nodes per tree)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"batch {batch}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+
+
+def plot_stage_breakdown(ax, rows: list[dict], *, batch: int) -> None:
+    """Stacked ms per round by stage (eager, CUDA events) for AR, chain and DDTree at each budget."""
+    rows = [r for r in select(latest_rows(rows), impl="kdtree", cuda_graph=False, batch=batch)
+            if r.get("draft_ms_per_round") not in (None, "")]
+    rows.sort(key=lambda r: (("ar", "chain", "ddtree").index(r["method"]), _number(r["budget"])))
+    labels = [r["method"] if r["method"] != "ddtree" else f"tree {int(_number(r['budget']))}" for r in rows]
+    bottom = np.zeros(len(rows))
+    for stage in STAGES:
+        values = np.array([_number(r[f"{stage}_ms_per_round"]) for r in rows])
+        ax.bar(labels, values, bottom=bottom, label=stage)
+        bottom += values
+    ax.set_ylabel("ms per round")
+    ax.set_title(f"stage times per round, batch {batch} (eager)")
+    ax.tick_params(axis="x", rotation=45)
+    ax.legend(fontsize=8)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench_decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"budgets {QUICK_BUDGETS}, one repeat")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--no-reference-style", action="store_true")
+    parser.add_argument("--results-dir", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA GPU", file=sys.stderr)
+        return 1
+    rows = run(budgets=QUICK_BUDGETS if args.quick else BUDGETS, repeats=1 if args.quick else 3,
+               new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
+               reference_style=not args.no_reference_style, results_dir=args.results_dir)
+    for line in summary(rows):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

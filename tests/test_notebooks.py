@@ -64,10 +64,30 @@ def check_tree_accept(values, figures):
                                                       "compaction")} <= figures
 
 
+def check_k26_model(values, figures):
+    assert 1.0e12 < values["total_parameters"] < 1.1e12 and 3.0e10 < values["active_parameters"] < 3.5e10
+    assert values["kv_bytes_per_token"] == (512 + 64) * 2 * 61  # bf16 latent + rope key, 61 layers
+    assert values["parity_max_error"] < 1e-4 and values["tp_max_error"] < 1e-4
+    assert values["rank0_read_fraction"] < 0.75, "a TP rank must read only its shard"
+
+
+def check_tp_decode(values, figures):
+    assert values["tp_world_size"] >= 2
+    assert values["tp_max_error"] < 1e-4 and values["segmented_max_error"] < 1e-4
+
+
+def check_projection(values, figures):
+    assert all(0 < e <= 1.5 for e in values["efficiency"].values() if e is not None), values["efficiency"]
+    assert values["best_budget"] and all(s > 0 for s in values["best_speedup"].values())
+
+
 EXPECTATIONS = {
     "00_environment": check_environment,
     "01_tree_build": check_tree_build,
     "02_verify_attention": check_verify_attention,
+    "07_k26_model": check_k26_model,
+    "11_tp_k26_decode": check_tp_decode,
+    "12_ct200_projection": check_projection,
     "03_tree_accept": check_tree_accept,
 }
 

@@ -116,12 +116,12 @@ def _sync_now() -> float:
 # measurements
 
 def bench_prompts(batch: int, prompt_tokens: int, vocab: int, *, seed: int = 0) -> list[np.ndarray]:
-    """Held-out corpus prompts (round-robin over packages) when the corpus and tokenizer are here,
-    else random token ids."""
+    """Committed held-out prompts (packages interleaved) when the tokenizer is here and the ids fit
+    the vocabulary, else random token ids."""
     try:
-        from .sweep import heldout_prompts
-        packages = heldout_prompts(-(-batch // 2), prompt_tokens)
-        pool = [p for group in zip(*packages.values()) for p in group]
+        from .sweep import package_prompts
+        packages = package_prompts(batch, prompt_tokens)
+        pool = [p for group in zip(*packages.values()) for p in group] + [p for g in packages.values() for p in g]
         if len(pool) >= batch and all(p.max() < vocab for p in pool):
             return pool[:batch]
     except (OSError, ImportError, ValueError):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +48,10 @@ import torch
 from . import backend as _backend
 from .checks import check_positive_int, to_numpy
 from .dflash import DFlashConfig, DFlashDrafter, load_drafter
-from .model import ModelConfig, Transformer, load_target
+from .model import ModelConfig, Transformer, load_config, load_target
 from .tree_accept import AcceptResult, accept, compact_cache
 from .tree_build import MAX_BUDGET, DraftTopK, Tree, build_tree, draft_topk, tree_from_parents
+from .verify_attn import LATENT_DIM, ROPE_DIM
 
 METHODS = ("ar", "chain", "ddtree")
 STAGES = ("draft", "tree", "verify", "accept")
@@ -155,13 +157,18 @@ def resolve_backend(backend: str, target) -> str:
 
 
 def _resolve_graph(cuda_graph, backend: str, target) -> bool:
+    """A step can be captured when nothing in it synchronises: the tree kernels, and the target's
+    absorbed attention on the verify kernel (its naive path and torch reference build the mask on
+    the host)."""
+    capturable = (backend == "cupy" and target.attention == "absorbed"
+                  and target.attention_backend in ("auto", "cupy"))
     if cuda_graph == "auto":
-        return backend == "cupy"
+        return capturable
     if cuda_graph not in (True, False):
         raise ValueError(f"cuda_graph: expected 'auto', True or False, got {cuda_graph!r}")
-    if cuda_graph and backend != "cupy":
-        raise ValueError("cuda_graph: a captured step needs the target on a GPU and backend 'cupy' "
-                         "(the reference tree ops synchronise with the host)")
+    if cuda_graph and not capturable:
+        raise ValueError("cuda_graph: a captured step needs the target on a GPU, backend 'cupy' and the target's "
+                         "absorbed attention on the verify kernel (the reference paths synchronise with the host)")
     return cuda_graph
 
 
@@ -457,9 +464,11 @@ class Decoder:
         """Capture one step into a CUDA graph (nothing runs); returns the seconds it took."""
         start = _now(self.device)
         graph = torch.cuda.CUDAGraph()
-        if self.temperature > 0:
+        if self.temperature > 0:  # the sampler's generator advances on every replay
             graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph):
+        # "relaxed": the verify kernel's launcher views torch tensors through CuPy (a pointer
+        # query) inside the step; tests/test_decode.py checks graph == eager, token for token
+        with torch.cuda.graph(graph, capture_error_mode="relaxed"):
             self.step()
         self.graph = graph
         return _now(self.device) - start
@@ -590,8 +599,17 @@ def stand_in_paths(block_size: int = 8, models_dir=None) -> tuple[Path, Path]:
 
 
 def load_pair(target_path, drafter_path, *, device="cpu", dtype=torch.float32):
-    """The target (absorbed attention, kernels where a GPU is) and its drafter from checkpoint folders."""
-    target = load_target(target_path, device=device, dtype=dtype, attention="absorbed", attention_backend="auto")
+    """The target and its drafter from checkpoint folders. The target runs absorbed attention (the
+    verify kernel on a GPU) when its MLA widths are the verify contract's 512 + 64, else the naive
+    per-head path (slower, and a step that cannot be captured in a CUDA graph)."""
+    config = load_config(target_path)
+    absorbable = (config.kv_lora_rank, config.qk_rope_head_dim) == (LATENT_DIM, ROPE_DIM)
+    if not absorbable:
+        warnings.warn(f"{target_path}: kv_lora_rank {config.kv_lora_rank} + qk_rope_head_dim "
+                      f"{config.qk_rope_head_dim} are not the verify kernel's {LATENT_DIM} + {ROPE_DIM}: "
+                      "running the naive attention path", stacklevel=2)
+    target = load_target(target_path, device=device, dtype=dtype, attention="absorbed" if absorbable else "naive",
+                         attention_backend="auto")
     return target, load_drafter(drafter_path, target, device=device, dtype=dtype)
 
 

@@ -400,22 +400,18 @@ def plot_acceptance_histogram(ax, rows: list[dict], *, title: str = "") -> None:
 # ----------------------------------------------------------------------------------------------
 # held-out prompts and the command line
 
-def heldout_prompts(per_package: int, prompt_tokens: int, *, build_dir=None, tokenizer_path=None) -> dict[str, list]:
-    """{package: [int64 arrays]}: the first `prompt_tokens` tokens of the first `per_package` files
-    (long enough) of each held-out package of the corpus build."""
-    from .corpus import REPO_ROOT
+def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenizer_path=None) -> dict[str, list]:
+    """{package: [int64 token arrays]}: the first `per_package` committed held-out prompts of each
+    package (data/corpus/heldout_prompts.jsonl), each cut to its first `prompt_tokens` tokens."""
+    from .corpus import PROMPTS_PATH
     from .tokenizer import TOKENIZER_PATH, load_tokenizer
-    build_dir = Path(build_dir) if build_dir is not None else REPO_ROOT / "data" / "corpus" / "build"
     tokenizer = load_tokenizer(tokenizer_path or TOKENIZER_PATH)
     prompts: dict[str, list] = {}
-    with open(build_dir / "corpus-heldout.jsonl", encoding="utf-8") as handle:
-        for line in handle:
-            document = json.loads(line)
-            chosen = prompts.setdefault(document["package"], [])
-            if len(chosen) < per_package:
-                ids = tokenizer.encode(document["text"]).ids
-                if len(ids) >= prompt_tokens:
-                    chosen.append(np.asarray(ids[:prompt_tokens], np.int64))
+    for line in Path(path or PROMPTS_PATH).read_text().splitlines():
+        document = json.loads(line)
+        chosen = prompts.setdefault(document["package"], [])
+        if len(chosen) < per_package:
+            chosen.append(np.asarray(tokenizer.encode(document["text"]).ids[:prompt_tokens], np.int64))
     return prompts
 
 
@@ -437,7 +433,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    packages = heldout_prompts(args.prompts_per_package, args.prompt_tokens)
+    packages = package_prompts(args.prompts_per_package, args.prompt_tokens)
     rows = []
     for block_size in args.block_sizes:
         target_path, drafter_path = stand_in_paths(block_size, args.models_dir)

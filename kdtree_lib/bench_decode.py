@@ -186,6 +186,22 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
     return rows
 
 
+def profile_rows(target, drafter, prompts, budgets, *, new_tokens: int, pair: str, backend: str = "auto",
+                 prompt_tokens: int | None = None) -> list[dict]:
+    """Eager rows with stage times for AR, chain and DDTree at `budgets` on any device (one profiled
+    call each after a warm-up call): what notebook 09 draws on a CPU."""
+    rows = []
+    block_size = drafter.config.block_size
+    for method, budget in [("ar", 1), ("chain", drafter.config.draft_depth)] + [("ddtree", b) for b in budgets]:
+        def call():
+            return generate(target, drafter, prompts, method=method, budget=budget, max_new_tokens=new_tokens,
+                            backend=backend, cuda_graph=False, profile_stages=True)
+        result, speed = measure(call, 1)
+        rows.append(row(result, speed, impl="kdtree", pair=pair, block_size=block_size, new_tokens=new_tokens,
+                        prompt_tokens=prompt_tokens or max(len(p) for p in prompts), stages=result.stage_seconds))
+    return rows
+
+
 def run_reference_style(budgets, *, new_tokens: int, prompt_tokens: int, block_size: int, pair: str,
                         log=print) -> list[dict]:
     """Batch-1 reference-style rows, or one row saying why it could not run."""
@@ -270,8 +286,11 @@ def plot_throughput(ax, rows: list[dict], *, batch: int) -> None:
             ax.plot([_number(r["budget"]) for r in chosen], [_number(r["tokens_per_second"]) for r in chosen],
                     style, label=label)
     for index, (method, label) in enumerate((("ar", "autoregressive"), ("chain", "DFlash chain"))):
-        for r in select(rows, impl="kdtree", method=method, cuda_graph=True, batch=batch):
-            ax.axhline(_number(r["tokens_per_second"]), color=f"C{5 + index}", linestyle=":", label=f"{label}, graph")
+        chosen = (select(rows, impl="kdtree", method=method, cuda_graph=True, batch=batch)
+                  or select(rows, impl="kdtree", method=method, cuda_graph=False, batch=batch))
+        for r in chosen[:1]:
+            graph = "graph" if str(r["cuda_graph"]) == "True" else "eager"
+            ax.axhline(_number(r["tokens_per_second"]), color=f"C{5 + index}", linestyle=":", label=f"{label}, {graph}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("budget (draft nodes per tree)")

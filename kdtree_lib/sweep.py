@@ -415,6 +415,16 @@ def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenize
     return prompts
 
 
+def prompts_for(vocab: int, per_package: int, prompt_tokens: int, *, seed: int = 0) -> dict[str, list]:
+    """The committed held-out prompts per package for a pair with the project tokenizer's vocabulary;
+    for any other vocabulary (a tiny random pair) random token ids under the package name "random"."""
+    from .tokenizer import VOCAB_SIZE
+    if vocab == VOCAB_SIZE:
+        return package_prompts(per_package, prompt_tokens)
+    rng = np.random.default_rng(seed)
+    return {"random": [rng.integers(0, vocab, size=prompt_tokens) for _ in range(2 * per_package)]}
+
+
 def main(argv=None) -> int:
     from .decode import load_pair, stand_in_paths
     parser = argparse.ArgumentParser(prog="python -m kdtree_lib.sweep", description=__doc__,

@@ -293,21 +293,25 @@ def oracle_rows(records: list[OracleRecord], budgets=BUDGETS, *, package: str, b
 def live_rows(target, drafter, prompts, budgets=BUDGETS, *, package: str, max_new_tokens: int,
               method: str = "ddtree", temperature: float = 0.0, seeds=(0,), backend: str = "auto", pair: str = "",
               progress: bool = True, **options) -> list[dict]:
-    """One row per budget: generate's acceptance (one batch of all prompts per seed); at T > 0 the
-    standard error is over the seeds' means."""
-    rows = []
-    for budget in _progress(budgets, f"live {package} {method}", progress):
-        runs = [generate(target, drafter, prompts, method=method, budget=budget, temperature=temperature,
-                         max_new_tokens=max_new_tokens, backend=backend, seed=seed, **options) for seed in seeds]
-        rounds = [int(n) for run in runs for a in run.acceptance for n in a]
-        means = [run.mean_acceptance for run in runs]
-        stderr = float(np.std(means, ddof=1) / np.sqrt(len(means))) if len(means) > 1 else float("nan")
-        rows.append(_row("live", rounds, package=package, block_size=drafter.config.block_size,
-                         mode="chain" if method == "chain" else "tree", budget=budget,
-                         depth=drafter.config.draft_depth, topk=min(budget, target.config.vocab_size),
-                         temperature=float(temperature), prompts=len(prompts), backend=runs[0].backend, pair=pair,
-                         stderr=stderr, seeds=len(seeds)))
-    return rows
+    """One row per budget: generate's acceptance (one batch of all prompts per seed)."""
+    return [live_row([generate(target, drafter, prompts, method=method, budget=budget, temperature=temperature,
+                               max_new_tokens=max_new_tokens, backend=backend, seed=seed, **options) for seed in seeds],
+                     drafter, package=package, temperature=temperature, pair=pair)
+            for budget in _progress(budgets, f"live {package} {method}", progress)]
+
+
+def live_row(runs, drafter, *, package: str, temperature: float = 0.0, pair: str = "") -> dict:
+    """The row of one or more generate results of the same settings (seeds); at T > 0 the standard
+    error is over the runs' means."""
+    rounds = [int(n) for run in runs for a in run.acceptance for n in a]
+    means = [run.mean_acceptance for run in runs]
+    stderr = float(np.std(means, ddof=1) / np.sqrt(len(means))) if len(means) > 1 else float("nan")
+    first = runs[0]
+    return _row("live", rounds, package=package, block_size=drafter.config.block_size,
+                mode="chain" if first.method == "chain" else "tree", budget=first.budget,
+                depth=drafter.config.draft_depth, topk=min(first.budget, drafter.config.vocab_size),
+                temperature=float(temperature), prompts=first.batch, backend=first.backend, pair=pair,
+                stderr=stderr, seeds=len(runs))
 
 
 def monte_carlo_rows(records: list[SampledRecord], budgets, *, package: str, block_size: int, n_samples: int = 64,

@@ -9,9 +9,10 @@ device by results.append_rows. Times are per decode step, in microseconds:
   ancestor mask on the host and send them back to the GPU. Host wall time, synchronized.
 - "numpy" (build, baseline b): the reference build_tree on host arrays. Host wall time.
 - "kernel": GPU time of the launches alone (preallocated outputs), from a CUDA graph of 20 calls
-  replayed and timed with CUDA events: what a graph-captured decode step pays.
+  replayed and timed with CUDA events: what a graph-captured decode step pays. One row per kernel
+  version (column `version`: build_tree_v1, build_tree_v2 in kernels/tree_build.cu).
 - "kernel_call": the public entry point from Python (checks, allocation, launch), host wall time
-  per call over back-to-back calls.
+  per call over back-to-back calls; `version` is the kernel it dispatched to.
 - "torch" (draft_topk): torch.log_softmax + torch.topk, timed like "kernel".
 
 Run on a GPU:  python -m kdtree_lib.bench_tree [--quick] [--results-dir DIR]
@@ -27,8 +28,8 @@ import numpy as np
 
 from . import results
 from .tree_accept import _empty_accept_result, _launch_accept, _launch_compact, accept, compact_cache
-from .tree_build import (DraftTopK, _best_first_pops, _draft_topk_cupy, _empty_tree, _launch_build_tree,
-                         build_tree)
+from .tree_build import (BUILD_VERSIONS, DraftTopK, _best_first_pops, _build_version, _draft_topk_cupy, _empty_tree,
+                         _launch_build_tree, build_tree)
 
 BUILD_BATCHES = (1, 8, 64, 256)
 BUILD_DEPTHS = (7, 15)
@@ -156,8 +157,9 @@ def follow_posterior(tree, rng, probability: float = FOLLOW_PROBABILITY) -> np.n
 # ----------------------------------------------------------------------------------------------
 # benchmarks
 
-def bench_build(batches=BUILD_BATCHES, depths=BUILD_DEPTHS, budgets=BUILD_BUDGETS) -> list[dict]:
-    """Tree build three ways at K = budget, plus the kernel's public call; one row per method."""
+def bench_build(batches=BUILD_BATCHES, depths=BUILD_DEPTHS, budgets=BUILD_BUDGETS, versions=BUILD_VERSIONS) -> list[dict]:
+    """Tree build three ways at K = budget (the kernel in every version), plus the kernel's public
+    call; one row per method and version."""
     import torch
     rows = []
     for depth in depths:
@@ -169,24 +171,29 @@ def bench_build(batches=BUILD_BATCHES, depths=BUILD_DEPTHS, budgets=BUILD_BUDGET
                 built = []
                 reference = wall_us(lambda: built.append(build_tree(host, budget, root=host_root, backend="numpy")))
                 want = built[-1]
-                out = _empty_tree(logp, batch, budget + 1, depth)
-                kernel, method = gpu_us(lambda: _launch_build_tree(logp, ids, budget, root, "tree", out))
-                matches = bool(np.array_equal(out.parents.cpu().numpy(), want.parents)
-                               and np.array_equal(out.tokens.cpu().numpy(), want.tokens)
-                               and np.array_equal(out.log_weights.cpu().numpy(), want.log_weights))
                 serving = wall_us(lambda: (serving_worker_build(logp, ids, budget, root), torch.cuda.synchronize()))
                 call = call_us(lambda: build_tree(DraftTopK(logp, ids), budget, root=root, backend="cupy"))
                 config = dict(stage="build", batch=batch, depth=depth, topk=budget, budget=budget,
                               mean_nodes=float(want.n_nodes.mean()))
-                for name, value, timing in (("serving_cpu", serving, "wall"), ("numpy", reference, "wall"),
-                                            ("kernel", kernel, method), ("kernel_call", call, "wall")):
-                    rows.append({**config, "method": name, "backend": "cupy" if "kernel" in name else "numpy",
-                                 "time_us": round(value, 3), "timing": timing,
-                                 "speedup_vs_serving": round(serving / value, 2),
-                                 "matches_reference": matches if "kernel" in name else ""})
+                measured = [("serving_cpu", "", serving, "wall", ""), ("numpy", "", reference, "wall", "")]
+                for version in versions:
+                    out = _empty_tree(logp, batch, budget + 1, depth)
+                    kernel, method = gpu_us(lambda: _launch_build_tree(logp, ids, budget, root, "tree", out,
+                                                                       version=version))
+                    matches = all(np.array_equal(getattr(out, name).cpu().numpy(), getattr(want, name))
+                                  for name in ("parents", "tokens", "log_weights"))
+                    measured.append(("kernel", version, kernel, method, matches))
+                dispatched = _build_version(budget)
+                measured.append(("kernel_call", dispatched, call, "wall",
+                                 next(m for name, v, _, _, m in measured if name == "kernel" and v == dispatched)))
+                for name, version, value, timing, matches in measured:
+                    rows.append({**config, "method": name, "version": version,
+                                 "backend": "cupy" if "kernel" in name else "numpy", "time_us": round(value, 3),
+                                 "timing": timing, "speedup_vs_serving": round(serving / value, 2),
+                                 "matches_reference": matches})
+                kernels = "  ".join(f"v{v} {t:8.2f} us match={m}" for name, v, t, _, m in measured if name == "kernel")
                 print(f"build D={depth:2d} B={batch:3d} budget={budget:4d}: serving {serving:10.1f} us  "
-                      f"numpy {reference:10.1f} us  kernel {kernel:8.2f} us ({method})  call {call:7.1f} us  "
-                      f"a/c {serving / kernel:8.0f}x  match={matches}", flush=True)
+                      f"numpy {reference:10.1f} us  {kernels}  call {call:7.1f} us", flush=True)
     return rows
 
 
@@ -266,7 +273,7 @@ def bench_accept(batches=ACCEPT_BATCHES, budgets=ACCEPT_BUDGETS, depth: int = 15
 SERIES = {  # method -> (label, style) in the plots
     "serving_cpu": ("(a) serving worker: host copy + Python heap", "o-"),
     "numpy": ("(b) NumPy reference", "s-"),
-    "kernel": ("(c) kernel (CUDA graph)", "^-"),
+    "kernel": ("(c) kernel {version} (CUDA graph)", "^-"),
     "kernel_call": ("(c) kernel via Python entry point", "^:"),
 }
 
@@ -299,16 +306,26 @@ def select(rows: list[dict], **where) -> list[dict]:
     return [r for r in rows if all(r.get(key) == value for key, value in where.items())]
 
 
+def kernel_versions(rows: list[dict]) -> list:
+    """The kernel versions measured in `rows`, oldest first ([None] for rows from before the column)."""
+    return sorted({r.get("version") for r in select(rows, method="kernel")}, key=lambda v: (v is not None, v or 0))
+
+
 def build_summary(rows: list[dict]) -> dict:
-    """The issue's build targets read from the rows: speed-up (a)/(c) and kernel time at B=64,
-    budget 64; the growth of kernel time from budget 64 to 1024 against budget * log2(budget)."""
+    """The issue's build targets read from the rows, for the newest kernel version: speed-up (a)/(c)
+    and kernel time at B=64, budget 64; the growth of kernel time from budget 64 to 1024 against
+    budget * log2(budget); and every version's time at the target point."""
     summary = {}
+    newest = kernel_versions(rows)[-1]
     for depth in sorted({r["depth"] for r in rows}):
-        kernel = {(r["batch"], r["budget"]): r["time_us"] for r in select(rows, method="kernel", depth=depth)}
+        kernel = {(r["batch"], r["budget"]): r["time_us"] for r in select(rows, method="kernel", depth=depth, version=newest)}
         serving = {(r["batch"], r["budget"]): r["time_us"] for r in select(rows, method="serving_cpu", depth=depth)}
         if (64, 64) in kernel:
             summary[f"D={depth} B=64 budget=64 kernel_us"] = kernel[64, 64]
             summary[f"D={depth} B=64 budget=64 speedup_a_over_c"] = round(serving[64, 64] / kernel[64, 64], 1)
+            for version in kernel_versions(rows) if newest is not None else []:
+                for r in select(rows, method="kernel", depth=depth, batch=64, budget=64, version=version):
+                    summary[f"D={depth} B=64 budget=64 kernel v{version} us"] = r["time_us"]
         if (64, 64) in kernel and (64, 1024) in kernel:
             summary[f"D={depth} B=64 kernel growth 64->1024"] = round(kernel[64, 1024] / kernel[64, 64], 1)
             summary[f"D={depth} budget*log2(budget) growth 64->1024"] = round(1024 * 10 / (64 * 6), 1)
@@ -318,12 +335,16 @@ def build_summary(rows: list[dict]) -> dict:
 
 
 def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
-    """Time per step vs budget (log-log) for the three builds, with a budget * log(budget) guide."""
+    """Time per step vs budget (log-log) for the three builds (the kernel in every version), with a
+    budget * log(budget) guide through the newest kernel's first point."""
     for method, (label, style) in SERIES.items():
-        points = sorted((r["budget"], r["time_us"]) for r in select(rows, method=method, batch=batch, depth=depth))
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    kernel = sorted((r["budget"], r["time_us"]) for r in select(rows, method="kernel", batch=batch, depth=depth))
+        for version in (kernel_versions(rows) if method == "kernel" else [None]):
+            where = dict(method=method, batch=batch, depth=depth, **({"version": version} if method == "kernel" else {}))
+            points = sorted((r["budget"], r["time_us"]) for r in select(rows, **where))
+            if points:
+                ax.plot(*zip(*points), style, label=label.format(version=f"v{version}" if version else ""))
+    kernel = sorted((r["budget"], r["time_us"]) for r in select(rows, method="kernel", batch=batch, depth=depth,
+                                                                version=kernel_versions(rows)[-1]))
     if kernel:
         budgets = np.array([b for b, _ in kernel], float)
         guide = kernel[0][1] * budgets * np.log2(budgets) / (budgets[0] * np.log2(budgets[0]))
@@ -335,13 +356,15 @@ def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
 
 
 def plot_build_speedup(ax, rows: list[dict], *, depth: int, target: float = 1000.0) -> None:
-    """(a)/(c): the serving worker's CPU build over the kernel, per batch size."""
+    """(a)/(c): the serving worker's CPU build over the newest kernel, per batch size."""
+    newest = kernel_versions(rows)[-1]
     for batch in sorted({r["batch"] for r in rows if r["depth"] == depth}):
         points = sorted((r["budget"], r["speedup_vs_serving"])
-                        for r in select(rows, method="kernel", batch=batch, depth=depth))
+                        for r in select(rows, method="kernel", batch=batch, depth=depth, version=newest))
         ax.plot(*zip(*points), "o-", label=f"B={batch}")
     ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target {target:g}×")
-    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="speed-up (a)/(c)", title=f"kernel vs serving worker, D={depth}")
+    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="speed-up (a)/(c)",
+           title=f"kernel {f'v{newest} ' if newest else ''}vs serving worker, D={depth}")
     ax.set_xscale("log", base=2)
     ax.grid(True, which="both", alpha=0.3)
 

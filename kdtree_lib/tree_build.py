@@ -294,7 +294,9 @@ def root_to_node_paths(tree: Tree, b: int) -> list[list[int]]:
 # current stream (CuPy's when torch is not in use), so nothing here waits for the GPU.
 
 _TOPK_THREADS = 1024               # KD_TOPK_THREADS in kernels/tree_build.cu
-_BUILD_DRAFT_CACHE_BYTES = 80 * 1024  # logp staged in shared memory (+ 18 KB static: <= 99 KB per block)
+BUILD_VERSIONS = (1, 2)            # build_tree_v1, build_tree_v2 in kernels/tree_build.cu
+# logp staged in shared memory, per version: with the static shared memory (10 KB, 46 KB) <= 99 KB
+_BUILD_DRAFT_CACHE_BYTES = {1: 80 * 1024, 2: 52 * 1024}
 
 
 def _draft_topk_cupy(logits, k: int) -> DraftTopK:
@@ -338,13 +340,22 @@ def _empty_tree(like, batch: int, capacity: int, max_depth: int) -> Tree:
                 log_weights=_device_empty(like, nodes, "float64"), max_depth=max_depth)
 
 
-def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree) -> None:
-    """build_tree_kernel into preallocated outputs: one CTA per request.
+def _build_version(budget: int) -> int:
+    """The build_tree_v* kernel the public entry point launches for this budget."""
+    return 2
 
-    Heap slots: 2 per thread on `slot_threads` threads (one warp up to budget 64, then
-    ceil(budget / 2) rounded up to 32); the first `cached` ranks of every depth are staged in
-    shared memory (all ranks a pop can reach, rank <= budget, unless D * K is very large).
+
+def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, version: int | None = None) -> None:
+    """build_tree_v<version> (default: _build_version(budget)) into preallocated outputs, one CTA
+    per request; the first `cached` ranks of every depth are staged in shared memory (every rank a
+    pop can read, rank <= budget + 1, unless D * K is very large).
+
+    v1: heap slots 2 per thread on `slot_threads` threads (one warp up to budget 64, then
+    ceil(budget / 2) rounded up to 32). v2: one warp pops; the CTA's other warps stage and write.
     """
+    version = _build_version(budget) if version is None else version
+    if version not in BUILD_VERSIONS:
+        raise ValueError(f"version: expected one of {BUILD_VERSIONS}, got {version!r}")
     batch, depth_limit, topk = (int(n) for n in logp.shape)
     if batch == 0:
         return
@@ -352,27 +363,30 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree) -> No
     if mode == "chain":
         slot_threads, threads, cached = 32, 32, 1
     else:
-        slot_threads = max(32, -(-budget // 64) * 32)
-        threads = 128 if slot_threads == 32 else slot_threads
-        cached = min(topk, budget + 1, _BUILD_DRAFT_CACHE_BYTES // (4 * depth_limit))
-    args = (_pointer(logp), _pointer(ids), _pointer(root), np.int32(dtype_name(root) == "int64"),
-            np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
-            np.int32(mode == "chain"), np.int32(cached), np.int32(slot_threads), _pointer(out.tokens),
-            _pointer(out.parents), _pointer(out.depths), _pointer(out.n_nodes), _pointer(out.mask),
-            _pointer(out.first_child), _pointer(out.next_sibling), _pointer(out.log_weights))
-    _allow_draft_cache(_device_index(logp))
-    _launch("tree_build.cu", "build_tree_kernel", (batch,), (threads,), args, like=logp,
-            shared_mem=4 * depth_limit * cached)
+        if version == 1:
+            slot_threads = max(32, -(-budget // 64) * 32)
+            threads = 128 if slot_threads == 32 else slot_threads
+        else:  # the warps past the first stage the draft and write the outputs
+            slot_threads, threads = 32, min(512, max(128, -(-budget // 64) * 32))
+        cached = min(topk, budget + 2, _BUILD_DRAFT_CACHE_BYTES[version] // (4 * depth_limit))
+    args = ((_pointer(logp), _pointer(ids), _pointer(root), np.int32(dtype_name(root) == "int64"),
+             np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
+             np.int32(mode == "chain"), np.int32(cached))
+            + ((np.int32(slot_threads),) if version == 1 else ())
+            + (_pointer(out.tokens), _pointer(out.parents), _pointer(out.depths), _pointer(out.n_nodes),
+               _pointer(out.mask), _pointer(out.first_child), _pointer(out.next_sibling), _pointer(out.log_weights)))
+    kernel = f"build_tree_v{version}"
+    _allow_draft_cache(_device_index(logp), kernel, _BUILD_DRAFT_CACHE_BYTES[version])
+    _launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp, shared_mem=4 * depth_limit * cached)
 
 
 @functools.lru_cache(maxsize=None)
-def _allow_draft_cache(device: int) -> None:
-    """Let build_tree_kernel take more than 48 KB of dynamic shared memory (once per device)."""
+def _allow_draft_cache(device: int, kernel: str, cache_bytes: int) -> None:
+    """Let a build kernel take more than 48 KB of dynamic shared memory (once per device)."""
     import cupy
     with cupy.cuda.Device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # CuPy is moving this attribute
-        _kernel("tree_build.cu", "build_tree_kernel", device).max_dynamic_shared_size_bytes = \
-            _BUILD_DRAFT_CACHE_BYTES
+        _kernel("tree_build.cu", kernel, device).max_dynamic_shared_size_bytes = cache_bytes
 
 
 # launch plumbing shared with tree_accept (raw device pointers: no CuPy array per argument)

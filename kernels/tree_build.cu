@@ -2,16 +2,26 @@
 //
 //   draft_topk_vec4/1   one CTA per draft position: log-softmax and the top-k of a logits row
 //                       (radix select on (value, -id) keys, then a bitonic sort of the survivors)
-//   build_tree_kernel   one CTA per request: DESIGN.md §3's best-first heap, bit-identical to the
+//   build_tree_v1/v2    one CTA per request: DESIGN.md §3's best-first heap, bit-identical to the
 //                       NumPy reference (same pops, same order, ties included), then the derived
 //                       arrays (children lists, ancestor mask) in parallel
 //
-// build_tree_kernel, v1 (this file): the heap is replaced by "one pending entry per popped node".
-// Every pop of a child of node p pushes p's next child (the sibling) and the new node's first
-// child, so the live heap entries are exactly {next child of p : p popped}: thread p holds node
-// p's pending entry in registers, and a pop is a block-wide argmax (warp shuffles, one
-// __syncthreads). Ties on the weight compare rank tuples by walking the popped nodes' parents in
-// shared memory (at most D steps), which is what Python's tuple comparison does.
+// Both tree builds replace the heap by "one pending entry per popped node": every pop of a child of
+// node p pushes p's next child (the sibling) and the new node's first child, so the live heap
+// entries are exactly {next child of p : p popped}, one slot per popped node, and a pop is an
+// argmax over the slots (larger log w first; equal weights compare rank tuples by climbing the
+// popped nodes' parents in shared memory, which is what Python's tuple comparison does).
+//
+//   v1  slots in registers, 2 per thread, ceil(budget / 2) threads; a pop is a block-wide argmax
+//       (two REDUX per warp, one __syncthreads past budget 64) and each pop reads the draft for the
+//       pushed entries: ~1400 cycles per pop
+//   v2  one warp for every budget: slot j lives in lane j % 32 as a 32-bit word (the top 27 bits
+//       of the order-preserving weight key, then the column j / 32), and each lane keeps its best
+//       word in a register. A pop is a REDUX over the lanes' best words, three shuffles of the
+//       winner's child weight and new word, and a warp-wide rescan of the winner's row (two REDUX):
+//       the same work whatever the budget. Each entry's sibling and child weights are computed
+//       when it is pushed, off the critical path; ties of the 27-bit prefixes (equal weights, or
+//       closer than ~2^-15 relative) take an exact path: float64 weights, then rank tuples.
 #include "common.cuh"
 
 #define KD_MAX_NODES 1025          // budget <= 1024 pops plus the root
@@ -236,7 +246,7 @@ draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __res
 }
 
 // ---------------------------------------------------------------------------------------------
-// tree build
+// tree build: shared by both versions
 
 // A pending heap entry is identified by (slot, rank, depth): the next child of popped node `slot`,
 // with that rank at that depth. Packed in one int for the shuffles: 10 + 10 + 6 bits.
@@ -245,14 +255,13 @@ __device__ __forceinline__ int entry_slot(int code) { return code & 1023; }
 __device__ __forceinline__ int entry_rank(int code) { return (code >> 10) & 1023; }
 __device__ __forceinline__ int entry_depth(int code) { return code >> 20; }
 
-struct TreeScratch {
-    double log_weight[KD_MAX_NODES];
+struct TreeScratch {  // (the popped nodes' log-weights go straight to the output)
     short parent[KD_MAX_NODES];        // node indices < 1025 and ranks < 1024 fit in 16 bits
     short rank[KD_MAX_NODES];
     short first_child[KD_MAX_NODES];
     short next_sibling[KD_MAX_NODES];
     unsigned char depth[KD_MAX_NODES];
-    double warp_weight[2][32];         // per-warp winners, double-buffered by pop parity
+    double warp_weight[2][32];         // v1: per-warp winners, double-buffered by pop parity
     int warp_code[2][32];
     int n_nodes;
 };
@@ -290,9 +299,10 @@ __device__ __forceinline__ bool pops_first(double weight_a, int code_a, double w
 // An unsigned key ordered like the weight (-0.0 and +0.0 equal, as in the reference's comparisons);
 // 0 for an empty slot (-inf), below every finite weight.
 __device__ __forceinline__ unsigned long long weight_key(double weight) {
-    if (weight == kd_neg_inf_d()) return 0ull;
     const long long bits = __double_as_longlong(weight == 0.0 ? 0.0 : weight);
-    return bits >= 0 ? ((unsigned long long)bits | 0x8000000000000000ull) : ~(unsigned long long)bits;
+    const unsigned long long key = bits >= 0 ? ((unsigned long long)bits | 0x8000000000000000ull)
+                                             : ~(unsigned long long)bits;
+    return weight == kd_neg_inf_d() ? 0ull : key;
 }
 
 // The lane holding the warp's first entry in heap order (every lane gets the same answer): two
@@ -315,13 +325,6 @@ __device__ __forceinline__ int warp_winner(double weight, int code, const TreeSc
     return winner;
 }
 
-// One heap slot: the pending next child of one popped node (weight -inf when there is none).
-struct Slot {
-    double weight;
-    int depth, rank, last_child;
-    float current, next;  // logp of this entry and of its next sibling
-};
-
 // The draft's log-probabilities: the first `cached` ranks of every depth are staged in shared
 // memory before the pops; deeper ranks (only reachable when D * K is large) come from global.
 struct DraftRows {
@@ -329,8 +332,19 @@ struct DraftRows {
     const float* global;  // [D, K]
     int cached, topk;
     __device__ __forceinline__ float operator()(int row, int rank) const {
-        return rank < cached ? cache[row * cached + rank] : global[(long long)row * topk + rank];
+        const float staged = cache[row * cached + min(rank, cached - 1)];  // a predicated global load,
+        return rank < cached ? staged : global[row * topk + rank];          // no branch (D * K < 2^31)
     }
+};
+
+// ---------------------------------------------------------------------------------------------
+// tree build v1: slots in registers, a block-wide argmax per pop
+
+// One heap slot: the pending next child of one popped node (weight -inf when there is none).
+struct Slot {
+    double weight;
+    int depth, rank, last_child;
+    float current, next;  // logp of this entry and of its next sibling
 };
 
 __device__ __forceinline__ void push_first_child(Slot& slot, double parent_weight, int parent_depth, const DraftRows& lp) {
@@ -374,7 +388,8 @@ __device__ __forceinline__ void pop_from(Slot& slot, int parent, int child, cons
 // (budget <= 64) a pop needs no block barrier; otherwise each warp's winner goes through shared
 // memory and one __syncthreads (then every thread of the block must call this). Returns the node
 // count, root included.
-__device__ int best_first_pops(const DraftRows& lp, int depth_limit, int budget, int slot_threads, TreeScratch& s) {
+__device__ int best_first_pops_v1(const DraftRows& lp, int depth_limit, int budget, int slot_threads, TreeScratch& s,
+                                  double* __restrict__ log_weights) {
     const int t = threadIdx.x, lane = kd_lane(), warp = kd_warp();
     const bool single_warp = slot_threads == KD_WARP_SIZE;
     const bool has_slots = t < slot_threads;
@@ -426,7 +441,7 @@ __device__ int best_first_pops(const DraftRows& lp, int depth_limit, int budget,
             s.parent[i] = (short)parent;
             s.rank[i] = (short)entry_rank(code);
             s.depth[i] = (unsigned char)popped_depth;
-            s.log_weight[i] = best;
+            log_weights[i] = best;
             if (i < budget && popped_depth < depth_limit) {
                 if (i < slot_threads) push_first_child(low, best, popped_depth, lp);
                 else push_first_child(high, best, popped_depth, lp);
@@ -437,8 +452,216 @@ __device__ int best_first_pops(const DraftRows& lp, int depth_limit, int budget,
     return n_nodes;
 }
 
+// ---------------------------------------------------------------------------------------------
+// tree build v2: one warp, a flat frontier of 32-bit words, three REDUX per pop
+
+#define KD_MAX_SLOTS 1024                                   // slot j < budget: node j's next child
+#define KD_FRONTIER_COLUMNS (KD_MAX_SLOTS / KD_WARP_SIZE)   // slot j: lane j % 32, column j / 32
+#define KD_FRONTIER_STRIDE (KD_FRONTIER_COLUMNS + 1)        // words per lane row (conflict-free columns)
+#define KD_LIVE_WORD 0x00100000u                            // words of finite weights are >= this
+
+// A pending entry as its pop needs it: its weight, and the weights it will push then (computed
+// when the entry itself is pushed, off the pops' critical path).
+struct Entry {
+    double weight;
+    double sibling;           // log w of its next sibling (-inf: none)
+    double child;             // log w of its first child (-inf: none)
+    unsigned sibling_prefix;  // frontier_word(sibling, 0): the slot's word once this entry pops
+    unsigned meta;            // rank | row << 10 | last << 15: the draft row (depth - 1), and the last
+                              // node popped from this slot (0: none yet), whose next sibling it links
+};
+
+__device__ __forceinline__ unsigned entry_meta(int rank, int row, int last) { return rank | (row << 10) | (last << 15); }
+__device__ __forceinline__ int meta_rank(unsigned meta) { return meta & 1023; }
+__device__ __forceinline__ int meta_row(unsigned meta) { return (meta >> 10) & 31; }
+__device__ __forceinline__ int meta_last(unsigned meta) { return meta >> 15; }
+
+struct Frontier {
+    unsigned word[KD_WARP_SIZE * KD_FRONTIER_STRIDE];  // [lane][column]: see frontier_word; 0 = empty
+    double weight[KD_MAX_SLOTS];                       // the rest of each slot's Entry, by slot
+    double sibling[KD_MAX_SLOTS];
+    double child[KD_MAX_SLOTS];
+    unsigned sibling_prefix[KD_MAX_SLOTS];
+    unsigned meta[KD_MAX_SLOTS];
+};
+
+__device__ __forceinline__ int frontier_index(int slot) { return (slot & 31) * KD_FRONTIER_STRIDE + (slot >> 5); }
+
+// A slot's 32-bit word: the top 27 bits of its weight's order-preserving key (weight_key's, taken
+// from the high half of the double: -0.0 + 0.0 = +0.0), then its column. Larger weights give larger
+// words; weights whose 27-bit prefixes are equal (ties, or closer than ~2^-15 relative) compare by
+// column, so the pops check for them. Finite weights give words >= KD_LIVE_WORD, -inf below it.
+__device__ __forceinline__ unsigned frontier_word(double weight, int column) {
+    const int high = __double2hiint(weight + 0.0);
+    const unsigned key = high < 0 ? ~(unsigned)high : (unsigned)high | 0x80000000u;
+    return (key & ~31u) | (unsigned)column;
+}
+
+__device__ __forceinline__ void store_entry(Frontier& f, int slot, const Entry& e) {
+    f.weight[slot] = e.weight;
+    f.sibling[slot] = e.sibling;
+    f.child[slot] = e.child;
+    f.sibling_prefix[slot] = e.sibling_prefix;
+    f.meta[slot] = e.meta;
+}
+
+__device__ __forceinline__ Entry load_entry(const Frontier& f, int slot) {
+    return {f.weight[slot], f.sibling[slot], f.child[slot], f.sibling_prefix[slot], f.meta[slot]};
+}
+
+// Entry (weight, rank, row) with its sibling and child weights, in the reference's arithmetic.
+// row_head: lane r holds logp[r, 0]. Every lane calls it (the shuffle); reads stay in bounds
+// whatever the arguments, and a -inf weight gives -inf pushes.
+__device__ __forceinline__ Entry make_entry(double weight, int rank, int row, int last, float row_head,
+                                            const DraftRows& lp, int depth_limit) {
+    const float current = lp(row, min(rank, lp.topk - 1));
+    const float next_read = lp(row, min(rank + 1, lp.topk - 1));
+    const float head_read = __shfl_sync(KD_FULL_MASK, row_head, min(row + 1, depth_limit - 1));
+    const float next = rank + 1 < lp.topk ? next_read : kd_neg_inf_f();
+    const float head = row + 1 < depth_limit ? head_read : kd_neg_inf_f();
+    Entry e;
+    e.weight = weight;
+    e.sibling = next == kd_neg_inf_f() ? kd_neg_inf_d() : (weight - (double)current) + (double)next;
+    e.child = head == kd_neg_inf_f() ? kd_neg_inf_d() : weight + (double)head;
+    e.sibling_prefix = frontier_word(e.sibling, 0);
+    e.meta = entry_meta(rank, row, last);
+    return e;
+}
+
+// The slot of the heap's first entry, exactly (float64 weights, then rank tuples), over the first
+// `columns` columns of every lane; every lane gets the same answer. Only when prefixes tie.
+__device__ int exact_first_slot(int columns, const Frontier& f, const TreeScratch& s) {
+    __syncwarp();  // the popped nodes' ranks and parents were written by other lanes
+    const int lane = kd_lane();
+    double weight = kd_neg_inf_d();
+    int code = 0;
+    for (int c = 0; c < columns; ++c) {
+        const int slot = c * KD_WARP_SIZE + lane;
+        if (f.word[lane * KD_FRONTIER_STRIDE + c] < KD_LIVE_WORD) continue;
+        const unsigned meta = f.meta[slot];
+        const int slot_code = entry_code(slot, meta_rank(meta), meta_row(meta) + 1);
+        if (pops_first(f.weight[slot], slot_code, weight, code, s)) {
+            weight = f.weight[slot];
+            code = slot_code;
+        }
+    }
+    return entry_slot(__shfl_sync(KD_FULL_MASK, code, warp_winner(weight, code, s)));
+}
+
+// Best-first pops of one request by one warp. Lane l owns slots l, l + 32, ... (its row of words);
+// it keeps in registers its largest word `best` (slot best_slot, its Entry best_entry, and the
+// word that slot gets when it pops, sibling_word) and the largest word ^ 31, `mirrored`: their
+// low 5 bits are the last and 31 - the first column with the largest prefix, so that prefix is
+// unique in the row iff they add up to 31. A pop:
+//   1. REDUX over (best prefix, lane): the winner, unless a prefix ties (then exact_first_slot);
+//   2. the winner's child weight, row and new word go to every lane (shuffles); it records node i;
+//   3. the winner's row is rescanned by the warp (lane c reads column c; two REDUX), lane i % 32
+//      merges slot i's word (node i's first child), and the two new entries are made and stored.
+// No step depends on the budget. Returns the node count, root included.
+__device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s,
+                                  double* __restrict__ log_weights) {
+    __shared__ Frontier f;
+    const int lane = kd_lane();
+    for (int c = 0; c < KD_FRONTIER_STRIDE; ++c) f.word[c * KD_WARP_SIZE + lane] = 0u;
+    const Entry empty = {kd_neg_inf_d(), kd_neg_inf_d(), kd_neg_inf_d(), 0u, entry_meta(0, 0, 0)};
+    for (int slot = lane; slot < budget; slot += KD_WARP_SIZE) store_entry(f, slot, empty);  // valid rows
+    const float row_head = lp(min(lane, depth_limit - 1), 0);
+
+    Entry best_entry = empty;
+    int best_slot = lane;
+    unsigned best = 0u, mirrored = 31u;
+    const float first = lp(0, 0);
+    if (lane == 0 && first != kd_neg_inf_f()) {  // slot 0: the root's first child, log w = logp[0, 0]
+        best = frontier_word((double)first, 0);
+        mirrored = best ^ 31u;
+        f.word[0] = best;
+    }
+    // (every lane makes it: make_entry shuffles)
+    const Entry root_child = make_entry((double)first, 0, 0, 0, row_head, lp, depth_limit);
+    if (lane == 0) {
+        best_entry = root_child;
+        store_entry(f, 0, best_entry);
+    }
+    unsigned sibling_word = best_entry.sibling_prefix | (unsigned)(best_slot >> 5);
+    __syncwarp();  // rows are read across lanes
+
+    int n_nodes = 1;
+    for (int i = 1; i <= budget; ++i) {  // pop i creates node i; slots 0 .. i-1 exist
+        const unsigned top = __reduce_max_sync(KD_FULL_MASK, (best & ~31u) | (unsigned)lane);
+        if (top < KD_LIVE_WORD) break;  // every slot empty (the same decision in every lane)
+        int winner = top & 31;
+        unsigned column_word = f.word[winner * KD_FRONTIER_STRIDE + lane];  // the winner's row
+        const bool unique_in_row = (best & 31u) + (mirrored & 31u) == 31u;
+        if (__ballot_sync(KD_FULL_MASK, (best >> 5) == (top >> 5) && (lane != winner || !unique_in_row))) {
+            const int slot = exact_first_slot(((i - 1) >> 5) + 1, f, s);
+            winner = slot & 31;
+            column_word = f.word[winner * KD_FRONTIER_STRIDE + lane];
+            if (lane == winner) {
+                best_slot = slot;
+                best_entry = load_entry(f, slot);
+                sibling_word = best_entry.sibling_prefix | (unsigned)(slot >> 5);
+            }
+        }
+        const bool pops = lane == winner;
+        const double child = __shfl_sync(KD_FULL_MASK, best_entry.child, winner);
+        const int child_row = __shfl_sync(KD_FULL_MASK, meta_row(best_entry.meta), winner) + 1;
+        const unsigned popped_word = __shfl_sync(KD_FULL_MASK, sibling_word, winner);
+        n_nodes = i + 1;
+
+        // 2. node i; the popped slot's word becomes its next sibling's
+        const int parent = best_slot, rank = meta_rank(best_entry.meta), row = meta_row(best_entry.meta);
+        if (pops) {
+            const int last = meta_last(best_entry.meta);
+            s.parent[i] = (short)parent;
+            s.rank[i] = (short)rank;
+            s.depth[i] = (unsigned char)(row + 1);
+            log_weights[i] = best_entry.weight;
+            if (last == 0) s.first_child[parent] = (short)i;
+            else s.next_sibling[last] = (short)i;
+            f.word[frontier_index(parent)] = popped_word;
+        }
+        // 3. the winner's row as it is now (popped slot's new word; slot i's if it lies there)
+        const int pusher = i & 31;
+        const unsigned pushed_word = frontier_word(child, i >> 5);
+        const bool pushes = i < budget && pushed_word >= KD_LIVE_WORD;
+        if (lane == (int)(popped_word & 31u)) column_word = popped_word;
+        if (pushes && pusher == winner && lane == (i >> 5)) column_word = pushed_word;
+        const unsigned row_best = __reduce_max_sync(KD_FULL_MASK, column_word);
+        const unsigned row_mirrored = __reduce_max_sync(KD_FULL_MASK, column_word ^ 31u);
+        if (pops) {
+            best = row_best;
+            mirrored = row_mirrored;
+        }
+        if (pushes && lane == pusher) {
+            best = max(best, pushed_word);
+            mirrored = max(mirrored, pushed_word ^ 31u);
+        }
+        // the winner makes its slot's next sibling, lane i % 32 node i's first child (both, rarely)
+        const Entry made = make_entry(pops ? best_entry.sibling : child, pops ? rank + 1 : 0,
+                                      pops ? row : min(child_row, depth_limit - 1), pops ? i : 0, row_head, lp,
+                                      depth_limit);
+        Entry first_child = made;
+        if (__any_sync(KD_FULL_MASK, pushes && pops && lane == pusher)) {
+            first_child = make_entry(child, 0, min(child_row, depth_limit - 1), 0, row_head, lp, depth_limit);
+        }
+        if (pops) store_entry(f, parent, made);  // (a -inf sibling: an empty slot's record)
+        if (pushes && lane == pusher) {
+            store_entry(f, i, first_child);
+            f.word[frontier_index(i)] = pushed_word;
+        }
+        best_slot = (int)(best & 31u) * KD_WARP_SIZE + lane;
+        best_entry = load_entry(f, best_slot);
+        sibling_word = best_entry.sibling_prefix | (unsigned)(best_slot >> 5);
+        __syncwarp();  // the rows written here are read across lanes in the next pop
+    }
+    return n_nodes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// tree build: the kernels
+
 // The DFlash chain: node d is the argmax token of position d (one thread; at most 32 nodes).
-__device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s) {
+__device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s, double* __restrict__ log_weights) {
     double weight = 0.0;
     int n_nodes = 1;
     for (int d = 1; d <= min(budget, depth_limit); ++d) {
@@ -448,7 +671,7 @@ __device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, Tree
         s.parent[d] = (short)(d - 1);
         s.rank[d] = 0;
         s.depth[d] = (unsigned char)d;
-        s.log_weight[d] = weight;
+        log_weights[d] = weight;
         s.first_child[d - 1] = (short)d;
         n_nodes = d + 1;
     }
@@ -459,15 +682,16 @@ __device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, Tree
 
 // logp float32 [B, D, K], ids int32 [B, D, K], root int32|int64 [B] -> the Tree of DESIGN.md §3 at
 // capacity N (every output element is written). Dynamic shared memory: D * cached floats, the
-// first `cached` ranks of every depth. slot_threads: 32 for budgets <= 64 (one warp pops, the
-// others only stage and write), else blockDim.x (ceil(budget / 2) rounded up to 32).
-extern "C" __global__ void __launch_bounds__(512)
-build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
-                  int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode,
-                  int cached, int slot_threads,
-                  int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-                  int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
-                  int* __restrict__ next_sibling, double* __restrict__ log_weights) {
+// first `cached` ranks of every depth. slot_threads: the threads that pop (v1: 32 for budgets
+// <= 64, the others only stage and write; else blockDim.x. v2: 32).
+template <int VERSION>
+__device__ __forceinline__ void build_tree(const float* __restrict__ logp, const int* __restrict__ ids,
+                                           const void* __restrict__ root, int root_is_int64, int depth_limit,
+                                           int topk, int budget, int capacity, int chain_mode, int cached,
+                                           int slot_threads, int* __restrict__ tokens, int* __restrict__ parents,
+                                           int* __restrict__ depths, int* __restrict__ n_nodes,
+                                           unsigned* __restrict__ mask, int* __restrict__ first_child,
+                                           int* __restrict__ next_sibling, double* __restrict__ log_weights) {
     __shared__ TreeScratch s;
     extern __shared__ float s_draft[];
     const int b = blockIdx.x, t = threadIdx.x;
@@ -478,7 +702,6 @@ build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, c
         s.depth[j] = 0;
         s.first_child[j] = -1;
         s.next_sibling[j] = -1;
-        s.log_weight[j] = j == 0 ? 0.0 : kd_neg_inf_d();
     }
     const int staged = depth_limit * cached;  // loads first, stores after, to keep many in flight
     for (int first = t; first < staged; first += KD_STAGE_UNROLL * blockDim.x) {
@@ -496,16 +719,19 @@ build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, c
     }
     __syncthreads();
     const DraftRows lp = {s_draft, logp + draft_base, cached, topk};
+    const long long base = (long long)b * capacity;
+    double* weights = log_weights + base;  // nodes 1 .. count-1 are written by the pops
     if (chain_mode) {
-        if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s);
+        if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
     } else if (slot_threads == (int)blockDim.x || t < slot_threads) {
-        const int count = best_first_pops(lp, depth_limit, budget, slot_threads, s);
+        int count;
+        if constexpr (VERSION == 1) count = best_first_pops_v1(lp, depth_limit, budget, slot_threads, s, weights);
+        else count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
         if (t == 0) s.n_nodes = count;
     }
     __syncthreads();
 
     const int count = s.n_nodes;
-    const long long base = (long long)b * capacity;
     for (int j = t; j < capacity; j += blockDim.x) {
         int token = 0;
         if (j == 0) token = root_is_int64 ? (int)((const long long*)root)[b] : ((const int*)root)[b];
@@ -515,7 +741,7 @@ build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, c
         depths[base + j] = s.depth[j];
         first_child[base + j] = s.first_child[j];
         next_sibling[base + j] = s.next_sibling[j];
-        log_weights[base + j] = s.log_weight[j];
+        if (j == 0 || j >= count) weights[j] = j == 0 ? 0.0 : kd_neg_inf_d();
     }
     if (t == 0) n_nodes[b] = count;
     // mask word w of row j: the bits of j's ancestors (and j) in [32w, 32w + 32); padding rows
@@ -529,4 +755,26 @@ build_tree_kernel(const float* __restrict__ logp, const int* __restrict__ ids, c
         }
         mask[base * words + e] = bits;
     }
+}
+
+// v1: slot_threads as build_tree says; blockDim.x = 128 when it is 32, else slot_threads.
+extern "C" __global__ void __launch_bounds__(512)
+build_tree_v1(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
+              int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
+              int slot_threads, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
+              int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
+              int* __restrict__ next_sibling, double* __restrict__ log_weights) {
+    build_tree<1>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached,
+                  slot_threads, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
+}
+
+// v2: warp 0 pops; the block (any multiple of 32 threads) stages the draft and writes the outputs.
+extern "C" __global__ void __launch_bounds__(512)
+build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
+              int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
+              int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
+              int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
+              int* __restrict__ next_sibling, double* __restrict__ log_weights) {
+    build_tree<2>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached,
+                  KD_WARP_SIZE, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
 }

@@ -16,8 +16,8 @@ import pytest
 from kdtree_lib import cuda
 from kdtree_lib.tree_accept import (AcceptResult, _check_tree_arrays, _compaction_layout, _empty_accept_result,
                                     _launch_accept, _launch_compact, accept, compact_cache)
-from kdtree_lib.tree_build import (MAX_BUDGET, DraftTopK, Tree, _draft_topk_cupy, _empty_tree, _launch_build_tree,
-                                   build_tree, draft_topk, tree_from_parents)
+from kdtree_lib.tree_build import (BUILD_VERSIONS, MAX_BUDGET, DraftTopK, Tree, _draft_topk_cupy, _empty_tree,
+                                   _launch_build_tree, build_tree, draft_topk, tree_from_parents)
 
 KERNEL_FILES = ("tree_build.cu", "tree_accept.cu")
 SMEM_LIMIT = 99 * 1024
@@ -40,6 +40,8 @@ def sorted_draft(rng, batch, depth, k, style):
         logp = -rng.integers(0, 3, size=(batch, depth, k)).astype(np.float32)
     elif style == "halves":
         logp = -0.5 * rng.integers(0, 4, size=(batch, depth, k)).astype(np.float32)
+    elif style == "close":  # a few ulps apart: weights that differ only past their top 27 key bits
+        logp = np.float32(-1.0) - rng.integers(0, 6, size=(batch, depth, k)).astype(np.float32) * np.float32(1.2e-7)
     else:  # log-probabilities of a peaked random distribution
         logp = np.log(rng.dirichlet(np.full(2 * k + 3, 0.3), size=(batch, depth))[..., :k]).astype(np.float32)
     if style == "neginf":  # zero-mass tails, whole rows, and a request with nothing to pop
@@ -108,6 +110,13 @@ def test_cupy_backend_refuses_host_inputs():
     logp, ids = sorted_draft(np.random.default_rng(0), 1, 2, 3, "smooth")
     with pytest.raises(ValueError, match="backend"):
         build_tree(DraftTopK(logp, ids), 4, backend="cupy")
+
+
+def test_build_refuses_unknown_kernel_version():
+    logp, ids = sorted_draft(np.random.default_rng(0), 1, 2, 3, "smooth")
+    tree = build_tree(DraftTopK(logp, ids), 4, backend="numpy")
+    with pytest.raises(ValueError, match="version"):
+        _launch_build_tree(logp, ids, 4, np.zeros(1, np.int32), "tree", tree, version=3)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -195,23 +204,56 @@ BUILD_CASES = [  # (batch, depth D, top-k K, budget, style)
     (2, 32, 1024, 1024, "smooth"),   # the node ceiling: 1024 pops, 1024 threads
     (2, 32, 1024, 1024, "ties"),     # ranks past the 640 staged per depth come from global memory
     (3, 9, 1024, 1023, "halves"),
+    (6, 6, 64, 64, "close"),         # v2: equal 27-bit prefixes, different weights
+    (3, 9, 40, 120, "close"),
+]
+
+# v2: the largest prefix twice in one lane's slots (j and j + 32) and nowhere else, at some pop
+# (found by search; the kernel must not take the later column): logp [D, K] as float32 bits, budget
+IN_LANE_PREFIX_TIES = [
+    ([[3214783312, 3223692689, 3224885861, 3241491700, 3246754864],
+      [3208889242, 3214195683, 3221361082, 3236575727, 3238377827],
+      [3219647324, 3226315960, 3231079051, 3232190972, 3237867748],
+      [3213309905, 3220253391, 3236232961, 3237346587, 3241086879],
+      [3219602472, 3219984668, 3231280682, 3237779610, 3241969553],
+      [3217227405, 3224636379, 3225982689, 3236346849, 3240525969],
+      [3214462519, 3221143727, 3221612832, 3225491300, 3231893383]], 196),
+    ([[0x80000000, 0x80000000, 0xBF000000, 0xBF800000, 0xBF800000],   # -0.0 -0.0 -0.5 -1 -1
+      [0xBF000000, 0xBF800000, 0xBF800000, 0xBF800000, 0xBFC00000],
+      [0x80000000, 0xBF000000, 0xBF800000, 0xBFC00000, 0xBFC00000]], 157),
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", FRAMEWORKS)
-@pytest.mark.parametrize("batch, depth, k, budget, style", BUILD_CASES)
-def test_build_tree_kernel_equals_reference(batch, depth, k, budget, style, kind):
-    rng, seed = fresh_rng()
-    logp, ids = sorted_draft(rng, batch, depth, k, style)
-    root = rng.integers(0, 1000, size=batch).astype(np.int64 if kind == "torch" else np.int32)
+def check_build_kernel(logp, ids, budget, kind, version, context):
+    """Tree and chain builds of (logp, ids) by build_tree_v<version> against the reference."""
+    batch, depth, _ = logp.shape
+    root = np.random.default_rng(budget).integers(0, 1000, size=batch).astype(np.int64 if kind == "torch" else np.int32)
     for mode in ("tree", "chain"):
         want = build_tree(DraftTopK(logp, ids), budget, root=root, mode=mode, backend="numpy")
         d_logp, d_ids, d_root = (to_device(x, kind) for x in (logp, ids, root))
         got = _empty_tree(d_logp, batch, want.capacity, depth)
         poison(*(getattr(got, name) for name in TREE_FIELDS))
-        _launch_build_tree(d_logp, d_ids, budget, d_root, mode, got)
-        assert_same_tree(got, want, f"seed={seed} mode={mode} {kind}")
+        _launch_build_tree(d_logp, d_ids, budget, d_root, mode, got, version=version)
+        assert_same_tree(got, want, f"{context} mode={mode} {kind} v{version}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", BUILD_VERSIONS)
+@pytest.mark.parametrize("kind", FRAMEWORKS)
+@pytest.mark.parametrize("batch, depth, k, budget, style", BUILD_CASES)
+def test_build_tree_kernel_equals_reference(batch, depth, k, budget, style, kind, version):
+    rng, seed = fresh_rng()
+    logp, ids = sorted_draft(rng, batch, depth, k, style)
+    check_build_kernel(logp, ids, budget, kind, version, f"seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", BUILD_VERSIONS)
+@pytest.mark.parametrize("bits, budget", IN_LANE_PREFIX_TIES)
+def test_build_tree_kernel_in_lane_prefix_ties(bits, budget, version):
+    logp = np.array(bits, np.uint32).view(np.float32)[None]
+    ids = np.arange(logp.size, dtype=np.int32).reshape(logp.shape)
+    check_build_kernel(logp, ids, budget, "cupy", version, "in-lane prefix ties")
 
 
 @pytest.mark.gpu

@@ -395,8 +395,11 @@ def main(argv=None) -> None:
         accepting = dict(batches=(1, 64), budgets=(64,))
     else:
         build, topk, accepting = {}, {}, {}
-    if "build" in parts:
-        results.append_rows("tree_build", bench_build(**build), results_dir=args.results_dir)
+    if "build" in parts:  # rows appended per (depth, batch), so a run cut short keeps what it measured
+        for depth in build.get("depths", BUILD_DEPTHS):
+            for batch in build.get("batches", BUILD_BATCHES):
+                rows = bench_build(**{**build, "depths": (depth,), "batches": (batch,)})
+                results.append_rows("tree_build", rows, results_dir=args.results_dir)
     if "topk" in parts:
         results.append_rows("tree_build", bench_draft_topk(**topk), results_dir=args.results_dir)
     if "accept" in parts:

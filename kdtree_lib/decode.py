@@ -233,8 +233,11 @@ _DECODERS: OrderedDict = OrderedDict()
 
 
 def _cached_decoder(target, drafter, **settings) -> "Decoder":
-    """The Decoder for these settings, reused (with its CUDA graph) while it stays in a small LRU."""
-    key = (id(target), id(drafter), tuple(sorted(settings.items())))
+    """The Decoder for these settings, reused (with its CUDA graph) while it stays in a small LRU.
+    The key holds the target's embedding address: a model moved or cast since gets a new decoder
+    (a captured graph reads the old weights' memory)."""
+    weights = target.embed_tokens.weight
+    key = (id(target), id(drafter), weights.data_ptr(), str(weights.dtype), tuple(sorted(settings.items())))
     if key in _DECODERS:
         _DECODERS.move_to_end(key)
         return _DECODERS[key]
@@ -246,7 +249,7 @@ def _cached_decoder(target, drafter, **settings) -> "Decoder":
 
 
 def clear_decoders() -> None:
-    """Forget the cached decoders (their caches and graphs)."""
+    """Forget the cached decoders (their caches and graphs); frees their memory."""
     _DECODERS.clear()
 
 

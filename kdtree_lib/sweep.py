@@ -9,7 +9,10 @@ any budget, depth or top-k, build the trees of all positions in one batched call
 accepted length at each position, and chase the rounds: t -> t + accepted(t). That equals the live
 decode's acceptance exactly (tests/test_sweep_live.py runs both) and costs milliseconds on the GPU
 kernels. It is exact for budgets up to the recorded top-k (a tree of b nodes never uses a rank
->= b), so record k_max = the largest budget swept (or the vocabulary).
+>= b), so record k_max = the largest budget swept (or the vocabulary). Exact means: the same
+arithmetic up to rounding. In fp32 the recording's one-node verifies and a live decode's tree
+verifies agree to the last bits that matter; in bf16 they round differently, and a drafter
+near-tie may then order a tree differently at a rare position.
 
 At T>0 the accepted length is random. `record_sampled` follows one trajectory sampled from the
 target and stores, at every position, the tree of the largest budget and the target's probability

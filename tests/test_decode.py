@@ -5,6 +5,8 @@ the sampled output's distribution equals the target's exact one (chi-square on t
 tokens), bad arguments. GPU (`-m gpu`): the same with the kernels in bf16, and graph == eager.
 All on tiny random pairs, so no trained checkpoint is needed.
 """
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +191,7 @@ def gpu_pair():
         pytest.skip("needs a CUDA GPU with CuPy and torch")
     target, drafter = random_pair(vocab=256, block_size=8, seed=11, logit_scale=2.0, draft_sharpness=0.3,
                                   device="cuda", dtype=torch.bfloat16)
+    clear_decoders()
     return target, drafter
 
 
@@ -200,20 +203,20 @@ def gpu_prompts(count=2):
 def assert_equal_or_near_tie(target, prompts, reference, other, tolerance=0.15):
     """Token lists equal, or equal up to a position where the target's fp32 logits of the two
     different tokens are within `tolerance` (bf16 rounding may pick either of a near tie)."""
-    exact = target.float()
-    try:
-        for prompt, want, got in zip(prompts, reference, other):
-            mismatch = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-            if mismatch is None:
-                assert len(want) == len(got)
-                continue
-            context = torch.as_tensor(np.concatenate([prompt, want[:mismatch]]), device="cuda")[None]
-            logits = exact.prefill(context, exact.new_cache(1, context.shape[1] + 64)).logits[0, -1]
-            gap = float(logits[want[mismatch]] - logits[got[mismatch]])
-            print(f"first difference at token {mismatch}: fp32 logit gap {gap:.4f}")
-            assert abs(gap) <= tolerance
-    finally:
-        target.to(torch.bfloat16)
+    exact = None
+    for prompt, want, got in zip(prompts, reference, other):
+        mismatch = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if mismatch is None:
+            assert len(want) == len(got)
+            continue
+        if exact is None:  # an fp32 copy on the torch reference attention (the kernel is bf16 only)
+            exact = copy.deepcopy(target).float()
+            exact.attention_backend = "torch"
+        context = torch.as_tensor(np.concatenate([prompt, want[:mismatch]]), device="cuda")[None]
+        logits = exact.prefill(context, exact.new_cache(1, context.shape[1] + 64)).logits[0, -1]
+        gap = float(logits[want[mismatch]] - logits[got[mismatch]])
+        print(f"first difference at token {mismatch}: fp32 logit gap {gap:.4f}")
+        assert abs(gap) <= tolerance
 
 
 @gpu
@@ -247,8 +250,10 @@ def test_gpu_reference_tree_ops_equal_the_kernels(gpu_pair):
     prompts = gpu_prompts(2)
     kernels = generate(target, drafter, prompts, budget=32, max_new_tokens=32, backend="cupy", cuda_graph=False)
     reference = generate(target, drafter, prompts, budget=32, max_new_tokens=32, backend="numpy")
-    assert tokens_of(kernels) == tokens_of(reference)
-    assert [a.tolist() for a in kernels.acceptance] == [a.tolist() for a in reference.acceptance]
+    assert reference.backend == "numpy" and not reference.cuda_graph
+    # both lossless; trees may differ where the host and kernel log-softmax round a near tie apart
+    assert_equal_or_near_tie(target, prompts, tokens_of(kernels), tokens_of(reference))
+    print(f"mean acceptance: kernels {kernels.mean_acceptance:.3f}, reference {reference.mean_acceptance:.3f}")
 
 
 @gpu

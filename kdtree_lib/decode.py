@@ -468,6 +468,9 @@ class Decoder:
         start = _now(self.device)
         graph = torch.cuda.CUDAGraph()
         if self.temperature > 0:  # the sampler's generator advances on every replay
+            if not hasattr(graph, "register_generator_state"):
+                raise ValueError("cuda_graph: sampling (temperature > 0) in a graph needs torch >= 2.5; "
+                                 "pass cuda_graph=False")
             graph.register_generator_state(self.generator)
         # "relaxed": the verify kernel's launcher views torch tensors through CuPy (a pointer
         # query) inside the step; tests/test_decode.py checks graph == eager, token for token

@@ -245,6 +245,17 @@ def test_gpu_graph_equals_eager(gpu_pair, batch, budget):
 
 
 @gpu
+def test_gpu_sampling_in_a_graph(gpu_pair):
+    target, drafter = gpu_pair
+    runs = [generate(target, drafter, gpu_prompts(8), budget=32, temperature=1.0, max_new_tokens=24, seed=seed,
+                     stop_tokens=(3,)) for seed in (1, 2)]
+    for run in runs:
+        assert run.cuda_graph and all(0 < len(t) <= 24 and t.max() < 256 for t in run.tokens)
+        assert all(a.min() >= 1 for a in run.acceptance) and run.mean_acceptance > 1
+    assert tokens_of(runs[0]) != tokens_of(runs[1])
+
+
+@gpu
 def test_gpu_reference_tree_ops_equal_the_kernels(gpu_pair):
     target, drafter = gpu_pair
     prompts = gpu_prompts(2)

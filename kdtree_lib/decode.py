@@ -115,7 +115,8 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     prompt_ids: one sequence of ids, a list of sequences (lengths may differ), or an int array
     [B, P]. budget: draft nodes per tree (the chain drafts min(budget, D)). cuda_graph: "auto"
     captures the step where the kernels run (backend "cupy"), True insists, False runs eagerly.
-    profile_stages: CUDA-event (or host-clock) times per stage, eager only. sync_every: steps
+    profile_stages: CUDA-event (or host-clock) times per stage, eager only ("auto" then runs
+    eagerly). sync_every: steps
     between the host's stop checks (its only synchronisation).
     """
     if method not in METHODS:
@@ -132,11 +133,12 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     prompts = prompt_list(prompt_ids, target.config.vocab_size)
     stops = _stop_list(stop_tokens, target.config.vocab_size)
     chosen = resolve_backend(backend, target)
-    graph = _resolve_graph(cuda_graph, chosen, target)
+    graph = False if profile_stages and cuda_graph == "auto" else _resolve_graph(cuda_graph, chosen, target)
     if profile_stages and graph:
         raise ValueError("profile_stages: stage times need cuda_graph=False (a graph replays the step as a whole)")
     depth = drafter.config.draft_depth if method != "ar" else 0
-    nodes = {"ar": 1, "chain": min(budget, depth) + 1, "ddtree": budget + 1}[method]
+    budget = {"ar": 1, "chain": min(budget, depth), "ddtree": budget}[method]  # one decoder per distinct step
+    nodes = {"ar": 1, "chain": budget + 1, "ddtree": budget + 1}[method]
     capacity = decoder_capacity(prompts, max_new_tokens, nodes, depth)
     decoder = _cached_decoder(target, drafter if method != "ar" else None, method=method, budget=budget,
                               batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen)

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from . import results
-from .decode import STAGES, DecodeResult, generate, stand_in_or_random, stand_in_paths
+from .decode import STAGES, DecodeResult, generate, stand_in_paths
 from .dflash import hf_features, load_drafter
+from .sweep import PairWithPrompts, pair_with_prompts
 from .tree_accept import accept
 from .tree_build import DraftTopK, build_tree, unpack_mask
 
@@ -115,19 +116,10 @@ def _sync_now() -> float:
 # ----------------------------------------------------------------------------------------------
 # measurements
 
-def bench_prompts(batch: int, prompt_tokens: int, vocab: int, *, seed: int = 0) -> list[np.ndarray]:
-    """Committed held-out prompts (packages interleaved) when the tokenizer is here and the ids fit
-    the vocabulary, else random token ids."""
-    try:
-        from .sweep import package_prompts
-        packages = package_prompts(batch, prompt_tokens)
-        pool = [p for group in zip(*packages.values()) for p in group] + [p for g in packages.values() for p in g]
-        if len(pool) >= batch and all(p.max() < vocab for p in pool):
-            return pool[:batch]
-    except (OSError, ImportError, ValueError):
-        pass
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=prompt_tokens) for _ in range(batch)]
+def batch_prompts(pair: PairWithPrompts, batch: int) -> list[np.ndarray]:
+    """`batch` prompts of the pair (packages interleaved), repeated when it has fewer."""
+    prompts = pair.prompts
+    return [prompts[i % len(prompts)] for i in range(batch)]
 
 
 def measure(call, repeats: int) -> tuple[DecodeResult, float]:
@@ -156,14 +148,15 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
         block_size: int = 8, reference_style: bool = True, host_tree: bool = True, results_dir=None,
         log=print) -> list[dict]:
     """Every measurement of the module docstring; appends the rows and returns them."""
-    device = "cuda"
-    target, drafter, pair = stand_in_or_random(block_size, device=device, dtype=torch.bfloat16)
-    log(f"pair: {pair}")
+    chosen = pair_with_prompts(block_size, prompts_per_package=max(batches), prompt_tokens=prompt_tokens,
+                               device="cuda", dtype=torch.bfloat16)
+    target, drafter, pair = chosen.target, chosen.drafter, chosen.name
+    log(f"pair: {chosen.description}")
     common = dict(pair=pair, prompt_tokens=prompt_tokens, new_tokens=new_tokens, block_size=block_size)
     chain_budget = drafter.config.draft_depth
     rows = []
     for batch in batches:
-        prompts = bench_prompts(batch, prompt_tokens, target.config.vocab_size)
+        prompts = batch_prompts(chosen, batch)
         settings = [("ar", 1), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
         for method, budget in settings:
             for graph in (True, False):
@@ -180,43 +173,32 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
                 rows.append(row(result, speed, impl="host_tree", **common))
                 log(_line(rows[-1]))
     if reference_style:
-        rows += run_reference_style(budgets, new_tokens=new_tokens, prompt_tokens=prompt_tokens, block_size=block_size,
+        rows += run_reference_style(budgets, batch_prompts(chosen, 1)[0], new_tokens=new_tokens, block_size=block_size,
                                     pair=pair, log=log)
     results.append_rows(TOPIC, rows, results_dir=results_dir)
     return rows
 
 
-def profile_rows(target, drafter, prompts, budgets, *, new_tokens: int, pair: str, backend: str = "auto",
-                 prompt_tokens: int | None = None) -> list[dict]:
-    """Eager rows with stage times for AR, chain and DDTree at `budgets` on any device (one profiled
-    call each after a warm-up call): what notebook 09 draws on a CPU."""
-    rows = []
-    block_size = drafter.config.block_size
-    for method, budget in [("ar", 1), ("chain", drafter.config.draft_depth)] + [("ddtree", b) for b in budgets]:
-        def call():
-            return generate(target, drafter, prompts, method=method, budget=budget, max_new_tokens=new_tokens,
-                            backend=backend, cuda_graph=False, profile_stages=True)
-        result, speed = measure(call, 1)
-        rows.append(row(result, speed, impl="kdtree", pair=pair, block_size=block_size, new_tokens=new_tokens,
-                        prompt_tokens=prompt_tokens or max(len(p) for p in prompts), stages=result.stage_seconds))
-    return rows
+def profile_rows(runs, *, pair: str, block_size: int, prompt_tokens: int, new_tokens: int) -> list[dict]:
+    """Rows in decode.csv's layout from generate results with stage times (profile_stages=True, no
+    warm-up call): what notebook 09 draws from its own CPU runs."""
+    return [row(run, run.tokens_per_second, impl="kdtree", pair=pair, block_size=block_size, new_tokens=new_tokens,
+                prompt_tokens=prompt_tokens, stages=run.stage_seconds) for run in runs]
 
 
-def run_reference_style(budgets, *, new_tokens: int, prompt_tokens: int, block_size: int, pair: str,
-                        log=print) -> list[dict]:
-    """Batch-1 reference-style rows, or one row saying why it could not run."""
+def run_reference_style(budgets, prompt, *, new_tokens: int, block_size: int, pair: str, log=print) -> list[dict]:
+    """Batch-1 reference-style rows on `prompt`, or one row saying why it could not run."""
     try:
         hf_target, drafter = load_hf_pair(block_size)
     except (ImportError, OSError, ValueError) as err:
         reason = f"reference_style skipped: {type(err).__name__}: {err}"
         log(reason)
         return [{"impl": "reference_style", "method": "ddtree", "batch": 1, "pair": pair, "status": reason[:300]}]
-    prompt = bench_prompts(1, prompt_tokens, hf_target.config.vocab_size)[0]
     rows = []
     for budget in budgets:
         result, speed = measure(lambda: reference_style_generate(hf_target, drafter, prompt, budget=budget,
                                                                  max_new_tokens=new_tokens), 1)
-        rows.append(row(result, speed, impl="reference_style", pair=pair, prompt_tokens=prompt_tokens,
+        rows.append(row(result, speed, impl="reference_style", pair=pair, prompt_tokens=len(prompt),
                         new_tokens=new_tokens, block_size=block_size))
         log(_line(rows[-1]))
     return rows

@@ -49,7 +49,7 @@ from . import backend as _backend
 from .checks import check_positive_int, to_numpy
 from .dflash import DFlashConfig, DFlashDrafter, load_drafter
 from .model import ModelConfig, Transformer, load_config, load_target
-from .tree_accept import AcceptResult, accept, compact_cache
+from .tree_accept import accept, compact_cache
 from .tree_build import MAX_BUDGET, DraftTopK, Tree, build_tree, draft_topk, tree_from_parents
 from .verify_attn import LATENT_DIM, ROPE_DIM
 
@@ -552,7 +552,8 @@ def _now(device) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# pairs: the stand-in pair from data/models, or a tiny random one (tests, CPU notebooks)
+# pairs: the stand-in pair from data/models, or a tiny random one (tests; sweep.pair_with_prompts
+# picks one for the notebooks, with prompts in its vocabulary)
 
 # K2.6's switches at toy size; the MLA latent keeps the verify contract's 512 + 64 widths
 TINY_TARGET = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -619,16 +620,3 @@ def load_pair(target_path, drafter_path, *, device="cpu", dtype=torch.float32):
     target = load_target(target_path, device=device, dtype=dtype, attention="absorbed" if absorbable else "naive",
                          attention_backend="auto")
     return target, load_drafter(drafter_path, target, device=device, dtype=dtype)
-
-
-def stand_in_or_random(block_size: int = 8, *, device="cpu", dtype=torch.float32, models_dir=None, vocab: int = 64,
-                       seed: int = 0):
-    """(target, drafter, description): the trained stand-in pair when its checkpoints exist, else a
-    tiny random pair (notebooks say which one they ran)."""
-    target_path, drafter_path = stand_in_paths(block_size, models_dir)
-    if (target_path / "config.json").is_file() and (drafter_path / "config.json").is_file():
-        target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
-        return target, drafter, f"stand-in pair {target_path.name} + {drafter_path.name}"
-    target, drafter = random_pair(vocab=vocab, block_size=block_size, seed=seed, device=device, dtype=dtype)
-    return target, drafter, (f"tiny RANDOM pair (vocab {vocab}, block {block_size}): {target_path} or "
-                             f"{drafter_path} has no checkpoint yet, so acceptance numbers mean nothing")

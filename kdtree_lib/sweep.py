@@ -38,7 +38,8 @@ import torch
 
 from . import results
 from .checks import check_array, check_positive_int, framework, to_numpy
-from .decode import Decoder, check_pair, decoder_capacity, generate, prompt_list, resolve_backend
+from .decode import (Decoder, check_pair, decoder_capacity, generate, load_pair, prompt_list, random_pair,
+                     resolve_backend, stand_in_paths)
 from .tree_accept import accept
 from .tree_build import DraftTopK, build_tree
 
@@ -422,18 +423,54 @@ def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenize
     return prompts
 
 
-def prompts_for(vocab: int, per_package: int, prompt_tokens: int, *, seed: int = 0) -> dict[str, list]:
-    """The committed held-out prompts per package for a pair with the project tokenizer's vocabulary;
-    for any other vocabulary (a tiny random pair) random token ids under the package name "random"."""
-    from .tokenizer import VOCAB_SIZE
-    if vocab == VOCAB_SIZE:
-        return package_prompts(per_package, prompt_tokens)
+@dataclass
+class PairWithPrompts:
+    """A target, its drafter, and held-out prompts in their vocabulary (what notebooks 09 and 10 run)."""
+    target: object
+    drafter: object
+    description: str                       # what the notebooks print: which pair, and why
+    name: str                              # the rows' `pair` column
+    stand_in: bool                         # the trained stand-in pair (False: a tiny random pair)
+    packages: dict[str, list[np.ndarray]]  # {package: [int64 ids]}; "random" for a random pair
+
+    @property
+    def prompts(self) -> list[np.ndarray]:
+        """Every package's prompts, packages interleaved (the first B mix the packages)."""
+        groups = list(self.packages.values())
+        return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
+
+
+def pair_with_prompts(block_size: int = 8, *, prompts_per_package: int = 1, prompt_tokens: int = 32, models_dir=None,
+                      device="cpu", dtype=torch.float32, vocab: int = 64, seed: int = 0) -> PairWithPrompts:
+    """The pair and its prompts, decided together so that they always agree: the trained stand-in
+    pair of this block size with the committed held-out prompts (encoded by the target folder's
+    tokenizer) when both checkpoints exist, else a tiny random pair (`vocab`) with random ids under
+    the package name "random" (its acceptance numbers mean nothing, and the description says so)."""
+    prompts_per_package = check_positive_int("prompts_per_package", prompts_per_package)
+    prompt_tokens = check_positive_int("prompt_tokens", prompt_tokens)
+    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    if (target_path / "config.json").is_file() and (drafter_path / "config.json").is_file():
+        target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
+        tokenizer = target_path / "tokenizer.json"
+        packages = package_prompts(prompts_per_package, prompt_tokens,
+                                   tokenizer_path=tokenizer if tokenizer.is_file() else None)
+        target_vocab = target.config.vocab_size
+        too_large = [name for name, group in packages.items() if any(p.max() >= target_vocab for p in group)]
+        if too_large:
+            raise ValueError(f"models_dir: the held-out prompts of {too_large} have ids >= {target_path.name}'s "
+                             f"vocabulary {target_vocab} (a tokenizer of another pair?)")
+        name = f"{target_path.name}+{drafter_path.name}"
+        return PairWithPrompts(target, drafter, f"stand-in pair {target_path.name} + {drafter_path.name}", name, True,
+                               packages)
+    target, drafter = random_pair(vocab=vocab, block_size=block_size, seed=seed, device=device, dtype=dtype)
     rng = np.random.default_rng(seed)
-    return {"random": [rng.integers(0, vocab, size=prompt_tokens) for _ in range(2 * per_package)]}
+    packages = {"random": [rng.integers(0, vocab, size=prompt_tokens) for _ in range(2 * prompts_per_package)]}
+    description = (f"tiny RANDOM pair (vocab {vocab}, block {block_size}) with random prompts: {target_path} or "
+                   f"{drafter_path} has no checkpoint, so acceptance numbers mean nothing")
+    return PairWithPrompts(target, drafter, description, f"random-v{vocab}-b{block_size}", False, packages)
 
 
 def main(argv=None) -> int:
-    from .decode import load_pair, stand_in_paths
     parser = argparse.ArgumentParser(prog="python -m kdtree_lib.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=None)
@@ -450,15 +487,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    packages = package_prompts(args.prompts_per_package, args.prompt_tokens)
     rows = []
     for block_size in args.block_sizes:
-        target_path, drafter_path = stand_in_paths(block_size, args.models_dir)
-        if not (drafter_path / "config.json").is_file():
-            print(f"no drafter at {drafter_path}: block size {block_size} skipped", file=sys.stderr)
+        chosen = pair_with_prompts(block_size, prompts_per_package=args.prompts_per_package,
+                                   prompt_tokens=args.prompt_tokens, models_dir=args.models_dir, device=device,
+                                   dtype=dtype)
+        if not chosen.stand_in:
+            print(f"no stand-in checkpoints for block size {block_size}: skipped", file=sys.stderr)
             continue
-        target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
-        pair = f"{target_path.name}+{drafter_path.name}"
+        target, drafter, pair, packages = chosen.target, chosen.drafter, chosen.name, chosen.packages
         k_max = min(max(args.budgets), target.config.vocab_size)
         for package, prompts in packages.items():
             records = record_oracle(target, drafter, prompts, args.new_tokens, k_max)

@@ -71,6 +71,23 @@ def check_k26_model(values, figures):
     assert values["rank0_read_fraction"] < 0.75, "a TP rank must read only its shard"
 
 
+def check_ddtree_decode(values, figures):
+    assert values["lossless"], "greedy chain and DDTree must equal greedy autoregressive decoding"
+    assert values["generated"] == [values["new_tokens"]] * len(values["generated"])
+    acceptance = values["mean_acceptance"]
+    assert acceptance["ar/1"] == 1.0 and all(a >= 1.0 for a in acceptance.values())
+    if values["stand_in"]:  # the trained drafter's guesses are accepted
+        assert max(a for key, a in acceptance.items() if key.startswith("ddtree/")) > 1.5, acceptance
+    assert {"09_ddtree_decode-acceptance.png", "09_ddtree_decode-this-run-stages.png"} <= figures
+
+
+def check_acceptance_vs_budget(values, figures):
+    assert values["oracle_equals_live"] and values["cases"] >= 4
+    assert all(replay >= 1.0 and live >= 1.0 for replay, live, _ in values["monte_carlo_vs_live"].values())
+    assert {f"10_acceptance_vs_budget-this-run-{p}.png" for p in values["packages"]} <= figures
+    assert "10_acceptance_vs_budget-this-run-sampled.png" in figures
+
+
 def check_tp_decode(values, figures):
     assert values["tp_world_size"] >= 2
     assert values["tp_max_error"] < 1e-4 and values["segmented_max_error"] < 1e-4
@@ -86,6 +103,8 @@ EXPECTATIONS = {
     "01_tree_build": check_tree_build,
     "02_verify_attention": check_verify_attention,
     "07_k26_model": check_k26_model,
+    "09_ddtree_decode": check_ddtree_decode,
+    "10_acceptance_vs_budget": check_acceptance_vs_budget,
     "11_tp_k26_decode": check_tp_decode,
     "12_ct200_projection": check_projection,
     "03_tree_accept": check_tree_accept,

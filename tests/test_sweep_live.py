@@ -1,5 +1,6 @@
 """The offline oracle against live decoding on a tiny random pair: exactly equal at T = 0, the
-Monte-Carlo replay within statistical error of live runs at T > 0; rows, files and plots."""
+Monte-Carlo replay within statistical error of live runs at T > 0; rows, files and plots; the pair
+and prompts the notebooks run always agree."""
 import json
 
 import matplotlib
@@ -13,8 +14,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kdtree_lib import results
 from kdtree_lib.decode import generate, random_pair
 from kdtree_lib.sweep import (SampledRecord, accepted_at_every_position, latest, live_rows, monte_carlo_acceptance,
-                              monte_carlo_rows, oracle_rows, plot_acceptance_histogram, plot_acceptance_vs_budget,
-                              record_oracle, record_sampled, round_lengths, sampled_accepted)
+                              monte_carlo_rows, oracle_rows, pair_with_prompts, plot_acceptance_histogram,
+                              plot_acceptance_vs_budget, record_oracle, record_sampled, round_lengths,
+                              sampled_accepted)
 
 VOCAB, NEW_TOKENS = 32, 40
 PROMPTS = [np.array([5, 9, 2, 30, 11, 7, 1]), np.array([17]), np.array([3, 3, 8])]
@@ -127,3 +129,25 @@ def test_rows_go_to_the_results_file_and_plot(pair, records, tmp_path):
     plot_acceptance_histogram(axes[1], latest(stored, source="oracle"), title="h")
     assert len(axes[0].lines) >= 2 and len(axes[1].patches) > 0
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pair and its prompts, decided together
+
+def test_without_checkpoints_a_random_pair_gets_random_prompts_in_its_vocabulary(tmp_path):
+    chosen = pair_with_prompts(16, prompts_per_package=2, prompt_tokens=9, models_dir=tmp_path, vocab=48)
+    assert not chosen.stand_in and "RANDOM" in chosen.description and list(chosen.packages) == ["random"]
+    assert len(chosen.prompts) == 4 and all(len(p) == 9 and p.max() < 48 for p in chosen.prompts)
+    assert chosen.drafter.config.block_size == 16 and chosen.target.config.vocab_size == 48
+    assert generate(chosen.target, chosen.drafter, chosen.prompts, max_new_tokens=2).new_tokens == 8
+
+
+def test_the_stand_in_pair_gets_the_held_out_prompts():
+    chosen = pair_with_prompts(8, prompts_per_package=1, prompt_tokens=12)
+    if not chosen.stand_in:
+        pytest.skip("the stand-in pair's checkpoints are not in data/models")
+    assert chosen.name == "k26-mini+k26-mini-dflash" and "random" not in chosen.packages
+    vocab = chosen.target.config.vocab_size
+    assert all(len(p) == 12 and 0 <= p.min() and p.max() < vocab for p in chosen.prompts)
+    assert [p.tolist() for p in chosen.prompts[:len(chosen.packages)]] == \
+        [group[0].tolist() for group in chosen.packages.values()], "packages interleaved"

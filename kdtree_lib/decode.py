@@ -16,8 +16,9 @@ One round (a *step*) advances every request of a batch, at shapes fixed by (batc
                root) to the drafter
 
 Every emitted token is the target's own token at its context, so greedy DDTree and chain output
-equals greedy autoregressive output, and at T > 0 the output has the target's sampling
-distribution (tests/test_decode.py checks both). The prompt's last token is the first root: the
+equals greedy autoregressive output (exactly in fp32; in bf16 a tree step and a one-node step round
+the logits differently, so the two may part where the target's top two tokens nearly tie), and at
+T > 0 the output has the target's sampling distribution (tests/test_decode.py checks both). The prompt's last token is the first root: the
 prefill commits prompt[:-1], and a round commits n_accepted tokens (its root and the accepted
 drafts) to both caches.
 

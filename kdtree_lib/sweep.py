@@ -356,6 +356,17 @@ def latest(rows: list[dict], **criteria) -> list[dict]:
     return list(newest.values())
 
 
+def largest_measurement(rows: list[dict]) -> list[dict]:
+    """The rows of the biggest measurement among `rows` (most prompts x new tokens, then newest):
+    the numbers to report, whatever smaller runs were made since."""
+    def size(row):
+        return int(float(row.get("prompts") or 0)) * int(float(row.get("new_tokens") or 0))
+    if not rows:
+        return []
+    biggest = max(size(row) for row in rows)
+    return latest([row for row in rows if size(row) == biggest])
+
+
 def _matches(value, wanted) -> bool:
     if isinstance(wanted, (int, float)) and not isinstance(wanted, bool):
         try:

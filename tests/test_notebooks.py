@@ -64,6 +64,13 @@ def check_tree_accept(values, figures):
                                                       "compaction")} <= figures
 
 
+def check_standin_pair(values, figures):
+    # the committed GPU measurement of the committed pair: DDTree, block 8, budget 32 on held-out code
+    assert values["meets_quality_bar"] and values["ddtree_b8_budget32"] >= 3.0
+    assert values["pair_mb"] <= 48
+    assert "08_standin_pair-acceptance.png" in figures
+
+
 def check_k26_model(values, figures):
     assert 1.0e12 < values["total_parameters"] < 1.1e12 and 3.0e10 < values["active_parameters"] < 3.5e10
     assert values["kv_bytes_per_token"] == (512 + 64) * 2 * 61  # bf16 latent + rope key, 61 layers
@@ -103,6 +110,7 @@ EXPECTATIONS = {
     "01_tree_build": check_tree_build,
     "02_verify_attention": check_verify_attention,
     "07_k26_model": check_k26_model,
+    "08_standin_pair": check_standin_pair,
     "09_ddtree_decode": check_ddtree_decode,
     "10_acceptance_vs_budget": check_acceptance_vs_budget,
     "11_tp_k26_decode": check_tp_decode,

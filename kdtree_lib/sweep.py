@@ -356,11 +356,12 @@ def latest(rows: list[dict], **criteria) -> list[dict]:
     return list(newest.values())
 
 
-def largest_measurement(rows: list[dict]) -> list[dict]:
-    """The rows of the biggest measurement among `rows` (most prompts x new tokens, then newest):
-    the numbers to report, whatever smaller runs were made since."""
+def largest_measurement(rows: list[dict], **criteria) -> list[dict]:
+    """The rows matching `criteria` of the biggest measurement (most prompts x new tokens, then
+    newest): the numbers to report, whatever smaller (CPU-sized) runs were appended since."""
     def size(row):
         return int(float(row.get("prompts") or 0)) * int(float(row.get("new_tokens") or 0))
+    rows = [row for row in rows if all(_matches(row.get(k), v) for k, v in criteria.items())]
     if not rows:
         return []
     biggest = max(size(row) for row in rows)

@@ -72,3 +72,13 @@ def test_depth_and_topk_slices_and_monotone_budget():
         accepted_at_every_position(rec, 8, topk=TOPK + 1)
     with pytest.raises(ValueError, match="record.tokens: expected shape"):
         accepted_at_every_position(OracleRecord(rec.draft, rec.tokens[:-1]), 8)
+
+
+def test_largest_measurement_reports_the_biggest_run_not_the_newest():
+    from kdtree_lib.sweep import largest_measurement
+    row = dict(source="oracle", package="heldout", block_size="8", mode="tree", temperature="0.0", pair="p")
+    gpu = [dict(row, budget=str(b), prompts="32", new_tokens="128", mean_acceptance=str(a)) for b, a in ((8, 3.7), (32, 4.2))]
+    cpu = [dict(row, budget=str(b), prompts="1", new_tokens="8", mean_acceptance="1.6") for b in (8, 32)]
+    chosen = largest_measurement(gpu + cpu, mode="tree", temperature=0)
+    assert [r["mean_acceptance"] for r in chosen] == ["3.7", "4.2"]
+    assert largest_measurement(gpu + cpu, mode="chain") == []

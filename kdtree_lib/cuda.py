@@ -17,6 +17,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
+
 from .checks import dtype_name, framework
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -64,15 +66,6 @@ def current_stream():
     return cupy.cuda.get_current_stream()
 
 
-def empty_like_framework(reference, shape, dtype: str):
-    """A new device array in the framework of `reference` (torch in -> torch out, cupy -> cupy)."""
-    if framework(reference) == "torch":
-        import torch
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=reference.device)
-    import cupy
-    return cupy.empty(shape, dtype=dtype)
-
-
 def nvcc_compile(file_name: str, arch: str, out_dir: Path) -> str:
     """Compile kernels/<file_name> to a cubin for `arch` with nvcc; returns ptxas' -v report."""
     nvcc = shutil.which("nvcc")
@@ -86,3 +79,72 @@ def nvcc_compile(file_name: str, arch: str, out_dir: Path) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"nvcc failed for {file_name} on {arch}:\n{done.stderr}")
     return done.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# launch plumbing shared by the kernels (raw device pointers: no CuPy array per argument)
+
+def launch(file_name: str, kernel_name: str, grid: tuple, block: tuple, args: tuple, *, like,
+           shared_mem: int = 0) -> None:
+    """Launch kernels/<file_name>:<kernel_name> on the device of `like`, on torch's current stream."""
+    import cupy
+    device = device_index(like)
+    with cupy.cuda.Device(device), current_stream():
+        device_function(file_name, kernel_name, device)(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=None)
+def device_function(file_name: str, kernel_name: str, device: int):
+    """The kernel function, keyed by device so per-device attributes (the shared-memory opt-in) are set once each."""
+    return get_function(file_name, kernel_name)
+
+
+def pointer(x) -> np.uint64:
+    """The address of x's first element (a kernel pointer argument)."""
+    kind = framework(x)
+    if kind == "torch":
+        return np.uint64(x.data_ptr())
+    if kind == "cupy":
+        return np.uint64(x.data.ptr)
+    return np.uint64(x.ctypes.data)
+
+
+def device_index(x) -> int:
+    return int(x.device.index) if framework(x) == "torch" else int(x.device.id)
+
+
+def is_contiguous(x) -> bool:
+    return x.is_contiguous() if framework(x) == "torch" else bool(x.flags.c_contiguous)
+
+
+def contiguous(x, dtype: str | None = None):
+    """x itself when already C-contiguous (and of `dtype`), else a device copy on the launch stream."""
+    if is_contiguous(x) and (dtype is None or dtype_name(x) == dtype):
+        return x
+    if framework(x) == "torch":
+        import torch
+        return (x.to(getattr(torch, dtype)) if dtype else x).contiguous()
+    import cupy
+    with cupy.cuda.Device(device_index(x)), current_stream():
+        return cupy.ascontiguousarray(x, dtype=dtype)
+
+
+def device_empty(like, shape: tuple, dtype: str):
+    """An uninitialised array on the device of `like`, in its framework (torch in -> torch out)."""
+    if framework(like) == "torch":
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    import cupy
+    with cupy.cuda.Device(device_index(like)), current_stream():
+        return cupy.empty(shape, dtype=dtype)
+
+
+def to_device_like(like, values: np.ndarray):
+    """Host int32 values on the device of `like`, in its framework."""
+    values = np.ascontiguousarray(values, dtype=np.int32)
+    if framework(like) == "torch":
+        import torch
+        return torch.as_tensor(values, device=like.device)
+    import cupy
+    with cupy.cuda.Device(device_index(like)), current_stream():
+        return cupy.asarray(values)

@@ -20,8 +20,7 @@ import numpy as np
 from . import backend as _backend
 from . import cuda
 from .checks import check_array, check_finite, check_same_device, dtype_name, framework, to_numpy
-from .tree_build import (MAX_BUDGET, Tree, _contiguous, _device_empty, _device_index, _is_contiguous, _launch,
-                         _pointer)
+from .tree_build import MAX_BUDGET, Tree
 
 
 @dataclass
@@ -158,21 +157,21 @@ def _accept_cupy(tree: Tree, posterior) -> AcceptResult:
 
 
 def _empty_accept_result(like, batch: int, path_len: int) -> AcceptResult:
-    return AcceptResult(path=_device_empty(like, (batch, path_len), "int32"),
-                        n_accepted=_device_empty(like, (batch,), "int32"),
-                        bonus=_device_empty(like, (batch,), "int32"))
+    return AcceptResult(path=cuda.device_empty(like, (batch, path_len), "int32"),
+                        n_accepted=cuda.device_empty(like, (batch,), "int32"),
+                        bonus=cuda.device_empty(like, (batch,), "int32"))
 
 
 def _launch_accept(tree: Tree, posterior, out: AcceptResult) -> None:
     """accept_kernel into preallocated outputs: one CTA per request."""
     if tree.batch == 0:
         return
-    tokens, parents, n_nodes, posterior = (_contiguous(x) for x in
+    tokens, parents, n_nodes, posterior = (cuda.contiguous(x) for x in
                                            (tree.tokens, tree.parents, tree.n_nodes, posterior))
-    args = (_pointer(tokens), _pointer(parents), _pointer(n_nodes), _pointer(posterior),
+    args = (cuda.pointer(tokens), cuda.pointer(parents), cuda.pointer(n_nodes), cuda.pointer(posterior),
             np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity), np.int32(out.path.shape[1]),
-            _pointer(out.path), _pointer(out.n_accepted), _pointer(out.bonus))
-    _launch("tree_accept.cu", "accept_kernel", (tree.batch,), (_ACCEPT_THREADS,), args, like=tokens,
+            cuda.pointer(out.path), cuda.pointer(out.n_accepted), cuda.pointer(out.bonus))
+    cuda.launch("tree_accept.cu", "accept_kernel", (tree.batch,), (_ACCEPT_THREADS,), args, like=tokens,
             shared_mem=8 * tree.capacity)
 
 
@@ -196,22 +195,11 @@ def _compact_cache_cupy(caches, lengths, result: AcceptResult):
     is used in place, so the walk-then-compact step never waits for the host.
     """
     if framework(result.path) == "numpy":
-        result = AcceptResult(*(_to_device_like(caches[0], to_numpy(x))
+        result = AcceptResult(*(cuda.to_device_like(caches[0], to_numpy(x))
                                 for x in (result.path, result.n_accepted, result.bonus)))
-    new_lengths = _device_empty(lengths, (int(lengths.shape[0]),), dtype_name(lengths))
+    new_lengths = cuda.device_empty(lengths, (int(lengths.shape[0]),), dtype_name(lengths))
     _launch_compact(caches, lengths, result, new_lengths)
     return new_lengths
-
-
-def _to_device_like(like, values: np.ndarray):
-    """values (int32) on the device of `like`, in its framework."""
-    values = np.ascontiguousarray(values, dtype=np.int32)
-    if framework(like) == "torch":
-        import torch
-        return torch.as_tensor(values, device=like.device)
-    import cupy
-    with cupy.cuda.Device(_device_index(like)), cuda.current_stream():
-        return cupy.asarray(values)
 
 
 def _launch_compact(caches, lengths, result: AcceptResult, new_lengths) -> None:
@@ -220,12 +208,12 @@ def _launch_compact(caches, lengths, result: AcceptResult, new_lengths) -> None:
     batch, path_len = (int(n) for n in result.path.shape)
     if batch == 0:
         return
-    path, n_accepted, lengths = (_contiguous(x) for x in (result.path, result.n_accepted, lengths))
-    table = _layer_table(tuple(int(_pointer(cache)) for cache in caches), _device_index(caches[0]))
-    args = (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), _pointer(path),
-            np.int32(path_len), _pointer(n_accepted), _pointer(lengths),
-            np.int32(dtype_name(lengths) == "int64"), _pointer(new_lengths))
-    _launch("tree_accept.cu", f"compact_cache_{unit}", (batch, len(caches)), (_COMPACT_THREADS,), args,
+    path, n_accepted, lengths = (cuda.contiguous(x) for x in (result.path, result.n_accepted, lengths))
+    table = _layer_table(tuple(int(cuda.pointer(cache)) for cache in caches), cuda.device_index(caches[0]))
+    args = (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), cuda.pointer(path),
+            np.int32(path_len), cuda.pointer(n_accepted), cuda.pointer(lengths),
+            np.int32(dtype_name(lengths) == "int64"), cuda.pointer(new_lengths))
+    cuda.launch("tree_accept.cu", f"compact_cache_{unit}", (batch, len(caches)), (_COMPACT_THREADS,), args,
             like=caches[0])
 
 
@@ -238,7 +226,7 @@ def _compaction_layout(caches, lengths, result: AcceptResult) -> tuple[int, int,
     same 61 caches every step, and checking them one by one costs hundreds of microseconds.
     """
     batch = int(caches[0].shape[0])
-    signature = tuple((type(cache), int(_pointer(cache)), tuple(cache.shape), _strides(cache), cache.dtype)
+    signature = tuple((type(cache), int(cuda.pointer(cache)), tuple(cache.shape), _strides(cache), cache.dtype)
                       for cache in caches)
     layout = _LAYOUTS.get(signature)
     if layout is None:
@@ -275,11 +263,11 @@ def _check_layers(caches) -> tuple[int, int, int]:
         check_array(f"caches[{layer}]", cache, dtypes=dtype_name(first), shape=(batch, slots, width))
         if framework(cache) != framework(first):
             raise ValueError(f"caches[{layer}]: expected a {framework(first)} array like caches[0]")
-        if not _is_contiguous(cache):
+        if not cuda.is_contiguous(cache):
             raise ValueError(f"caches[{layer}]: expected a C-contiguous array")
     check_same_device(**{f"caches[{layer}]": cache for layer, cache in enumerate(caches)})
     row_bytes = width * first.element_size() if framework(first) == "torch" else width * first.itemsize
-    addresses = [int(_pointer(cache)) for cache in caches]
+    addresses = [int(cuda.pointer(cache)) for cache in caches]
     unit = next(u for u in (16, 4, 2, 1) if row_bytes % u == 0 and all(a % u == 0 for a in addresses))
     return slots, row_bytes, unit
 

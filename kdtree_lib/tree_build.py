@@ -307,14 +307,14 @@ def _draft_topk_cupy(logits, k: int) -> DraftTopK:
     top = min(k, vocab)
     if top > MAX_TOPK:
         raise ValueError(f"k: the GPU top-k keeps at most {MAX_TOPK} per position, got {k}")
-    logits = _contiguous(logits, "float32")
-    logp = _device_empty(logits, (batch, depth, top), "float32")
-    ids = _device_empty(logits, (batch, depth, top), "int32")
+    logits = cuda.contiguous(logits, "float32")
+    logp = cuda.device_empty(logits, (batch, depth, top), "float32")
+    ids = cuda.device_empty(logits, (batch, depth, top), "int32")
     if batch * depth:
-        vectorized = vocab % 4 == 0 and int(_pointer(logits)) % 16 == 0
-        _launch("tree_build.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1", (batch * depth,),
+        vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0
+        cuda.launch("tree_build.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1", (batch * depth,),
                 (_TOPK_THREADS,),
-                (_pointer(logits), np.int32(vocab), np.int32(top), _pointer(logp), _pointer(ids)),
+                (cuda.pointer(logits), np.int32(vocab), np.int32(top), cuda.pointer(logp), cuda.pointer(ids)),
                 like=logits)
     return DraftTopK(logp=logp, ids=ids)
 
@@ -332,12 +332,12 @@ def _empty_tree(like, batch: int, capacity: int, max_depth: int) -> Tree:
     """Uninitialised Tree outputs on the device of `like`, in its framework (the kernel writes all)."""
     words = (capacity + 31) // 32
     nodes = (batch, capacity)
-    return Tree(tokens=_device_empty(like, nodes, "int32"), parents=_device_empty(like, nodes, "int32"),
-                depths=_device_empty(like, nodes, "int32"), n_nodes=_device_empty(like, (batch,), "int32"),
-                mask=_device_empty(like, (batch, capacity, words), "uint32"),
-                first_child=_device_empty(like, nodes, "int32"),
-                next_sibling=_device_empty(like, nodes, "int32"),
-                log_weights=_device_empty(like, nodes, "float64"), max_depth=max_depth)
+    return Tree(tokens=cuda.device_empty(like, nodes, "int32"), parents=cuda.device_empty(like, nodes, "int32"),
+                depths=cuda.device_empty(like, nodes, "int32"), n_nodes=cuda.device_empty(like, (batch,), "int32"),
+                mask=cuda.device_empty(like, (batch, capacity, words), "uint32"),
+                first_child=cuda.device_empty(like, nodes, "int32"),
+                next_sibling=cuda.device_empty(like, nodes, "int32"),
+                log_weights=cuda.device_empty(like, nodes, "float64"), max_depth=max_depth)
 
 
 def _build_version(budget: int) -> int:
@@ -359,7 +359,7 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
     batch, depth_limit, topk = (int(n) for n in logp.shape)
     if batch == 0:
         return
-    logp, ids, root = _contiguous(logp), _contiguous(ids), _contiguous(root)
+    logp, ids, root = cuda.contiguous(logp), cuda.contiguous(ids), cuda.contiguous(root)
     if mode == "chain":
         slot_threads, threads, cached = 32, 32, 1
     else:
@@ -369,15 +369,15 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
         else:  # the warps past the first stage the draft and write the outputs
             slot_threads, threads = 32, min(512, max(128, -(-budget // 64) * 32))
         cached = min(topk, budget + 2, _BUILD_DRAFT_CACHE_BYTES[version] // (4 * depth_limit))
-    args = ((_pointer(logp), _pointer(ids), _pointer(root), np.int32(dtype_name(root) == "int64"),
+    args = ((cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
              np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
              np.int32(mode == "chain"), np.int32(cached))
             + ((np.int32(slot_threads),) if version == 1 else ())
-            + (_pointer(out.tokens), _pointer(out.parents), _pointer(out.depths), _pointer(out.n_nodes),
-               _pointer(out.mask), _pointer(out.first_child), _pointer(out.next_sibling), _pointer(out.log_weights)))
+            + (cuda.pointer(out.tokens), cuda.pointer(out.parents), cuda.pointer(out.depths), cuda.pointer(out.n_nodes),
+               cuda.pointer(out.mask), cuda.pointer(out.first_child), cuda.pointer(out.next_sibling), cuda.pointer(out.log_weights)))
     kernel = f"build_tree_v{version}"
-    _allow_draft_cache(_device_index(logp), kernel, _BUILD_DRAFT_CACHE_BYTES[version])
-    _launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp, shared_mem=4 * depth_limit * cached)
+    _allow_draft_cache(cuda.device_index(logp), kernel, _BUILD_DRAFT_CACHE_BYTES[version])
+    cuda.launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp, shared_mem=4 * depth_limit * cached)
 
 
 @functools.lru_cache(maxsize=None)
@@ -386,59 +386,4 @@ def _allow_draft_cache(device: int, kernel: str, cache_bytes: int) -> None:
     import cupy
     with cupy.cuda.Device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # CuPy is moving this attribute
-        _kernel("tree_build.cu", kernel, device).max_dynamic_shared_size_bytes = cache_bytes
-
-
-# launch plumbing shared with tree_accept (raw device pointers: no CuPy array per argument)
-
-def _launch(file_name: str, kernel_name: str, grid: tuple, block: tuple, args: tuple, *, like,
-            shared_mem: int = 0) -> None:
-    """Launch kernels/<file_name>:<kernel_name> on the device of `like`, on torch's current stream."""
-    import cupy
-    device = _device_index(like)
-    with cupy.cuda.Device(device), cuda.current_stream():
-        _kernel(file_name, kernel_name, device)(grid, block, args, shared_mem=shared_mem)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel(file_name: str, kernel_name: str, device: int):
-    return cuda.get_function(file_name, kernel_name)
-
-
-def _pointer(x) -> np.uint64:
-    """The address of x's first element (a kernel pointer argument)."""
-    kind = framework(x)
-    if kind == "torch":
-        return np.uint64(x.data_ptr())
-    if kind == "cupy":
-        return np.uint64(x.data.ptr)
-    return np.uint64(x.ctypes.data)
-
-
-def _device_index(x) -> int:
-    return int(x.device.index) if framework(x) == "torch" else int(x.device.id)
-
-
-def _is_contiguous(x) -> bool:
-    return x.is_contiguous() if framework(x) == "torch" else bool(x.flags.c_contiguous)
-
-
-def _contiguous(x, dtype: str | None = None):
-    """x itself when already C-contiguous (and of `dtype`), else a device copy on the launch stream."""
-    if _is_contiguous(x) and (dtype is None or dtype_name(x) == dtype):
-        return x
-    if framework(x) == "torch":
-        import torch
-        return (x.to(getattr(torch, dtype)) if dtype else x).contiguous()
-    import cupy
-    with cupy.cuda.Device(_device_index(x)), cuda.current_stream():
-        return cupy.ascontiguousarray(x, dtype=dtype)
-
-
-def _device_empty(like, shape: tuple, dtype: str):
-    """An uninitialised device array on the device of `like`, in its framework."""
-    if framework(like) == "torch":
-        return cuda.empty_like_framework(like, shape, dtype)
-    import cupy
-    with cupy.cuda.Device(_device_index(like)), cuda.current_stream():
-        return cupy.empty(shape, dtype=dtype)
+        cuda.device_function("tree_build.cu", kernel, device).max_dynamic_shared_size_bytes = cache_bytes

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend as _backend
-from .checks import check_array, check_same_device, framework, to_numpy
+from .checks import check_array, check_same_device, dtype_name, framework, to_numpy
 from .tree_build import Tree, unpack_mask
 
 LATENT_DIM = 512
@@ -102,7 +102,7 @@ def key_mask(lengths, tree: Tree, slots: int, *, device=None):
 def _check_args(q_latent, q_rope, cache, lengths, tree, scale):
     check_array("q_latent", q_latent, dtypes=FLOAT_DTYPES, shape=(None, None, None, LATENT_DIM))
     batch, nodes, heads, _ = q_latent.shape
-    dtype = str(q_latent.dtype).removeprefix("torch.")
+    dtype = dtype_name(q_latent)
     check_array("q_rope", q_rope, dtypes=dtype, shape=(batch, nodes, heads, ROPE_DIM))
     check_array("cache", cache, dtypes=dtype, shape=(batch, None, CACHE_DIM))
     check_array("lengths", lengths, dtypes=("int32", "int64"), shape=(batch,))
@@ -286,16 +286,16 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
     plan = plan_launch(batch, rows, l_max, sms=sms, smem_per_block=smem_per_block, smem_per_sm=smem_per_sm,
                        config=config, splits=splits)
     if out is None:
-        out = cuda.empty_like_framework(q_latent, (batch, nodes, heads, LATENT_DIM), _dtype(q_latent))
+        out = cuda.device_empty(q_latent, (batch, nodes, heads, LATENT_DIM), dtype_name(q_latent))
     if lse is None:
-        lse = cuda.empty_like_framework(q_latent, (batch, nodes, heads), "float32")
+        lse = cuda.device_empty(q_latent, (batch, nodes, heads), "float32")
     arrays = {"q_latent": _device_contiguous(q_latent), "q_rope": _device_contiguous(q_rope),
               "cache": _device_contiguous(cache), "lengths": _device_int32(lengths),
               "mask": _device_int32(tree.mask), "out": cuda.as_cupy(out), "lse": cuda.as_cupy(lse)}
     if plan.splits > 1:
-        arrays["partial_out"] = cuda.as_cupy(cuda.empty_like_framework(
+        arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(
             q_latent, (plan.splits, batch, rows, LATENT_DIM), "float32"))
-        arrays["partial_lse"] = cuda.as_cupy(cuda.empty_like_framework(q_latent, (plan.splits, batch, rows), "float32"))
+        arrays["partial_lse"] = cuda.as_cupy(cuda.device_empty(q_latent, (plan.splits, batch, rows), "float32"))
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]
     sizes = (batch, nodes, heads, l_max, words, float(scale) * math.log2(math.e))
@@ -308,7 +308,7 @@ def _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale):
 
 def _check_kernel_args(q_latent, cache, tree: Tree, nodes: int, out=None, lse=None) -> bool:
     """What the kernel needs beyond _check_args (metadata only, no sync); True for float16."""
-    dtype = _dtype(q_latent)
+    dtype = dtype_name(q_latent)
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"q_latent: the cupy kernel takes bfloat16 or float16, got {dtype}")
     batch = int(q_latent.shape[0])
@@ -323,10 +323,6 @@ def _check_kernel_args(q_latent, cache, tree: Tree, nodes: int, out=None, lse=No
     if lse is not None:
         check_array("lse", lse, dtypes="float32", shape=(batch, nodes, heads))
     return dtype == "float16"
-
-
-def _dtype(x) -> str:
-    return str(x.dtype).removeprefix("torch.")
 
 
 def _device_contiguous(x):

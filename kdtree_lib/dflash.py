@@ -27,7 +27,7 @@ H query heads, G key/value heads, d head_dim, V vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 

@@ -19,7 +19,7 @@ import numpy as np
 from .checks import check_positive_int, to_numpy
 from .tree_accept import AcceptResult, accept, compact_cache, posterior_tokens
 from .tree_build import Tree, build_tree, draft_topk, root_to_node_paths, tree_from_parents
-from .verify_attn import CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, absorb_query, verify_attention
+from .verify_attn import DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, absorb_query, verify_attention
 
 METHODS = ("ar", "chain", "tree", "unverified")
 

@@ -67,7 +67,6 @@ def bigram_table(rng, vocab):
 
 def first_two_tokens(table, root, walk, rng, trials=4000, budget=6, depth=3):
     """Decode two tokens after `root` for `trials` requests with DDTree rounds and return them."""
-    vocab = len(table)
     outputs = [[] for _ in range(trials)]
     roots = np.full(trials, root, np.int32)
     while min(len(o) for o in outputs) < 2:

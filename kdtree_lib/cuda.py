@@ -62,7 +62,8 @@ def current_stream():
     import cupy
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        stream = torch.cuda.current_stream()
+        return cupy.cuda.Stream.from_external(stream.cuda_stream, stream.device.index)
     return cupy.cuda.get_current_stream()
 
 

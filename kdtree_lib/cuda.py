@@ -62,8 +62,7 @@ def current_stream():
     import cupy
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        stream = torch.cuda.current_stream()
-        return cupy.cuda.Stream.from_external(stream.cuda_stream, stream.device.index)
+        return cupy.cuda.Stream.from_external(torch.cuda.current_stream())  # the CUDA stream protocol
     return cupy.cuda.get_current_stream()
 
 

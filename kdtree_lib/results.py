@@ -70,7 +70,36 @@ def read_rows(topic: str, *, results_dir: Path | None = None) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
+def merge_file(path, *, topic: str | None = None, results_dir: Path | None = None) -> Path:
+    """Append the rows of a results CSV made elsewhere (e.g. brought back from the GPU machine) to
+    the topic of the same name here, keeping their own date/commit/device stamps."""
+    path = Path(path)
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    missing = [c for c in STAMP_COLUMNS if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"path: {path} has no {missing} columns; expected a results file")
+    return append_rows(topic or path.stem, rows, results_dir=results_dir)
+
+
+def main(argv=None) -> int:
+    """python -m kdtree_lib.results merge FILE.csv [--topic T]: append a results file's rows."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.results", description=main.__doc__)
+    parser.add_argument("command", choices=("merge",))
+    parser.add_argument("files", type=Path, nargs="+")
+    parser.add_argument("--topic", default=None, help="default: each file's name without .csv")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        print(f"{path} -> {merge_file(path, topic=args.topic)}")
+    return 0
+
+
 def _results_dir(results_dir) -> Path:
     if results_dir is not None:
         return Path(results_dir)
     return Path(os.environ.get("KDTREE_RESULTS_DIR") or RESULTS_DIR)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,7 +24,7 @@ Rows go to data/results/tp_verify_step.csv, keyed by scope, tp, batch, nodes, co
     scope "layer": attention/moe/allreduce/rest_seconds (+ router/experts/shared), layer_seconds,
                    moe_layer, experts_touched: what projection.calibrate reads
     scope "step":  step_seconds (all `layers` layers and the head, timed in one piece), head_seconds
-    scope "draft": drafter_seconds, draft_topk/tree_build/accept_compact_seconds
+    scope "draft": drafter_seconds (eager), drafter_graph_seconds, draft_topk/tree_build/accept_compact_seconds
 
 Run on GPUs (rank r on cuda:r, NCCL):   python -m kdtree_lib.bench_tp --tp 1 2 --layers 3
 or under torchrun:  torchrun --nproc-per-node 8 -m kdtree_lib.bench_tp --layers 3
@@ -364,9 +364,12 @@ def time_verify_step(model: Transformer, cache: KVCache, tree: Tree, settings: B
     return rows, eager
 
 
-def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: BenchSettings, clock: Clock) -> float:
-    """Median seconds of one drafter forward (eager): take in `drafter_new_tokens` committed tokens'
-    features after `context` cached ones, draft one block, the target's LM head on it."""
+def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: BenchSettings, clock: Clock,
+                 *, graph: bool) -> dict:
+    """Median seconds of one drafter forward: take in `drafter_new_tokens` committed tokens' features
+    after `context` cached ones, draft one block, the target's LM head on it. Eager
+    (`drafter_seconds`) and, with graph, as a CUDA graph of the fixed-shape forward a graph-captured
+    decode replays (`drafter_graph_seconds`)."""
     c, weight = drafter.config, drafter.fc.weight
     new = settings.drafter_new_tokens
     cache = drafter.new_cache(batch, context + new)
@@ -374,10 +377,22 @@ def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: Ben
     features = torch.randn(batch, new, c.feature_size, device=weight.device, dtype=weight.dtype)
     bonus = torch.zeros(batch, dtype=torch.long, device=weight.device)
 
-    def run():
-        cache.lengths = committed
-        drafter.draft(cache, features, bonus)
-    return float(np.median(time_runs([run], clock, repeats=settings.repeats, warmup=settings.warmup)))
+    def forward(static: bool = False):
+        cache.lengths = committed  # draft() rebinds lengths; every run starts from the same buffer
+        drafter.draft(cache, features, bonus, static=static)
+
+    def median_seconds(run) -> float:
+        return float(np.median(time_runs([run], clock, repeats=settings.repeats, warmup=settings.warmup)))
+
+    times = {"drafter_seconds": median_seconds(forward)}
+    if graph:
+        forward(static=True)
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            forward(static=True)
+        times["drafter_graph_seconds"] = median_seconds(captured.replay)
+    return times
 
 
 def time_tree_kernels(cache: KVCache, batch: int, nodes: int, settings: BenchSettings, vocab: int) -> dict:
@@ -444,7 +459,8 @@ def _sweep(tp: TensorParallel, settings: BenchSettings, device: torch.device) ->
                 return {"rows": rows, "check": check}
             cache = random_cache(model, batch, context, context + max(settings.nodes), seed=settings.seed)
             block = []
-            drafter_seconds = time_drafter(drafter, batch, context, settings, clock) if drafter else None
+            drafter_times = (time_drafter(drafter, batch, context, settings, clock, graph=graphs)
+                             if drafter else {})
             for nodes in settings.nodes:
                 where = {**common, "batch": batch, "nodes": nodes, "context": context}
                 tree = synthetic_tree(batch, nodes, depth=settings.draft_depth, vocab=vocab, seed=settings.seed)
@@ -456,8 +472,7 @@ def _sweep(tp: TensorParallel, settings: BenchSettings, device: torch.device) ->
                              "verify": model.verify(tree, cache).logits.cpu()}
                 if nodes > 1 and (drafter is not None or device.type == "cuda"):
                     draft_row = {**where, "scope": "draft"}
-                    if drafter is not None:
-                        draft_row["drafter_seconds"] = drafter_seconds
+                    draft_row.update(drafter_times)
                     if device.type == "cuda":
                         draft_row.update(time_tree_kernels(cache, batch, nodes, settings, config.vocab_size))
                     block.append(draft_row)
@@ -666,9 +681,12 @@ def drafter_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, con
 
 
 def drafter_efficiency(rows: list[dict], config: DFlashConfig, hardware: Hardware, *, new_tokens: int = 5) -> float:
-    """Roofline / measured drafter time (median over rows): its layers replicated, LM head over tp."""
+    """Roofline / measured drafter time (median over rows): its layers replicated, LM head over tp.
+    The CUDA-graph time where a row has one (what a graph-captured decode pays), else the eager one."""
+    def measured(row) -> float:
+        return float(row.get("drafter_graph_seconds") or row["drafter_seconds"])
     ratios = [drafter_seconds(config, hardware, batch=int(r["batch"]), context=int(r["context"]),
-                              new_tokens=new_tokens, head_shards=int(r["tp"])) / float(r["drafter_seconds"])
+                              new_tokens=new_tokens, head_shards=int(r["tp"])) / measured(r)
               for r in rows if r.get("drafter_seconds") not in (None, "")]
     if not ratios:
         raise ValueError("rows: no drafter_seconds measured")

@@ -12,13 +12,15 @@ warm-up compiles the kernels and captures the graph), with the same prompts and 
 - impl "reference_style": OUR re-implementation, in the style of the DDTree paper's reference code
   (transformers' DeepseekV3ForCausalLM with a DynamicCache, the drafter's top-k copied to the host,
   the Python heapq build, a dense additive 4-D mask, the walk on the host, the cache gathered after
-  each round), batch 1. It is not the official code (that is neither fetched nor committed); it
-  needs transformers and is skipped, with the reason printed, where it is not installed.
+  each round), batch 1; it needs transformers and is skipped, with the reason printed, without it;
+- impl "official": the paper's official code itself (github.com/liranringel/ddtree), imported from
+  a local copy named by --official (never committed), on the same pair, prompt and budgets, batch 1.
 
-    python -m kdtree_lib.bench_decode [--quick] [--results-dir DIR]        # on a GPU
+    python -m kdtree_lib.bench_decode [--quick] [--official DIR] [--results-dir DIR]    # on a GPU
 
-The summary checks the issue's targets from the rows: DDTree >= 5x the reference-style tokens/s at
-the same budget (batch 1), and DDTree's speedup over AR >= 0.8 x its mean acceptance length.
+The summary checks the issue's targets from the rows: DDTree >= 5x the reference implementation's
+tokens/s at the same budget (batch 1; the official code's rows, and the reference style's), and
+DDTree's speedup over AR >= 0.8 x its mean acceptance length.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -145,9 +148,10 @@ def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str,
 
 
 def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_tokens: int = 128, repeats: int = 3,
-        block_size: int = 8, reference_style: bool = True, host_tree: bool = True, results_dir=None,
-        log=print) -> list[dict]:
-    """Every measurement of the module docstring; appends the rows and returns them."""
+        block_size: int = 8, kdtree: bool = True, reference_style: bool = True, host_tree: bool = True,
+        official_dir=None, results_dir=None, log=print) -> list[dict]:
+    """Every measurement of the module docstring (the official code's rows too when official_dir
+    names a local copy of it); appends the rows and returns them."""
     chosen = pair_with_prompts(block_size, prompts_per_package=max(batches), prompt_tokens=prompt_tokens,
                                device="cuda", dtype=torch.bfloat16)
     target, drafter, pair = chosen.target, chosen.drafter, chosen.name
@@ -155,7 +159,7 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
     common = dict(pair=pair, prompt_tokens=prompt_tokens, new_tokens=new_tokens, block_size=block_size)
     chain_budget = drafter.config.draft_depth
     rows = []
-    for batch in batches:
+    for batch in batches if kdtree else ():
         prompts = batch_prompts(chosen, batch)
         settings = [("ar", 1), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
         for method, budget in settings:
@@ -175,6 +179,9 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
     if reference_style:
         rows += run_reference_style(budgets, batch_prompts(chosen, 1)[0], new_tokens=new_tokens, block_size=block_size,
                                     pair=pair, log=log)
+    if official_dir is not None:
+        rows += run_official(official_dir, budgets, batch_prompts(chosen, 1)[0], new_tokens=new_tokens,
+                             block_size=block_size, pair=pair, log=log)
     results.append_rows(TOPIC, rows, results_dir=results_dir)
     return rows
 
@@ -200,6 +207,69 @@ def run_reference_style(budgets, prompt, *, new_tokens: int, block_size: int, pa
                                                                  max_new_tokens=new_tokens), 1)
         rows.append(row(result, speed, impl="reference_style", pair=pair, prompt_tokens=len(prompt),
                         new_tokens=new_tokens, block_size=block_size))
+        log(_line(rows[-1]))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the paper's official implementation, from a local copy (never committed)
+
+def load_official(official_dir):
+    """Import the official DDTree code (github.com/liranringel/ddtree: ddtree.py, dflash.py, model/)
+    from a local checkout. Its dataset loader needs `datasets` and its logging `loguru`, neither of
+    which generation uses; where they are not installed, inert stand-ins are registered so the
+    import succeeds (a GPU machine without internet has neither)."""
+    import importlib
+    import logging
+    import types
+    official_dir = Path(official_dir)
+    if not (official_dir / "ddtree.py").is_file() or not (official_dir / "model").is_dir():
+        raise ValueError(f"official_dir: expected a checkout of the official DDTree code, no ddtree.py/model/ in {official_dir}")
+    for name, attributes in (("datasets", {"load_dataset": None, "Features": None, "Sequence": None, "Value": None}),
+                             ("loguru", {"logger": logging.getLogger("ddtree_official")})):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = types.SimpleNamespace(**attributes)
+    sys.path.insert(0, str(official_dir))
+    try:
+        return importlib.import_module("ddtree"), importlib.import_module("model")
+    finally:
+        sys.path.remove(str(official_dir))
+
+
+def run_official(official_dir, budgets, prompt, *, new_tokens: int, block_size: int, pair: str, log=print,
+                 models_dir=None) -> list[dict]:
+    """Batch-1 rows of the official `ddtree_generate` on the stand-in pair (transformers target with
+    sdpa attention, the official DFlashDraftModel loaded from our drafter checkpoint), greedy, the
+    same prompt and budgets as ours. tokens/s is the official code's own decode clock (prefill
+    excluded, as in ours; it also leaves out the first round's draft)."""
+    from transformers import AutoModelForCausalLM
+    ddtree, official_model = load_official(official_dir)
+    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    target = target.to("cuda").eval()
+    drafter = official_model.DFlashDraftModel.from_pretrained(drafter_path, dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa").to("cuda").eval()
+    input_ids = torch.as_tensor(np.asarray(prompt), device="cuda").long()[None]
+
+    def call(budget):
+        return ddtree.ddtree_generate(model=drafter, target=target, input_ids=input_ids,
+                                      mask_token_id=drafter.mask_token_id, max_new_tokens=new_tokens,
+                                      block_size=drafter.block_size, stop_token_ids=None, temperature=0.0,
+                                      tree_budget=budget)
+    rows = []
+    for budget in budgets:
+        call(budget)  # warm-up
+        out = call(budget)
+        rounds = len(out.acceptance_lengths)
+        decode_seconds = out.time_per_output_token * out.num_output_tokens
+        rows.append({"impl": "official", "method": "ddtree", "batch": 1, "budget": budget, "cuda_graph": False,
+                     "backend": "official", "block_size": block_size, "pair": pair, "prompt_tokens": len(prompt),
+                     "new_tokens": new_tokens, "tokens_per_second": 1.0 / out.time_per_output_token,
+                     "mean_acceptance": float(np.mean(out.acceptance_lengths)), "rounds": rounds,
+                     "ms_per_round": 1e3 * decode_seconds / max(rounds, 1),
+                     **{f"{stage}_ms_per_round": "" for stage in STAGES}})
         log(_line(rows[-1]))
     return rows
 
@@ -248,6 +318,7 @@ def summary(rows: list[dict]) -> list[dict]:
         batch, budget = r["batch"], r["budget"]
         ar = select(rows, impl="kdtree", method="ar", cuda_graph=True, batch=batch)
         reference = select(rows, impl="reference_style", batch=batch, budget=budget)
+        official = select(rows, impl="official", batch=batch, budget=budget)
         eager = select(rows, impl="kdtree", method="ddtree", cuda_graph=False, batch=batch, budget=budget)
         chain = select(rows, impl="kdtree", method="chain", cuda_graph=True, batch=batch)
         speed, acceptance = _number(r["tokens_per_second"]), _number(r["mean_acceptance"])
@@ -259,9 +330,13 @@ def summary(rows: list[dict]) -> list[dict]:
                       "speedup_target": 0.8 * acceptance, "meets_speedup_target": speedup >= 0.8 * acceptance,
                       "draft_bound_ceiling": ceiling, "vs_ceiling": speedup / ceiling,
                       "graph_gain": speed / _number(eager[0]["tokens_per_second"]) if eager else float("nan"),
-                      "vs_reference_style": (speed / _number(reference[0]["tokens_per_second"])
-                                             if reference and reference[0].get("tokens_per_second") else float("nan"))})
+                      "vs_reference_style": _ratio(speed, reference), "vs_official": _ratio(speed, official)})
     return sorted(lines, key=lambda line: (line["batch"], line["budget"]))
+
+
+def _ratio(speed: float, baseline: list[dict]) -> float:
+    """speed over the baseline row's tokens/s (nan without one)."""
+    return speed / _number(baseline[0]["tokens_per_second"]) if baseline and baseline[0].get("tokens_per_second") else float("nan")
 
 
 def plot_throughput(ax, rows: list[dict], *, batch: int) -> None:
@@ -270,7 +345,8 @@ def plot_throughput(ax, rows: list[dict], *, batch: int) -> None:
     rows = latest_rows(rows)
     series = [("kdtree", "ddtree", True, "DDTree, CUDA graph", "-o"), ("kdtree", "ddtree", False, "DDTree, eager", "--o"),
               ("host_tree", "ddtree", False, "DDTree, host heap tree", ":s"),
-              ("reference_style", "ddtree", False, "reference style (transformers + heapq + dense mask)", "-.^")]
+              ("reference_style", "ddtree", False, "reference style (transformers + heapq + dense mask)", "-.^"),
+              ("official", "ddtree", False, "the paper's official code (transformers, sdpa)", "-.v")]
     for impl, method, graph, label, style in series:
         chosen = sorted(select(rows, impl=impl, method=method, cuda_graph=graph, batch=batch),
                         key=lambda r: _number(r["budget"]))
@@ -318,6 +394,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--no-reference-style", action="store_true")
+    parser.add_argument("--no-kdtree", action="store_true", help="only the baselines")
+    parser.add_argument("--official", type=Path, default=None,
+                        help="a local (uncommitted) copy of github.com/liranringel/ddtree: also time the official code")
     parser.add_argument("--results-dir", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -325,7 +404,8 @@ def main(argv=None) -> int:
         return 1
     rows = run(budgets=QUICK_BUDGETS if args.quick else BUDGETS, repeats=1 if args.quick else 3,
                new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
-               reference_style=not args.no_reference_style, results_dir=args.results_dir)
+               kdtree=not args.no_kdtree, reference_style=not args.no_reference_style, official_dir=args.official,
+               results_dir=args.results_dir)
     for line in summary(rows):
         print(line)
     return 0

@@ -15,7 +15,8 @@ device by results.append_rows. Times are per decode step, in microseconds:
   per call over back-to-back calls; `version` is the kernel it dispatched to.
 - "torch" (draft_topk): torch.log_softmax + torch.topk, timed like "kernel".
 
-Run on a GPU:  python -m kdtree_lib.bench_tree [--quick] [--results-dir DIR]
+Run on a GPU:  python -m kdtree_lib.bench_tree [--quick] [--only build] [--build-batches 64 --build-depths 15
+               --build-budgets 8,64] [--results-dir DIR]
 """
 from __future__ import annotations
 
@@ -382,11 +383,22 @@ def plot_accept_times(ax, rows: list[dict], *, budget: int, target_us: float = 1
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def _join(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few small configurations (a smoke test)")
     parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
     parser.add_argument("--only", default="build,topk,accept", help="comma-separated subset of build,topk,accept")
+    for axis, default in (("batches", BUILD_BATCHES), ("depths", BUILD_DEPTHS), ("budgets", BUILD_BUDGETS)):
+        parser.add_argument(f"--build-{axis}", type=_int_list, default=None,
+                            help=f"comma-separated build {axis}, in the order measured (default: {_join(default)})")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     if args.quick:
@@ -395,6 +407,8 @@ def main(argv=None) -> None:
         accepting = dict(batches=(1, 64), budgets=(64,))
     else:
         build, topk, accepting = {}, {}, {}
+    build.update({axis: getattr(args, f"build_{axis}") for axis in ("batches", "depths", "budgets")
+                  if getattr(args, f"build_{axis}") is not None})
     if "build" in parts:  # rows appended per (depth, batch), so a run cut short keeps what it measured
         for depth in build.get("depths", BUILD_DEPTHS):
             for batch in build.get("batches", BUILD_BATCHES):

@@ -17,11 +17,13 @@
 //       pushed entries: ~1400 cycles per pop
 //   v2  one warp for every budget: slot j lives in lane j % 32 as a 32-bit word (the top 27 bits
 //       of the order-preserving weight key, then the column j / 32), and each lane keeps its best
-//       word in a register. A pop is a REDUX over the lanes' best words, three shuffles of the
-//       winner's child weight and new word, and a warp-wide rescan of the winner's row (two REDUX):
-//       the same work whatever the budget. Each entry's sibling and child weights are computed
-//       when it is pushed, off the critical path; ties of the 27-bit prefixes (equal weights, or
-//       closer than ~2^-15 relative) take an exact path: float64 weights, then rank tuples.
+//       word in a register. A pop is two shuffles of the winner's new words, a warp-wide rescan of
+//       the winner's row and one round of REDUX (the rescan and the other lanes' best words
+//       together) that gives the next pop's winner: the same work whatever the budget. Each entry's
+//       sibling and child weights and words are computed when it is pushed, and node records and
+//       new entries are written without branches (idle lanes write to spare places), so that work
+//       overlaps the reductions; ties of the 27-bit prefixes (equal weights, or closer than ~2^-15
+//       relative) take an exact path: float64 weights, then rank tuples.
 #include "common.cuh"
 
 #define KD_MAX_NODES 1025          // budget <= 1024 pops plus the root
@@ -255,12 +257,14 @@ __device__ __forceinline__ int entry_slot(int code) { return code & 1023; }
 __device__ __forceinline__ int entry_rank(int code) { return (code >> 10) & 1023; }
 __device__ __forceinline__ int entry_depth(int code) { return code >> 20; }
 
-struct TreeScratch {  // (the popped nodes' log-weights go straight to the output)
-    short parent[KD_MAX_NODES];        // node indices < 1025 and ranks < 1024 fit in 16 bits
-    short rank[KD_MAX_NODES];
-    short first_child[KD_MAX_NODES];
-    short next_sibling[KD_MAX_NODES];
-    unsigned char depth[KD_MAX_NODES];
+// (the popped nodes' log-weights go straight to the output). Past the nodes: one write-off entry
+// per lane, where v2's lanes that record nothing write.
+struct TreeScratch {
+    short parent[KD_MAX_NODES + KD_WARP_SIZE];  // node indices < 1025 and ranks < 1024 fit in 16 bits
+    short rank[KD_MAX_NODES + KD_WARP_SIZE];
+    short first_child[KD_MAX_NODES + KD_WARP_SIZE];
+    short next_sibling[KD_MAX_NODES + KD_WARP_SIZE];
+    unsigned char depth[KD_MAX_NODES + KD_WARP_SIZE];
     double warp_weight[2][32];         // v1: per-warp winners, double-buffered by pop parity
     int warp_code[2][32];
     int n_nodes;
@@ -453,20 +457,23 @@ __device__ int best_first_pops_v1(const DraftRows& lp, int depth_limit, int budg
 }
 
 // ---------------------------------------------------------------------------------------------
-// tree build v2: one warp, a flat frontier of 32-bit words, three REDUX per pop
+// tree build v2: one warp, a flat frontier of 32-bit words, one round of REDUX per pop
 
 #define KD_MAX_SLOTS 1024                                   // slot j < budget: node j's next child
 #define KD_FRONTIER_COLUMNS (KD_MAX_SLOTS / KD_WARP_SIZE)   // slot j: lane j % 32, column j / 32
 #define KD_FRONTIER_STRIDE (KD_FRONTIER_COLUMNS + 1)        // words per lane row (conflict-free columns)
+#define KD_SPARE_COLUMN KD_FRONTIER_COLUMNS                 // the row padding: each lane's write-off word
+#define KD_SPARE_SLOT KD_MAX_SLOTS                          // slot KD_SPARE_SLOT + lane: its write-off Entry
 #define KD_LIVE_WORD 0x00100000u                            // words of finite weights are >= this
 
 // A pending entry as its pop needs it: its weight, and the weights it will push then (computed
-// when the entry itself is pushed, off the pops' critical path).
+// when the entry itself is pushed, off the pops' critical path), with their frontier words.
 struct Entry {
     double weight;
     double sibling;           // log w of its next sibling (-inf: none)
     double child;             // log w of its first child (-inf: none)
     unsigned sibling_prefix;  // frontier_word(sibling, 0): the slot's word once this entry pops
+    unsigned child_word;      // frontier_word(child, (row + 1) % 32): the child's prefix and draft row
     unsigned meta;            // rank | row << 10 | last << 15: the draft row (depth - 1), and the last
                               // node popped from this slot (0: none yet), whose next sibling it links
 };
@@ -478,22 +485,23 @@ __device__ __forceinline__ int meta_last(unsigned meta) { return meta >> 15; }
 
 struct Frontier {
     unsigned word[KD_WARP_SIZE * KD_FRONTIER_STRIDE];  // [lane][column]: see frontier_word; 0 = empty
-    double weight[KD_MAX_SLOTS];                       // the rest of each slot's Entry, by slot
-    double sibling[KD_MAX_SLOTS];
-    double child[KD_MAX_SLOTS];
-    unsigned sibling_prefix[KD_MAX_SLOTS];
-    unsigned meta[KD_MAX_SLOTS];
+    double weight[KD_MAX_SLOTS + KD_WARP_SIZE];        // the rest of each slot's Entry, by slot, then
+    double sibling[KD_MAX_SLOTS + KD_WARP_SIZE];       // one write-off Entry per lane
+    double child[KD_MAX_SLOTS + KD_WARP_SIZE];         // (sibling_prefix is recomputed by load_entry)
+    unsigned child_word[KD_MAX_SLOTS + KD_WARP_SIZE];
+    unsigned meta[KD_MAX_SLOTS + KD_WARP_SIZE];
 };
 
 __device__ __forceinline__ int frontier_index(int slot) { return (slot & 31) * KD_FRONTIER_STRIDE + (slot >> 5); }
 
 // A slot's 32-bit word: the top 27 bits of its weight's order-preserving key (weight_key's, taken
-// from the high half of the double: -0.0 + 0.0 = +0.0), then its column. Larger weights give larger
-// words; weights whose 27-bit prefixes are equal (ties, or closer than ~2^-15 relative) compare by
-// column, so the pops check for them. Finite weights give words >= KD_LIVE_WORD, -inf below it.
+// from the high half of the double; -0.0, and the negative subnormals that share its high half,
+// get +0.0's), then its column. Larger weights give larger or equal words; weights whose 27-bit
+// prefixes are equal (ties, or closer than ~2^-15 relative) compare by column, so the pops check
+// for them. Finite weights give words >= KD_LIVE_WORD, -inf below it.
 __device__ __forceinline__ unsigned frontier_word(double weight, int column) {
-    const int high = __double2hiint(weight + 0.0);
-    const unsigned key = high < 0 ? ~(unsigned)high : (unsigned)high | 0x80000000u;
+    const unsigned high = (unsigned)__double2hiint(weight);
+    const unsigned key = high > 0x80000000u ? ~high : high | 0x80000000u;
     return (key & ~31u) | (unsigned)column;
 }
 
@@ -501,12 +509,13 @@ __device__ __forceinline__ void store_entry(Frontier& f, int slot, const Entry& 
     f.weight[slot] = e.weight;
     f.sibling[slot] = e.sibling;
     f.child[slot] = e.child;
-    f.sibling_prefix[slot] = e.sibling_prefix;
+    f.child_word[slot] = e.child_word;
     f.meta[slot] = e.meta;
 }
 
 __device__ __forceinline__ Entry load_entry(const Frontier& f, int slot) {
-    return {f.weight[slot], f.sibling[slot], f.child[slot], f.sibling_prefix[slot], f.meta[slot]};
+    const double sibling = f.sibling[slot];
+    return {f.weight[slot], sibling, f.child[slot], frontier_word(sibling, 0), f.child_word[slot], f.meta[slot]};
 }
 
 // Entry (weight, rank, row) with its sibling and child weights, in the reference's arithmetic.
@@ -524,6 +533,7 @@ __device__ __forceinline__ Entry make_entry(double weight, int rank, int row, in
     e.sibling = next == kd_neg_inf_f() ? kd_neg_inf_d() : (weight - (double)current) + (double)next;
     e.child = head == kd_neg_inf_f() ? kd_neg_inf_d() : weight + (double)head;
     e.sibling_prefix = frontier_word(e.sibling, 0);
+    e.child_word = frontier_word(e.child, (row + 1) & 31);
     e.meta = entry_meta(rank, row, last);
     return e;
 }
@@ -549,21 +559,26 @@ __device__ int exact_first_slot(int columns, const Frontier& f, const TreeScratc
 }
 
 // Best-first pops of one request by one warp. Lane l owns slots l, l + 32, ... (its row of words);
-// it keeps in registers its largest word `best` (slot best_slot, its Entry best_entry, and the
-// word that slot gets when it pops, sibling_word) and the largest word ^ 31, `mirrored`: their
-// low 5 bits are the last and 31 - the first column with the largest prefix, so that prefix is
-// unique in the row iff they add up to 31. A pop:
-//   1. REDUX over (best prefix, lane): the winner, unless a prefix ties (then exact_first_slot);
-//   2. the winner's child weight, row and new word go to every lane (shuffles); it records node i;
-//   3. the winner's row is rescanned by the warp (lane c reads column c; two REDUX), lane i % 32
-//      merges slot i's word (node i's first child), and the two new entries are made and stored.
-// No step depends on the budget. Returns the node count, root included.
+// it keeps in registers its largest word `best` (slot best_slot, its Entry best_entry) and the
+// largest word ^ 31, `mirrored`: their low 5 bits are the last and 31 - the first column with the
+// largest prefix, so that prefix is unique in the row iff they add up to 31. `top`, the largest
+// (prefix, lane) over the lanes, is known when a pop starts. A pop:
+//   1. the winner is lane top % 32, unless a prefix ties (then exact_first_slot);
+//   2. the words that change go where they are compared: the winner's row is rescanned by the
+//      warp (lane c reads column c) with the popped slot's new word (its next sibling's) and slot
+//      i's (node i's first child's) if it lies there, lane i % 32 merges slot i's word otherwise;
+//      the rescan and the other lanes' best words are reduced in the same round of REDUX, which
+//      gives the next pop's `top`;
+//   3. meanwhile node i is recorded and the two new entries are made and stored; lanes with
+//      nothing to write write to their write-off places, so all of it runs without branches.
+// The loop-carried chain is the REDUX round, the shuffles from the winner and the rescan's load;
+// no step depends on the budget. Returns the node count, root included.
 __device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s,
                                   double* __restrict__ log_weights) {
     __shared__ Frontier f;
     const int lane = kd_lane();
     for (int c = 0; c < KD_FRONTIER_STRIDE; ++c) f.word[c * KD_WARP_SIZE + lane] = 0u;
-    const Entry empty = {kd_neg_inf_d(), kd_neg_inf_d(), kd_neg_inf_d(), 0u, entry_meta(0, 0, 0)};
+    const Entry empty = {kd_neg_inf_d(), kd_neg_inf_d(), kd_neg_inf_d(), 0u, 0u, entry_meta(0, 0, 0)};
     for (int slot = lane; slot < budget; slot += KD_WARP_SIZE) store_entry(f, slot, empty);  // valid rows
     const float row_head = lp(min(lane, depth_limit - 1), 0);
 
@@ -582,13 +597,12 @@ __device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budg
         best_entry = root_child;
         store_entry(f, 0, best_entry);
     }
-    unsigned sibling_word = best_entry.sibling_prefix | (unsigned)(best_slot >> 5);
     __syncwarp();  // rows are read across lanes
 
+    unsigned top = __reduce_max_sync(KD_FULL_MASK, (best & ~31u) | (unsigned)lane);
     int n_nodes = 1;
-    for (int i = 1; i <= budget; ++i) {  // pop i creates node i; slots 0 .. i-1 exist
-        const unsigned top = __reduce_max_sync(KD_FULL_MASK, (best & ~31u) | (unsigned)lane);
-        if (top < KD_LIVE_WORD) break;  // every slot empty (the same decision in every lane)
+    for (int i = 1; i <= budget && top >= KD_LIVE_WORD; ++i) {  // pop i creates node i; slots 0 .. i-1 exist
+        // 1. the winner
         int winner = top & 31;
         unsigned column_word = f.word[winner * KD_FRONTIER_STRIDE + lane];  // the winner's row
         const bool unique_in_row = (best & 31u) + (mirrored & 31u) == 31u;
@@ -599,59 +613,59 @@ __device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budg
             if (lane == winner) {
                 best_slot = slot;
                 best_entry = load_entry(f, slot);
-                sibling_word = best_entry.sibling_prefix | (unsigned)(slot >> 5);
             }
         }
         const bool pops = lane == winner;
+        const unsigned popped_word = __shfl_sync(KD_FULL_MASK, best_entry.sibling_prefix | (unsigned)(best_slot >> 5), winner);
+        const unsigned child_word = __shfl_sync(KD_FULL_MASK, best_entry.child_word, winner);
         const double child = __shfl_sync(KD_FULL_MASK, best_entry.child, winner);
-        const int child_row = __shfl_sync(KD_FULL_MASK, meta_row(best_entry.meta), winner) + 1;
-        const unsigned popped_word = __shfl_sync(KD_FULL_MASK, sibling_word, winner);
         n_nodes = i + 1;
 
-        // 2. node i; the popped slot's word becomes its next sibling's
-        const int parent = best_slot, rank = meta_rank(best_entry.meta), row = meta_row(best_entry.meta);
-        if (pops) {
-            const int last = meta_last(best_entry.meta);
-            s.parent[i] = (short)parent;
-            s.rank[i] = (short)rank;
-            s.depth[i] = (unsigned char)(row + 1);
-            log_weights[i] = best_entry.weight;
-            if (last == 0) s.first_child[parent] = (short)i;
-            else s.next_sibling[last] = (short)i;
-            f.word[frontier_index(parent)] = popped_word;
-        }
-        // 3. the winner's row as it is now (popped slot's new word; slot i's if it lies there)
+        // 2. the next pop's `top`
         const int pusher = i & 31;
-        const unsigned pushed_word = frontier_word(child, i >> 5);
+        const unsigned pushed_word = (child_word & ~31u) | (unsigned)(i >> 5);
         const bool pushes = i < budget && pushed_word >= KD_LIVE_WORD;
+        const bool pushes_here = pushes && lane == pusher;
         if (lane == (int)(popped_word & 31u)) column_word = popped_word;
         if (pushes && pusher == winner && lane == (i >> 5)) column_word = pushed_word;
+        if (pushes_here && !pops) {
+            best = max(best, pushed_word);
+            mirrored = max(mirrored, pushed_word ^ 31u);
+        }
         const unsigned row_best = __reduce_max_sync(KD_FULL_MASK, column_word);
         const unsigned row_mirrored = __reduce_max_sync(KD_FULL_MASK, column_word ^ 31u);
+        const unsigned others_top = __reduce_max_sync(KD_FULL_MASK, pops ? 0u : (best & ~31u) | (unsigned)lane);
+        top = max(others_top, (row_best & ~31u) | (unsigned)winner);
+
+        // 3. node i (the winner's slot is its parent), the winner's next sibling into that slot, node
+        // i's first child into slot i (lane i % 32; both in the winner, rarely)
+        const int rank = meta_rank(best_entry.meta), row = meta_row(best_entry.meta), last = meta_last(best_entry.meta);
+        const int child_row = min((int)(child_word & 31u), depth_limit - 1);
+        const Entry made = make_entry(pops ? best_entry.sibling : child, pops ? rank + 1 : 0, pops ? row : child_row,
+                                      pops ? i : 0, row_head, lp, depth_limit);
+        const int node = pops ? i : KD_MAX_NODES + lane;
+        s.parent[node] = (short)best_slot;
+        s.rank[node] = (short)rank;
+        s.depth[node] = (unsigned char)(row + 1);
+        *(!pops ? &s.next_sibling[node] : last == 0 ? &s.first_child[best_slot] : &s.next_sibling[last]) = (short)i;
+        if (pops) log_weights[i] = best_entry.weight;
+        const int made_slot = pops ? best_slot : pushes_here ? i : KD_SPARE_SLOT + lane;  // (a -inf sibling: an
+        store_entry(f, made_slot, made);                                                  // empty slot's record)
+        f.word[made_slot < KD_SPARE_SLOT ? frontier_index(made_slot) : lane * KD_FRONTIER_STRIDE + KD_SPARE_COLUMN] =
+            pops ? popped_word : pushed_word;
+        if (__any_sync(KD_FULL_MASK, pushes_here && pops)) {
+            const Entry first_child = make_entry(child, 0, child_row, 0, row_head, lp, depth_limit);
+            if (pushes_here) {
+                store_entry(f, i, first_child);
+                f.word[frontier_index(i)] = pushed_word;
+            }
+        }
         if (pops) {
             best = row_best;
             mirrored = row_mirrored;
         }
-        if (pushes && lane == pusher) {
-            best = max(best, pushed_word);
-            mirrored = max(mirrored, pushed_word ^ 31u);
-        }
-        // the winner makes its slot's next sibling, lane i % 32 node i's first child (both, rarely)
-        const Entry made = make_entry(pops ? best_entry.sibling : child, pops ? rank + 1 : 0,
-                                      pops ? row : min(child_row, depth_limit - 1), pops ? i : 0, row_head, lp,
-                                      depth_limit);
-        Entry first_child = made;
-        if (__any_sync(KD_FULL_MASK, pushes && pops && lane == pusher)) {
-            first_child = make_entry(child, 0, min(child_row, depth_limit - 1), 0, row_head, lp, depth_limit);
-        }
-        if (pops) store_entry(f, parent, made);  // (a -inf sibling: an empty slot's record)
-        if (pushes && lane == pusher) {
-            store_entry(f, i, first_child);
-            f.word[frontier_index(i)] = pushed_word;
-        }
         best_slot = (int)(best & 31u) * KD_WARP_SIZE + lane;
         best_entry = load_entry(f, best_slot);
-        sibling_word = best_entry.sibling_prefix | (unsigned)(best_slot >> 5);
         __syncwarp();  // the rows written here are read across lanes in the next pop
     }
     return n_nodes;

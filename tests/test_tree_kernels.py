@@ -16,8 +16,9 @@ import pytest
 from kdtree_lib import cuda
 from kdtree_lib.tree_accept import (AcceptResult, _check_tree_arrays, _compaction_layout, _empty_accept_result,
                                     _launch_accept, _launch_compact, accept, compact_cache)
-from kdtree_lib.tree_build import (BUILD_VERSIONS, MAX_BUDGET, DraftTopK, Tree, _draft_topk_cupy, _empty_tree,
-                                   _launch_build_tree, build_tree, draft_topk, tree_from_parents)
+from kdtree_lib.tree_build import (_BUILD_DRAFT_CACHE_BYTES, BUILD_VERSIONS, MAX_BUDGET, DraftTopK, Tree,
+                                   _draft_topk_cupy, _empty_tree, _launch_build_tree, build_tree, draft_topk,
+                                   tree_from_parents)
 
 KERNEL_FILES = ("tree_build.cu", "tree_accept.cu")
 SMEM_LIMIT = 99 * 1024
@@ -104,6 +105,18 @@ def test_kernels_compile_without_spills(file_name, arch, tmp_path):
     assert spills and all(s == ("0", "0") for s in spills), report
     for smem in re.findall(r"(\d+) bytes smem", report):
         assert int(smem) <= SMEM_LIMIT, report
+
+
+@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
+def test_build_kernels_fit_static_and_staged_shared_memory(arch, tmp_path):
+    """Each build kernel's static shared memory plus the draft cache its launcher asks for <= 99 KB."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    report = cuda.nvcc_compile("tree_build.cu", arch, tmp_path)
+    static = {name: int(smem) for name, smem in
+              re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes smem", report, flags=re.S)}
+    for version, cache_bytes in _BUILD_DRAFT_CACHE_BYTES.items():
+        assert static[f"build_tree_v{version}"] + cache_bytes <= SMEM_LIMIT, (version, static)
 
 
 def test_cupy_backend_refuses_host_inputs():

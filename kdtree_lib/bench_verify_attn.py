@@ -229,14 +229,15 @@ def mma_sync_rate(iters: int = 8192) -> float:
 # the run
 
 def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: float = float("inf"),
-        log=print) -> list[dict]:
+        run_stamp: str | None = None, log=print) -> list[dict]:
     """Time every provider on every shape, appending each shape's rows to data/results as it goes;
-    stops starting new shapes after `time_budget` seconds. Returns the rows."""
+    stops starting new shapes after `time_budget` seconds. Returns the rows. `run_stamp` (default:
+    now) marks every row of the run, so parts of one grid measured on several GPUs form one run."""
     import time
     import torch
     from . import results
     started = time.monotonic()
-    run_stamp = results.stamp()["date"]  # every row of this run carries it (latest_run)
+    run_stamp = run_stamp or results.stamp()["date"]  # every row of this run carries it (latest_run)
     shapes = benchmark_shapes() if shapes is None else shapes
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, cuBLAS bf16 {ceilings['matmul_tflops']:.0f} TFLOP/s, "
@@ -478,6 +479,8 @@ def main():
     parser.add_argument("--profile", type=int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
     parser.add_argument("--config", default=None, help="variant for --profile")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds before no new shape starts")
+    parser.add_argument("--part", default="0/1", metavar="K/P", help="every P-th shape from the K-th (one GPU's share)")
+    parser.add_argument("--run", default=None, help="run stamp shared by the parts of one grid (default: now)")
     args = parser.parse_args()
     if args.profile:
         return profile_case(*args.profile, config=args.config)
@@ -485,7 +488,11 @@ def main():
         return explore(QUICK_SHAPES, reps=args.reps)
     if args.smoke:
         raise SystemExit(0 if smoke() else 1)
-    run(QUICK_SHAPES if args.quick else None, reps=args.reps, time_budget=args.budget)
+    part, parts = (int(x) for x in args.part.split("/"))
+    if not 0 <= part < parts:
+        raise SystemExit(f"--part: expected K/P with 0 <= K < P, got {args.part}")
+    shapes = QUICK_SHAPES if args.quick else benchmark_shapes()
+    run(shapes[part::parts], reps=args.reps, time_budget=args.budget, run_stamp=args.run)
 
 
 if __name__ == "__main__":

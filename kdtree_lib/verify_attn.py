@@ -184,6 +184,7 @@ class KernelConfig:
 KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2),  # 64 rows share each KV tile
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, scoring=2),
+    KernelConfig(row_tiles=2, row_groups=2, keys=32, stages=4, scoring=2),  # deeper ring, 32x16 warp tiles
     KernelConfig(row_tiles=2, row_groups=1, keys=64, stages=2),
     KernelConfig(row_tiles=2, row_groups=1, keys=32, stages=3),
     KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),
@@ -293,8 +294,8 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
               "cache": _device_contiguous(cache), "lengths": _device_int32(lengths),
               "mask": _device_int32(tree.mask), "out": cuda.as_cupy(out), "lse": cuda.as_cupy(lse)}
     if plan.splits > 1:
-        arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(
-            q_latent, (plan.splits, batch, rows, LATENT_DIM), "float32"))
+        arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(  # normalised, so the output's dtype holds it
+            q_latent, (plan.splits, batch, rows, LATENT_DIM), dtype_name(q_latent)))
         arrays["partial_lse"] = cuda.as_cupy(cuda.device_empty(q_latent, (plan.splits, batch, rows), "float32"))
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]

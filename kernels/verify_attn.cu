@@ -21,8 +21,9 @@
 //     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
 //   * Only tiles reaching the tree slots (or the split's end) evaluate the mask; prefix tiles run
 //     unmasked. Rows past N·H and keys past len + N are zero-filled, never read out of bounds.
-//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE and
-//     verify_attn_merge_* combines them by LSE; with one split the CTA writes bf16/f16 O directly.
+//   * With more than one split, each CTA writes its normalised partial O (bf16/f16 like the output:
+//     half the merge traffic of fp32) and its fp32 LSE, and verify_attn_merge_* combines them by
+//     LSE in fp32; with one split the CTA writes O directly.
 // Shared memory is XOR-swizzled in 16-byte chunks (chunk ^ row%8), so ldmatrix and cp.async are
 // free of bank conflicts; P rows are padded by 16 bytes instead.
 //
@@ -124,6 +125,20 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return packed;
 }
 
+// The inverse: a packed 16-bit pair -> (lo, hi) floats (exact).
+template <bool kHalf>
+__device__ __forceinline__ float2 unpack2(u32 packed) {
+  if constexpr (kHalf) {
+    float lo, hi;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(lo), "=f"(hi)
+        : "r"(packed));
+    return float2{lo, hi};
+  } else {
+    return float2{__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u)};
+  }
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -133,6 +148,18 @@ __device__ __forceinline__ float fast_log2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Max (kMax) or sum of one value over the quad of lanes that hold a row of an mma accumulator;
+// the quad's first lane stores it to `slot` (the row statistics exchanged through shared memory).
+template <bool kMax>
+__device__ __forceinline__ void quad_reduce_store(float value, float* slot, int quad_col) {
+#pragma unroll
+  for (int offset = 1; offset <= 2; offset <<= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+    value = kMax ? fmaxf(value, other) : value + other;
+  }
+  if (quad_col == 0) *slot = value;
 }
 
 template <int kRowTiles, int kRowGroups, int kKeys, int kStages, int kScoring>
@@ -166,7 +193,7 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32* __restrict__ mask,       // [B, N, words]
     u16* __restrict__ out,              // [B, rows, 512]           (one split)
     float* __restrict__ lse,            // [B, rows]                (one split)
-    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
+    u16* __restrict__ partial_out,      // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
@@ -355,9 +382,7 @@ __device__ __forceinline__ void verify_attn_cta(
           float m = neg_inf();
 #pragma unroll
           for (int nt = 0; nt < S::kKeyTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          if (quad_col == 0) exchange[slice * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h] = m;
+          quad_reduce_store<true>(m, exchange + slice * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h, quad_col);
         }
     }
     group_barrier(barrier_id, group_threads);
@@ -427,12 +452,9 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
   for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = row_sum[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      if (quad_col == 0) exchange[column * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h] = l;
-    }
+    for (int h = 0; h < 2; ++h)
+      quad_reduce_store<false>(row_sum[mt][h], exchange + column * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h,
+                               quad_col);
   group_barrier(barrier_id, group_threads);
 
 #pragma unroll
@@ -447,26 +469,20 @@ __device__ __forceinline__ void verify_attn_cta(
       if (row >= rows) continue;
       const i64 out_row = (i64)b * rows + row;
       const int col0 = column * kColsPerWarp + 2 * quad_col;
-      if (splits == 1) {
-        u16* dst = out + out_row * kLatent + col0;
+      // One split: the output. Several: this split's partial, in the same 16-bit type (O is a convex
+      // combination of value rows, so it cannot overflow it), merged by verify_attn_merge_*.
+      const i64 dst_row = splits == 1 ? out_row : (i64)split * batch * rows + out_row;
+      u16* dst = (splits == 1 ? out : partial_out) + dst_row * kLatent + col0;
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<u32*>(dst + 8 * j) = pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
-        if (column == 0 && quad_col == 0) lse[out_row] = row_lse;
-      } else {
-        const i64 part_row = (i64)split * batch * rows + out_row;
-        float* dst = partial_out + part_row * kLatent + col0;
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<float2*>(dst + 8 * j) = float2{o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv};
-        if (column == 0 && quad_col == 0) partial_lse[part_row] = row_lse;
-      }
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<u32*>(dst + 8 * j) = pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
+      if (column == 0 && quad_col == 0) (splits == 1 ? lse : partial_lse)[dst_row] = row_lse;
     }
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
-// float4 per lane, independent loads), then the warps' sums are added through shared memory.
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (four
+// 16-bit values per lane, independent loads), then the warps' sums are added through shared memory.
 constexpr int kMergeThreads = 256;
 constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
@@ -486,7 +502,7 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
 }
 
 template <bool kHalf>
-__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
+__device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
   __shared__ float weight[kMaxSplits];
   __shared__ float4 warp_sum[kMergeThreads / 32][32];
@@ -509,14 +525,15 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out,
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
-  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
-  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
+  const uint2* src = reinterpret_cast<const uint2*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in uint2 (four 16-bit values)
   float4 acc = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int s = warp; s < splits; s += kMergeThreads / 32) {
     const float w = weight[s];
-    const float4 x = src[s * split_stride];
-    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+    const uint2 packed = src[s * split_stride];
+    const float2 lo = unpack2<kHalf>(packed.x), hi = unpack2<kHalf>(packed.y);
+    acc.x += w * lo.x; acc.y += w * lo.y; acc.z += w * hi.x; acc.w += w * hi.y;
   }
   warp_sum[warp][lane] = acc;
   __syncthreads();
@@ -538,7 +555,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out,
 #define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      float* lse, u16* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
     va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
         q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
@@ -552,6 +569,7 @@ VA_KERNEL(verify_attn, VA_HALF, VA_ROW_TILES, VA_ROW_GROUPS, VA_KEYS, VA_STAGES,
 // nvcc: every configuration of kdtree_lib.verify_attn.KERNEL_CONFIGS (bf16; f16 is the same code).
 VA_KERNEL(verify_attn_rows64_keys64_stages2, 0, 2, 2, 64, 2, 4)
 VA_KERNEL(verify_attn_rows64_keys64_stages2_wide, 0, 2, 2, 64, 2, 2)
+VA_KERNEL(verify_attn_rows64_keys32_stages4_wide, 0, 2, 2, 32, 4, 2)
 VA_KERNEL(verify_attn_rows32_keys64_stages2, 0, 2, 1, 64, 2, 4)
 VA_KERNEL(verify_attn_rows32_keys32_stages3, 0, 2, 1, 32, 3, 4)
 VA_KERNEL(verify_attn_rows16_keys64_stages2, 0, 1, 1, 64, 2, 4)
@@ -560,11 +578,11 @@ VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)
 #endif
 
 extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(
-    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
+    const u16* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
   va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);
 }
 extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(
-    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
+    const u16* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
   va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);
 }
 

@@ -47,6 +47,7 @@ import torch
 
 from . import results
 from .backend import resolve
+from .bench_verify_attn import latest_run
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
 from .model import KVCache, ModelConfig, TensorParallel, Transformer, launch, load_config
 from .model.checkpoint import empty_target, load_weights
@@ -61,6 +62,7 @@ K26_CONFIG = REPO_ROOT / "data" / "configs" / "kimi-k2.6.json"
 TOPIC = "tp_verify_step"
 COMPONENTS = ("attention", "moe", "allreduce", "rest")
 MOE_PARTS = ("router", "experts", "shared")
+TREE_KERNEL_COLUMNS = ("draft_topk_seconds", "tree_build_seconds", "accept_compact_seconds")
 BF16 = 2
 
 
@@ -78,6 +80,7 @@ class BenchSettings:
     repeats: int = 8
     warmup: int = 2
     attention_backend: str = "auto"
+    verify_step: bool = True                  # False: only the drafter and tree kernels (scope "draft" rows)
     drafter: DFlashConfig | None = None       # None: no drafter timing
     drafter_new_tokens: int = 5               # tokens the drafter's cache takes in per round
     draft_depth: int = 15                     # D of the synthetic draft the trees come from
@@ -463,20 +466,21 @@ def _sweep(tp: TensorParallel, settings: BenchSettings, device: torch.device) ->
                              if drafter else {})
             for nodes in settings.nodes:
                 where = {**common, "batch": batch, "nodes": nodes, "context": context}
-                tree = synthetic_tree(batch, nodes, depth=settings.draft_depth, vocab=vocab, seed=settings.seed)
-                step_rows, eager = time_verify_step(model, cache, tree, settings, clock, where, graphs=graphs)
-                graphs = graphs and any(row["graph"] for row in step_rows)
-                block += step_rows
-                if settings.check and nodes == max(settings.nodes) and not check:
-                    check = {"segmented": tp.all_gather_last(eager["logits"]).float().cpu(),
-                             "verify": model.verify(tree, cache).logits.cpu()}
+                if settings.verify_step:
+                    tree = synthetic_tree(batch, nodes, depth=settings.draft_depth, vocab=vocab, seed=settings.seed)
+                    step_rows, eager = time_verify_step(model, cache, tree, settings, clock, where, graphs=graphs)
+                    graphs = graphs and any(row["graph"] for row in step_rows)
+                    block += step_rows
+                    if settings.check and nodes == max(settings.nodes) and not check:
+                        check = {"segmented": tp.all_gather_last(eager["logits"]).float().cpu(),
+                                 "verify": model.verify(tree, cache).logits.cpu()}
+                    _log(tp, _summary(step_rows))
                 if nodes > 1 and (drafter is not None or device.type == "cuda"):
                     draft_row = {**where, "scope": "draft"}
                     draft_row.update(drafter_times)
                     if device.type == "cuda":
                         draft_row.update(time_tree_kernels(cache, batch, nodes, settings, config.vocab_size))
                     block.append(draft_row)
-                _log(tp, _summary(step_rows))
             rows += block
             if tp.rank == 0 and settings.topic:
                 results.append_rows(settings.topic, block, results_dir=settings.results_dir)
@@ -528,6 +532,13 @@ def _log(tp: TensorParallel, text: str) -> None:
         print(text, flush=True)
 
 
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """The verify-step rows (scopes layer and step) of the newest run that has them, and the draft
+    rows of the newest run that has them (a --drafter-only run refreshes those alone)."""
+    return (latest_run([r for r in rows if r.get("scope") != "draft"])
+            + latest_run([r for r in rows if r.get("scope") == "draft"]))
+
+
 def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:
     """Seconds per verify round of the whole model, per (tp, graph, batch, nodes, context): the
     dense layer rows times first_k_dense_replace and the mean MoE layer row times the MoE layers
@@ -554,8 +565,7 @@ def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:
                             for count, picked in counts.items())
         row["head"] = float(np.mean([float(r["head_seconds"]) for r in scoped["step"]]))
         draft = drafts.get((tp, batch, nodes, context), [])
-        row["draft"] = float(np.mean([sum(float(r[name]) for name in r if name.endswith("_seconds")
-                                          and r[name] not in (None, "")) for r in draft])) if draft else 0.0
+        row["draft"] = float(np.mean([draft_round_seconds(r, graph=graph) for r in draft])) if draft else 0.0
         row["total"] = sum(row[name] for name in (*COMPONENTS, "head", "draft"))
         out.append(row)
     return out
@@ -693,11 +703,17 @@ def drafter_efficiency(rows: list[dict], config: DFlashConfig, hardware: Hardwar
     return float(np.median(ratios))
 
 
+def draft_round_seconds(row: dict, *, graph: bool) -> float:
+    """What a draft row adds to a round: the drafter forward (its CUDA-graph time in a graph round,
+    where measured) and the tree kernels."""
+    drafter = (row.get("drafter_graph_seconds") if graph else None) or row.get("drafter_seconds")
+    return float(drafter or 0.0) + sum(float(row[n]) for n in TREE_KERNEL_COLUMNS if row.get(n) not in (None, ""))
+
+
 def tree_kernel_seconds(rows: list[dict], batch: int) -> float:
     """Median over budgets of draft top-k + tree build + accept/compaction, for `batch` (0 if absent)."""
-    names = ("draft_topk_seconds", "tree_build_seconds", "accept_compact_seconds")
-    sums = [sum(float(r[n]) for n in names) for r in rows
-            if int(r["batch"]) == batch and all(r.get(n) not in (None, "") for n in names)]
+    sums = [sum(float(r[n]) for n in TREE_KERNEL_COLUMNS) for r in rows
+            if int(r["batch"]) == batch and all(r.get(n) not in (None, "") for n in TREE_KERNEL_COLUMNS)]
     return float(np.median(sums)) if sums else 0.0
 
 
@@ -759,6 +775,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-drafter", action="store_true")
+    parser.add_argument("--drafter-only", action="store_true",
+                        help="time only the drafter and the tree kernels (refreshes the scope 'draft' rows)")
     parser.add_argument("--max-minutes", type=float, default=None, help="for the whole command; blocks left are skipped")
     parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
     args = parser.parse_args(argv)
@@ -767,6 +785,8 @@ def main(argv=None) -> None:
                             results_dir=None if args.results_dir is None else str(args.results_dir))
     if args.no_drafter:
         settings = replace(settings, drafter=None)
+    if args.drafter_only:
+        settings = replace(settings, verify_step=False)
     settings = replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if args.max_minutes is not None:
         settings = replace(settings, deadline=time.time() + 60 * args.max_minutes)

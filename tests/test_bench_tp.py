@@ -232,3 +232,23 @@ def test_k26_layers_on_one_gpu_eager_and_graph():
     assert all(r["graph_vs_eager_max_abs_diff"] < 1.0 for r in steps)
     drafts = [r for r in rows if r["scope"] == "draft"]
     assert drafts and all(r["tree_build_seconds"] > 0 and r["drafter_seconds"] > 0 for r in drafts)
+
+
+def test_a_drafter_only_run_refreshes_the_draft_rows_alone(runs, tmp_path):
+    _, _, results_dir = runs
+    settings = tiny_settings(verify_step=False, check=False, topic="tp_verify_step", results_dir=str(results_dir),
+                             run="drafter-only")
+    rows = run_tp_bench(settings, world_size=1)["rows"]
+    assert rows and {r["scope"] for r in rows} == {"draft"} and all(r["drafter_seconds"] > 0 for r in rows)
+    latest = bench_tp.latest_rows(read_rows("tp_verify_step", results_dir=results_dir))
+    assert {r["run"] for r in latest if r["scope"] == "draft"} == {"drafter-only"}
+    assert all(r["run"] != "drafter-only" for r in latest if r["scope"] != "draft")
+    assert {r["scope"] for r in latest} == {"layer", "step", "draft"}
+
+
+def test_a_graph_round_takes_the_drafters_graph_time():
+    row = {"drafter_seconds": "0.010", "drafter_graph_seconds": "0.002", "draft_topk_seconds": "1e-4",
+           "tree_build_seconds": "2e-5", "accept_compact_seconds": ""}
+    assert bench_tp.draft_round_seconds(row, graph=True) == pytest.approx(0.002 + 1.2e-4)
+    assert bench_tp.draft_round_seconds(row, graph=False) == pytest.approx(0.010 + 1.2e-4)
+    assert bench_tp.draft_round_seconds({"drafter_seconds": "0.010"}, graph=True) == pytest.approx(0.010)

@@ -1,4 +1,5 @@
 """The TP verify-step benchmark at a tiny config over gloo, the router-overlap fit, the CT200 projection."""
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -236,6 +237,7 @@ def test_k26_layers_on_one_gpu_eager_and_graph():
 
 def test_a_drafter_only_run_refreshes_the_draft_rows_alone(runs, tmp_path):
     _, _, results_dir = runs
+    time.sleep(1.1)  # runs are told apart by their rows' date (whole seconds)
     settings = tiny_settings(verify_step=False, check=False, topic="tp_verify_step", results_dir=str(results_dir),
                              run="drafter-only")
     rows = run_tp_bench(settings, world_size=1)["rows"]

@@ -214,7 +214,14 @@ class Attention(nn.Module):
         own_k, own_v = self.key_value(x, cos, sin)                             # (B, G, Q, d)
         k = torch.cat([context_k, own_k], dim=2)                               # (B, G, C + Q, d)
         v = torch.cat([context_v, own_v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        # GQA: the H / G query heads of one key/value head become rows of its query block, so SDPA
+        # reads each key once (enable_gqa with a mask falls back to a path that repeats the keys)
+        group = self.heads // self.kv_heads
+        q = q.reshape(batch, self.kv_heads, group * n, self.head_dim)          # (B, G, (H/G)·Q, d)
+        if mask is not None:
+            mask = mask.repeat(1, 1, group, 1)                                 # (B, 1, (H/G)·Q, C + Q)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)          # (B, G, (H/G)·Q, d)
+        out = out.reshape(batch, self.heads, n, self.head_dim)                 # (B, H, Q, d)
         return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))          # (B, Q, D)
 
 

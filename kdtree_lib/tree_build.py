@@ -352,7 +352,9 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
     pop can read, rank <= budget + 1, unless D * K is very large).
 
     v1: heap slots 2 per thread on `slot_threads` threads (one warp up to budget 64, then
-    ceil(budget / 2) rounded up to 32). v2: one warp pops; the CTA's other warps stage and write.
+    ceil(budget / 2) rounded up to 32). v2: one warp pops; the CTA's other warps stage and write;
+    when every readable rank fits as float64, the draft is staged as float64 (no conversion, no
+    global reads in the pops).
     """
     version = _build_version(budget) if version is None else version
     if version not in BUILD_VERSIONS:
@@ -361,6 +363,8 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
     if batch == 0:
         return
     logp, ids, root = cuda.contiguous(logp), cuda.contiguous(ids), cuda.contiguous(root)
+    cache_bytes = _BUILD_DRAFT_CACHE_BYTES[version]
+    staged_f64 = False
     if mode == "chain":
         slot_threads, threads, cached = 32, 32, 1
     else:
@@ -369,16 +373,19 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
             threads = 128 if slot_threads == 32 else slot_threads
         else:  # the warps past the first stage the draft and write the outputs
             slot_threads, threads = 32, min(512, max(128, -(-budget // 64) * 32))
-        cached = min(topk, budget + 2, _BUILD_DRAFT_CACHE_BYTES[version] // (4 * depth_limit))
+        readable = min(topk, budget + 2)
+        staged_f64 = version == 2 and 8 * depth_limit * readable <= cache_bytes
+        cached = readable if staged_f64 else min(readable, cache_bytes // (4 * depth_limit))
     args = ((cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
              np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
              np.int32(mode == "chain"), np.int32(cached))
-            + ((np.int32(slot_threads),) if version == 1 else ())
+            + ((np.int32(slot_threads),) if version == 1 else (np.int32(staged_f64),))
             + (cuda.pointer(out.tokens), cuda.pointer(out.parents), cuda.pointer(out.depths), cuda.pointer(out.n_nodes),
                cuda.pointer(out.mask), cuda.pointer(out.first_child), cuda.pointer(out.next_sibling), cuda.pointer(out.log_weights)))
     kernel = f"build_tree_v{version}"
-    _allow_draft_cache(cuda.device_index(logp), kernel, _BUILD_DRAFT_CACHE_BYTES[version])
-    cuda.launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp, shared_mem=4 * depth_limit * cached)
+    _allow_draft_cache(cuda.device_index(logp), kernel, cache_bytes)
+    cuda.launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp,
+                shared_mem=(8 if staged_f64 else 4) * depth_limit * cached)
 
 
 @functools.lru_cache(maxsize=None)

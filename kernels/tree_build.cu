@@ -23,7 +23,8 @@
 //       sibling and child weights and words are computed when it is pushed, and node records and
 //       new entries are written without branches (idle lanes write to spare places), so that work
 //       overlaps the reductions; ties of the 27-bit prefixes (equal weights, or closer than ~2^-15
-//       relative) take an exact path: float64 weights, then rank tuples.
+//       relative) take an exact path: float64 weights, then rank tuples. When every rank a pop can
+//       read fits, the draft is staged as float64 (no conversions, no global reads in the pops).
 #include "common.cuh"
 
 #define KD_MAX_NODES 1025          // budget <= 1024 pops plus the root
@@ -330,16 +331,21 @@ __device__ __forceinline__ int warp_winner(double weight, int code, const TreeSc
 }
 
 // The draft's log-probabilities: the first `cached` ranks of every depth are staged in shared
-// memory before the pops; deeper ranks (only reachable when D * K is large) come from global.
-struct DraftRows {
-    const float* cache;   // [D, cached] in shared memory
+// memory before the pops, as float32, and deeper ranks (only reachable when D * K is large) come
+// from global memory; or (v2, when every rank a pop can read fits) all of them are staged, already
+// converted to float64, the type the weights add.
+template <typename Staged>  // float or double
+struct DraftRowsOf {
+    const Staged* cache;  // [D, cached] in shared memory
     const float* global;  // [D, K]
     int cached, topk;
-    __device__ __forceinline__ float operator()(int row, int rank) const {
-        const float staged = cache[row * cached + min(rank, cached - 1)];  // a predicated global load,
-        return rank < cached ? staged : global[row * topk + rank];          // no branch (D * K < 2^31)
-    }
+    __device__ __forceinline__ Staged operator()(int row, int rank) const {
+        const Staged staged = cache[row * cached + min(rank, cached - 1)];
+        if constexpr (sizeof(Staged) == sizeof(double)) return staged;  // every readable rank is staged
+        else return rank < cached ? staged : global[row * topk + rank];  // a predicated global load, no
+    }                                                                    // branch (D * K < 2^31)
 };
+using DraftRows = DraftRowsOf<float>;
 
 // ---------------------------------------------------------------------------------------------
 // tree build v1: slots in registers, a block-wide argmax per pop
@@ -483,14 +489,21 @@ __device__ __forceinline__ int meta_rank(unsigned meta) { return meta & 1023; }
 __device__ __forceinline__ int meta_row(unsigned meta) { return (meta >> 10) & 31; }
 __device__ __forceinline__ int meta_last(unsigned meta) { return meta >> 15; }
 
-struct Frontier {
-    unsigned word[KD_WARP_SIZE * KD_FRONTIER_STRIDE];  // [lane][column]: see frontier_word; 0 = empty
-    double weight[KD_MAX_SLOTS + KD_WARP_SIZE];        // the rest of each slot's Entry, by slot, then
-    double sibling[KD_MAX_SLOTS + KD_WARP_SIZE];       // one write-off Entry per lane
-    double child[KD_MAX_SLOTS + KD_WARP_SIZE];         // (sibling_prefix is recomputed by load_entry)
-    unsigned child_word[KD_MAX_SLOTS + KD_WARP_SIZE];
-    unsigned meta[KD_MAX_SLOTS + KD_WARP_SIZE];
+struct alignas(16) StoredEntry {  // an Entry in shared memory (sibling_prefix is recomputed)
+    double weight, sibling, child;
+    unsigned child_word, meta;
 };
+
+struct Frontier {
+    unsigned word[KD_WARP_SIZE * KD_FRONTIER_STRIDE];     // [lane][column]: see frontier_word; 0 = empty
+    StoredEntry entry[KD_MAX_SLOTS + KD_WARP_SIZE];       // the rest of each slot's Entry, by slot, then
+};                                                        // one write-off Entry per lane
+
+// The one frontier of a v2 block, whichever draft type its pops read.
+__device__ __forceinline__ Frontier& block_frontier() {
+    __shared__ Frontier frontier;
+    return frontier;
+}
 
 __device__ __forceinline__ int frontier_index(int slot) { return (slot & 31) * KD_FRONTIER_STRIDE + (slot >> 5); }
 
@@ -506,32 +519,30 @@ __device__ __forceinline__ unsigned frontier_word(double weight, int column) {
 }
 
 __device__ __forceinline__ void store_entry(Frontier& f, int slot, const Entry& e) {
-    f.weight[slot] = e.weight;
-    f.sibling[slot] = e.sibling;
-    f.child[slot] = e.child;
-    f.child_word[slot] = e.child_word;
-    f.meta[slot] = e.meta;
+    f.entry[slot] = {e.weight, e.sibling, e.child, e.child_word, e.meta};
 }
 
 __device__ __forceinline__ Entry load_entry(const Frontier& f, int slot) {
-    const double sibling = f.sibling[slot];
-    return {f.weight[slot], sibling, f.child[slot], frontier_word(sibling, 0), f.child_word[slot], f.meta[slot]};
+    const StoredEntry e = f.entry[slot];
+    return {e.weight, e.sibling, e.child, frontier_word(e.sibling, 0), e.child_word, e.meta};
 }
 
 // Entry (weight, rank, row) with its sibling and child weights, in the reference's arithmetic.
-// row_head: lane r holds logp[r, 0]. Every lane calls it (the shuffle); reads stay in bounds
-// whatever the arguments, and a -inf weight gives -inf pushes.
-__device__ __forceinline__ Entry make_entry(double weight, int rank, int row, int last, float row_head,
-                                            const DraftRows& lp, int depth_limit) {
-    const float current = lp(row, min(rank, lp.topk - 1));
-    const float next_read = lp(row, min(rank + 1, lp.topk - 1));
-    const float head_read = __shfl_sync(KD_FULL_MASK, row_head, min(row + 1, depth_limit - 1));
-    const float next = rank + 1 < lp.topk ? next_read : kd_neg_inf_f();
-    const float head = row + 1 < depth_limit ? head_read : kd_neg_inf_f();
+// Reads stay in bounds whatever the arguments. A live entry's weight and logp are finite, so a -inf
+// next logp or head gives a -inf push by itself (dead entries may get NaN pushes: never popped).
+template <typename Rows>
+__device__ __forceinline__ Entry make_entry(double weight, int rank, int row, int last, const Rows& lp,
+                                            int depth_limit) {
+    using Value = decltype(lp(0, 0));
+    const Value current = lp(row, min(rank, lp.topk - 1));
+    const Value next_read = lp(row, min(rank + 1, lp.topk - 1));
+    const Value head_read = lp(min(row + 1, depth_limit - 1), 0);
+    const Value next = rank + 1 < lp.topk ? next_read : static_cast<Value>(kd_neg_inf_f());
+    const Value head = row + 1 < depth_limit ? head_read : static_cast<Value>(kd_neg_inf_f());
     Entry e;
     e.weight = weight;
-    e.sibling = next == kd_neg_inf_f() ? kd_neg_inf_d() : (weight - (double)current) + (double)next;
-    e.child = head == kd_neg_inf_f() ? kd_neg_inf_d() : weight + (double)head;
+    e.sibling = (weight - (double)current) + (double)next;
+    e.child = weight + (double)head;
     e.sibling_prefix = frontier_word(e.sibling, 0);
     e.child_word = frontier_word(e.child, (row + 1) & 31);
     e.meta = entry_meta(rank, row, last);
@@ -548,10 +559,10 @@ __device__ int exact_first_slot(int columns, const Frontier& f, const TreeScratc
     for (int c = 0; c < columns; ++c) {
         const int slot = c * KD_WARP_SIZE + lane;
         if (f.word[lane * KD_FRONTIER_STRIDE + c] < KD_LIVE_WORD) continue;
-        const unsigned meta = f.meta[slot];
+        const unsigned meta = f.entry[slot].meta;
         const int slot_code = entry_code(slot, meta_rank(meta), meta_row(meta) + 1);
-        if (pops_first(f.weight[slot], slot_code, weight, code, s)) {
-            weight = f.weight[slot];
+        if (pops_first(f.entry[slot].weight, slot_code, weight, code, s)) {
+            weight = f.entry[slot].weight;
             code = slot_code;
         }
     }
@@ -573,26 +584,25 @@ __device__ int exact_first_slot(int columns, const Frontier& f, const TreeScratc
 //      nothing to write write to their write-off places, so all of it runs without branches.
 // The loop-carried chain is the REDUX round, the shuffles from the winner and the rescan's load;
 // no step depends on the budget. Returns the node count, root included.
-__device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s,
+template <typename Rows>
+__device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, TreeScratch& s,
                                   double* __restrict__ log_weights) {
-    __shared__ Frontier f;
+    Frontier& f = block_frontier();
     const int lane = kd_lane();
     for (int c = 0; c < KD_FRONTIER_STRIDE; ++c) f.word[c * KD_WARP_SIZE + lane] = 0u;
     const Entry empty = {kd_neg_inf_d(), kd_neg_inf_d(), kd_neg_inf_d(), 0u, 0u, entry_meta(0, 0, 0)};
     for (int slot = lane; slot < budget; slot += KD_WARP_SIZE) store_entry(f, slot, empty);  // valid rows
-    const float row_head = lp(min(lane, depth_limit - 1), 0);
 
     Entry best_entry = empty;
     int best_slot = lane;
     unsigned best = 0u, mirrored = 31u;
-    const float first = lp(0, 0);
-    if (lane == 0 && first != kd_neg_inf_f()) {  // slot 0: the root's first child, log w = logp[0, 0]
-        best = frontier_word((double)first, 0);
+    const double first = lp(0, 0);
+    if (lane == 0 && first != kd_neg_inf_d()) {  // slot 0: the root's first child, log w = logp[0, 0]
+        best = frontier_word(first, 0);
         mirrored = best ^ 31u;
         f.word[0] = best;
     }
-    // (every lane makes it: make_entry shuffles)
-    const Entry root_child = make_entry((double)first, 0, 0, 0, row_head, lp, depth_limit);
+    const Entry root_child = make_entry(first, 0, 0, 0, lp, depth_limit);
     if (lane == 0) {
         best_entry = root_child;
         store_entry(f, 0, best_entry);
@@ -601,7 +611,8 @@ __device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budg
 
     unsigned top = __reduce_max_sync(KD_FULL_MASK, (best & ~31u) | (unsigned)lane);
     int n_nodes = 1;
-    for (int i = 1; i <= budget && top >= KD_LIVE_WORD; ++i) {  // pop i creates node i; slots 0 .. i-1 exist
+    double* weight_out = log_weights + 1;  // log_weights + i (a register, not recomputed per pop)
+    for (int i = 1; i <= budget && top >= KD_LIVE_WORD; ++i, ++weight_out) {  // pop i creates node i; slots 0 .. i-1 exist
         // 1. the winner
         int winner = top & 31;
         unsigned column_word = f.word[winner * KD_FRONTIER_STRIDE + lane];  // the winner's row
@@ -642,19 +653,20 @@ __device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budg
         const int rank = meta_rank(best_entry.meta), row = meta_row(best_entry.meta), last = meta_last(best_entry.meta);
         const int child_row = min((int)(child_word & 31u), depth_limit - 1);
         const Entry made = make_entry(pops ? best_entry.sibling : child, pops ? rank + 1 : 0, pops ? row : child_row,
-                                      pops ? i : 0, row_head, lp, depth_limit);
+                                      pops ? i : 0, lp, depth_limit);
         const int node = pops ? i : KD_MAX_NODES + lane;
         s.parent[node] = (short)best_slot;
         s.rank[node] = (short)rank;
         s.depth[node] = (unsigned char)(row + 1);
-        *(!pops ? &s.next_sibling[node] : last == 0 ? &s.first_child[best_slot] : &s.next_sibling[last]) = (short)i;
-        if (pops) log_weights[i] = best_entry.weight;
+        const bool first_link = pops && last == 0;
+        (first_link ? s.first_child : s.next_sibling)[!pops ? node : first_link ? best_slot : last] = (short)i;
+        if (pops) *weight_out = best_entry.weight;
         const int made_slot = pops ? best_slot : pushes_here ? i : KD_SPARE_SLOT + lane;  // (a -inf sibling: an
         store_entry(f, made_slot, made);                                                  // empty slot's record)
         f.word[made_slot < KD_SPARE_SLOT ? frontier_index(made_slot) : lane * KD_FRONTIER_STRIDE + KD_SPARE_COLUMN] =
             pops ? popped_word : pushed_word;
         if (__any_sync(KD_FULL_MASK, pushes_here && pops)) {
-            const Entry first_child = make_entry(child, 0, child_row, 0, row_head, lp, depth_limit);
+            const Entry first_child = make_entry(child, 0, child_row, 0, lp, depth_limit);
             if (pushes_here) {
                 store_entry(f, i, first_child);
                 f.word[frontier_index(i)] = pushed_word;
@@ -675,13 +687,14 @@ __device__ int best_first_pops_v2(const DraftRows& lp, int depth_limit, int budg
 // tree build: the kernels
 
 // The DFlash chain: node d is the argmax token of position d (one thread; at most 32 nodes).
-__device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, TreeScratch& s, double* __restrict__ log_weights) {
+template <typename Rows>
+__device__ int chain_pops(const Rows& lp, int depth_limit, int budget, TreeScratch& s, double* __restrict__ log_weights) {
     double weight = 0.0;
     int n_nodes = 1;
     for (int d = 1; d <= min(budget, depth_limit); ++d) {
-        const float head = lp(d - 1, 0);
-        if (head == kd_neg_inf_f()) break;
-        weight += (double)head;
+        const double head = lp(d - 1, 0);
+        if (head == kd_neg_inf_d()) break;
+        weight += head;
         s.parent[d] = (short)(d - 1);
         s.rank[d] = 0;
         s.depth[d] = (unsigned char)d;
@@ -694,20 +707,45 @@ __device__ int chain_pops(const DraftRows& lp, int depth_limit, int budget, Tree
 
 #define KD_STAGE_UNROLL 8
 
+// The first `cached` ranks of every depth of one request's draft [D, K] -> cache [D, cached] (the
+// whole block; loads first, stores after, to keep many in flight). Returns the rows reading it.
+template <typename Staged>
+__device__ DraftRowsOf<Staged> stage_draft(const float* __restrict__ draft, int depth_limit, int topk, int cached,
+                                           Staged* cache) {
+    const int staged = depth_limit * cached;
+    for (int first = threadIdx.x; first < staged; first += KD_STAGE_UNROLL * blockDim.x) {
+        float values[KD_STAGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KD_STAGE_UNROLL; ++u) {
+            const int e = first + u * blockDim.x;
+            values[u] = e < staged ? draft[(long long)(e / cached) * topk + e % cached] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < KD_STAGE_UNROLL; ++u) {
+            const int e = first + u * blockDim.x;
+            if (e < staged) cache[e] = values[u];
+        }
+    }
+    __syncthreads();
+    return {cache, draft, cached, topk};
+}
+
 // logp float32 [B, D, K], ids int32 [B, D, K], root int32|int64 [B] -> the Tree of DESIGN.md §3 at
-// capacity N (every output element is written). Dynamic shared memory: D * cached floats, the
-// first `cached` ranks of every depth. slot_threads: the threads that pop (v1: 32 for budgets
-// <= 64, the others only stage and write; else blockDim.x. v2: 32).
+// capacity N (every output element is written). Dynamic shared memory: D * cached values, the
+// first `cached` ranks of every depth, float32, or float64 when staged_f64 (v2 only, with every rank
+// a pop can read, cached >= min(K, budget + 2)). slot_threads: the threads that pop (v1: 32 for
+// budgets <= 64, the others only stage and write; else blockDim.x. v2: 32).
 template <int VERSION>
 __device__ __forceinline__ void build_tree(const float* __restrict__ logp, const int* __restrict__ ids,
                                            const void* __restrict__ root, int root_is_int64, int depth_limit,
                                            int topk, int budget, int capacity, int chain_mode, int cached,
-                                           int slot_threads, int* __restrict__ tokens, int* __restrict__ parents,
+                                           int staged_f64, int slot_threads, int* __restrict__ tokens,
+                                           int* __restrict__ parents,
                                            int* __restrict__ depths, int* __restrict__ n_nodes,
                                            unsigned* __restrict__ mask, int* __restrict__ first_child,
                                            int* __restrict__ next_sibling, double* __restrict__ log_weights) {
     __shared__ TreeScratch s;
-    extern __shared__ float s_draft[];
+    extern __shared__ double s_draft[];  // [D, cached] float32 or float64 values
     const int b = blockIdx.x, t = threadIdx.x;
     const long long draft_base = (long long)b * depth_limit * topk;
     for (int j = t; j < capacity; j += blockDim.x) {
@@ -717,31 +755,28 @@ __device__ __forceinline__ void build_tree(const float* __restrict__ logp, const
         s.first_child[j] = -1;
         s.next_sibling[j] = -1;
     }
-    const int staged = depth_limit * cached;  // loads first, stores after, to keep many in flight
-    for (int first = t; first < staged; first += KD_STAGE_UNROLL * blockDim.x) {
-        float values[KD_STAGE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < KD_STAGE_UNROLL; ++u) {
-            const int e = first + u * blockDim.x;
-            values[u] = e < staged ? logp[draft_base + (long long)(e / cached) * topk + e % cached] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < KD_STAGE_UNROLL; ++u) {
-            const int e = first + u * blockDim.x;
-            if (e < staged) s_draft[e] = values[u];
-        }
-    }
-    __syncthreads();
-    const DraftRows lp = {s_draft, logp + draft_base, cached, topk};
     const long long base = (long long)b * capacity;
     double* weights = log_weights + base;  // nodes 1 .. count-1 are written by the pops
-    if (chain_mode) {
-        if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
-    } else if (slot_threads == (int)blockDim.x || t < slot_threads) {
-        int count;
-        if constexpr (VERSION == 1) count = best_first_pops_v1(lp, depth_limit, budget, slot_threads, s, weights);
-        else count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
-        if (t == 0) s.n_nodes = count;
+    if (VERSION == 2 && staged_f64) {  // (the block-wide branches here are uniform)
+        if constexpr (VERSION == 2) {  // (v1 has no frontier)
+            const DraftRowsOf<double> lp = stage_draft(logp + draft_base, depth_limit, topk, cached, s_draft);
+            if (chain_mode) {
+                if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
+            } else if (t < KD_WARP_SIZE) {
+                const int count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
+                if (t == 0) s.n_nodes = count;
+            }
+        }
+    } else {
+        const DraftRows lp = stage_draft(logp + draft_base, depth_limit, topk, cached, (float*)s_draft);
+        if (chain_mode) {
+            if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
+        } else if (slot_threads == (int)blockDim.x || t < slot_threads) {
+            int count;
+            if constexpr (VERSION == 1) count = best_first_pops_v1(lp, depth_limit, budget, slot_threads, s, weights);
+            else count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
+            if (t == 0) s.n_nodes = count;
+        }
     }
     __syncthreads();
 
@@ -778,7 +813,7 @@ build_tree_v1(const float* __restrict__ logp, const int* __restrict__ ids, const
               int slot_threads, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
               int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
               int* __restrict__ next_sibling, double* __restrict__ log_weights) {
-    build_tree<1>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached,
+    build_tree<1>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached, 0,
                   slot_threads, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
 }
 
@@ -786,9 +821,9 @@ build_tree_v1(const float* __restrict__ logp, const int* __restrict__ ids, const
 extern "C" __global__ void __launch_bounds__(512)
 build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
               int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
-              int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
+              int staged_f64, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
               int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
               int* __restrict__ next_sibling, double* __restrict__ log_weights) {
     build_tree<2>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached,
-                  KD_WARP_SIZE, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
+                  staged_f64, KD_WARP_SIZE, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
 }

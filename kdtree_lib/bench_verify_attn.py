@@ -12,7 +12,9 @@ Napkin math per call (rows = N·H, keys = L + N): the KV cache is read once, 115
 is read and O written once; FLOPs = 2 · B · rows · keys · (576 + 512). FLOP/byte ≈ 1.9 · rows,
 so rows ≳ 64-128 is compute-bound on an H200.
 
-Times are medians over reps, each after an L2 flush (a 256 MB memset), by CUDA events.
+Times are medians over reps, each after an L2 flush (a 256 MB memset, as triton's do_bench), by
+CUDA events. The memset leaves L2 full of its own dirty lines, which the timed call then writes
+back; kernel rows also carry time_us_read_flush, the kernel after a flush by reading (clean L2).
 """
 from __future__ import annotations
 
@@ -176,15 +178,26 @@ def benchmark_shapes(heads=HEADS, nodes=NODES, lengths=LENGTHS, batches=BATCHES,
 # ----------------------------------------------------------------------------------------------
 # timing and ceilings
 
-def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20) -> float:
-    """Median seconds of fn() over reps, each after flushing L2 (CUDA events on torch's stream)."""
+FLUSHES = ("write", "read", "none")
+
+
+def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20, flush: str = "write") -> float:
+    """Median seconds of fn() over reps, each after flushing L2 (CUDA events on torch's stream).
+
+    flush: "write" zeroes a 256 MB buffer (triton's do_bench; L2 is left full of dirty lines that
+    the timed call pays to write back), "read" sums it (L2 left holding clean lines), "none" keeps
+    L2 warm. The benchmark rows use "write"; flush_study compares the three.
+    """
     import torch
-    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    if flush not in FLUSHES:
+        raise ValueError(f"flush: expected one of {FLUSHES}, got {flush!r}")
+    buffer = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    evict = {"write": buffer.zero_, "read": lambda: buffer.view(torch.int32).sum(), "none": lambda: None}[flush]
     fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
-        flush.zero_()
+        evict()
         start.record()
         fn()
         end.record()
@@ -258,6 +271,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
         roof = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=rate)
         roof_mma = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=mma_rate)
         times = {"kernel": time_gpu(launch, reps=reps)}
+        kernel_clean_l2 = time_gpu(launch, reps=reps, flush="read")  # no dirty flush lines to write back
         plan = launch.plan
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
@@ -270,7 +284,8 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
             if provider == "kernel":
                 row.update({"pct_roofline": round(100 * roof / seconds, 1),
                             "pct_roofline_mma": round(100 * roof_mma / seconds, 1),
-                            "config": plan.config_name, "splits": plan.splits})
+                            "config": plan.config_name, "splits": plan.splits,
+                            "time_us_read_flush": round(kernel_clean_l2 * 1e6, 2)})
                 if times.get("torch_fallback"):
                     row["speedup_vs_fallback"] = round(times["torch_fallback"] / seconds, 2)
             if provider == "sdpa":
@@ -459,6 +474,23 @@ def explore(shapes, *, reps: int = 10, log=print) -> list[dict]:
     return found
 
 
+def flush_study(shapes, *, reps: int = 10, log=print) -> list[dict]:
+    """The kernel's time (planner's choice) after each kind of L2 flush: how much of a short call's
+    time is the write-back of the flush's own dirty lines rather than the kernel."""
+    found = []
+    for batch, nodes, heads, length in shapes:
+        launch = prepare_verify_launch(*make_inputs(batch, nodes, heads, length, seed=3))
+        row = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "config": launch.plan.config_name,
+               "splits": launch.plan.splits}
+        for flush in FLUSHES:
+            seconds = time_gpu(launch, reps=reps, flush=flush)
+            row[f"{flush}_us"] = round(seconds * 1e6, 1)
+            row[f"{flush}_tflops"] = round(flops(batch, nodes, heads, length) / seconds / 1e12, 1)
+        found.append(row)
+        log("flush " + " ".join(f"{k}={v}" for k, v in row.items()))
+    return found
+
+
 def profile_case(batch: int, nodes: int, heads: int, length: int, config=None):
     """One warm-up and one measured launch, for `ncu --launch-skip 1 --launch-count 1 -k verify_attn`."""
     import torch
@@ -476,6 +508,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")
+    parser.add_argument("--flush-study", action="store_true", help="kernel time after each kind of L2 flush")
     parser.add_argument("--profile", type=int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
     parser.add_argument("--config", default=None, help="variant for --profile")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds before no new shape starts")
@@ -486,6 +519,8 @@ def main():
         return profile_case(*args.profile, config=args.config)
     if args.explore:
         return explore(QUICK_SHAPES, reps=args.reps)
+    if args.flush_study:
+        return flush_study(QUICK_SHAPES, reps=args.reps)
     if args.smoke:
         raise SystemExit(0 if smoke() else 1)
     part, parts = (int(x) for x in args.part.split("/"))

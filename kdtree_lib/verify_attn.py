@@ -184,7 +184,6 @@ class KernelConfig:
 KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2),  # 64 rows share each KV tile
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, scoring=2),
-    KernelConfig(row_tiles=2, row_groups=2, keys=32, stages=4, scoring=2),  # deeper ring, 32x16 warp tiles
     KernelConfig(row_tiles=2, row_groups=1, keys=64, stages=2),
     KernelConfig(row_tiles=2, row_groups=1, keys=32, stages=3),
     KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),
@@ -195,7 +194,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
 PREFERRED = {64: ("rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
-MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits
+MAX_SPLITS = 1024  # bounds the fp32 partial workspace (splits x rows x 2 KB) and the merge's loop
 
 
 @dataclass(frozen=True)
@@ -294,8 +293,8 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
               "cache": _device_contiguous(cache), "lengths": _device_int32(lengths),
               "mask": _device_int32(tree.mask), "out": cuda.as_cupy(out), "lse": cuda.as_cupy(lse)}
     if plan.splits > 1:
-        arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(  # normalised, so the output's dtype holds it
-            q_latent, (plan.splits, batch, rows, LATENT_DIM), dtype_name(q_latent)))
+        arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(
+            q_latent, (plan.splits, batch, rows, LATENT_DIM), "float32"))
         arrays["partial_lse"] = cuda.as_cupy(cuda.device_empty(q_latent, (plan.splits, batch, rows), "float32"))
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]

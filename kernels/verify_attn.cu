@@ -21,9 +21,8 @@
 //     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
 //   * Only tiles reaching the tree slots (or the split's end) evaluate the mask; prefix tiles run
 //     unmasked. Rows past N·H and keys past len + N are zero-filled, never read out of bounds.
-//   * With more than one split, each CTA writes its normalised partial O (bf16/f16 like the output:
-//     half the merge traffic of fp32) and its fp32 LSE, and verify_attn_merge_* combines them by
-//     LSE in fp32; with one split the CTA writes O directly.
+//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE and
+//     verify_attn_merge_* combines them by LSE; with one split the CTA writes bf16/f16 O directly.
 // Shared memory is XOR-swizzled in 16-byte chunks (chunk ^ row%8), so ldmatrix and cp.async are
 // free of bank conflicts; P rows are padded by 16 bytes instead.
 //
@@ -125,18 +124,14 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return packed;
 }
 
-// The inverse: a packed 16-bit pair -> (lo, hi) floats (exact).
+// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
 template <bool kHalf>
-__device__ __forceinline__ float2 unpack2(u32 packed) {
-  if constexpr (kHalf) {
-    float lo, hi;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-        : "=f"(lo), "=f"(hi)
-        : "r"(packed));
-    return float2{lo, hi};
-  } else {
-    return float2{__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u)};
-  }
+__device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
+  *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
+}
+template <bool kHalf>
+__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
+  *reinterpret_cast<float2*>(dst) = float2{lo, hi};
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -193,7 +188,7 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32* __restrict__ mask,       // [B, N, words]
     u16* __restrict__ out,              // [B, rows, 512]           (one split)
     float* __restrict__ lse,            // [B, rows]                (one split)
-    u16* __restrict__ partial_out,      // [splits, B, rows, 512]   (several splits)
+    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
@@ -469,85 +464,87 @@ __device__ __forceinline__ void verify_attn_cta(
       if (row >= rows) continue;
       const i64 out_row = (i64)b * rows + row;
       const int col0 = column * kColsPerWarp + 2 * quad_col;
-      // One split: the output. Several: this split's partial, in the same 16-bit type (O is a convex
-      // combination of value rows, so it cannot overflow it), merged by verify_attn_merge_*.
-      const i64 dst_row = splits == 1 ? out_row : (i64)split * batch * rows + out_row;
-      u16* dst = (splits == 1 ? out : partial_out) + dst_row * kLatent + col0;
+      auto store_row = [&](auto* dst) {  // this thread's column pairs of the row, normalised
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<u32*>(dst + 8 * j) = pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
-      if (column == 0 && quad_col == 0) (splits == 1 ? lse : partial_lse)[dst_row] = row_lse;
+        for (int j = 0; j < 16; ++j) store_pair<kHalf>(dst + 8 * j, o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
+      };
+      if (splits == 1) {
+        store_row(out + out_row * kLatent + col0);
+        if (column == 0 && quad_col == 0) lse[out_row] = row_lse;
+      } else {
+        const i64 part_row = (i64)split * batch * rows + out_row;
+        store_row(partial_out + part_row * kLatent + col0);
+        if (column == 0 && quad_col == 0) partial_lse[part_row] = row_lse;
+      }
     }
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (four
-// 16-bit values per lane, independent loads), then the warps' sums are added through shared memory.
+// Block (row, quarter): 8 warps each fold every 8th split into a running (max, weight sum,
+// weighted O) over the quarter's 128 columns (one float4 per lane, loaded 8 splits at a time before
+// any arithmetic: nothing waits on a reduction), then one barrier, and the warps' results are
+// rescaled to the common maximum and added.
 constexpr int kMergeThreads = 256;
-constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
-
-__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
-    x = take_max ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();  // scratch may still be read from a previous reduction
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-  __syncthreads();
-  x = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
-  return x;
-}
+constexpr int kMergeWarps = kMergeThreads / 32;
 
 template <bool kHalf>
-__device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out, const float* __restrict__ partial_lse,
+__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float4 warp_sum[kMergeThreads / 32][32];
-  __shared__ float scratch[kMergeThreads / 32];
+  __shared__ float4 warp_out[kMergeWarps][32];
+  __shared__ float warp_max[kMergeWarps], warp_sum[kMergeWarps];
   const i64 row = blockIdx.x;  // b * rows + row
   const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  float m = neg_inf();
-  for (int s = tid; s < splits; s += kMergeThreads) {
-    weight[s] = partial_lse[(i64)s * total_rows + row];
-    m = fmaxf(m, weight[s]);
+  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
+  float m = neg_inf(), sum = 0.f;  // log2-domain running maximum, Σ 2^(l_s − m)
+  float4 acc = {0.f, 0.f, 0.f, 0.f};  // Σ 2^(l_s − m)·O_s
+  constexpr int kBatch = 8;  // splits in flight per warp: all loads of a batch are issued first
+  for (int first = warp; first < splits; first += kBatch * kMergeWarps) {
+    float l[kBatch];
+    float4 x[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int s = first + i * kMergeWarps;
+      const bool live = s < splits;  // -inf and O = 0: no weight (also what an empty split wrote)
+      l[i] = live ? partial_lse[(i64)s * total_rows + row] * kLog2e : neg_inf();
+      x[i] = live ? src[s * split_stride] : float4{0.f, 0.f, 0.f, 0.f};
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const float new_max = fmaxf(m, l[i]);
+      const float base = new_max == neg_inf() ? 0.f : new_max;
+      const float alpha = fast_exp2(m - base), w = fast_exp2(l[i] - base);
+      acc = float4{acc.x * alpha + w * x[i].x, acc.y * alpha + w * x[i].y, acc.z * alpha + w * x[i].z,
+                   acc.w * alpha + w * x[i].w};
+      sum = sum * alpha + w;
+      m = new_max;
+    }
   }
-  m = block_reduce(m, true, scratch);
-  const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
-  float total = 0.f;
-  for (int s = tid; s < splits; s += kMergeThreads) {
-    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
-    total += weight[s];
+  warp_out[warp][lane] = acc;
+  if (lane == 0) {
+    warp_max[warp] = m;
+    warp_sum[warp] = sum;
   }
-  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
-  const float scale = total > 0.f ? 1.f / total : 0.f;
-
-  const uint2* src = reinterpret_cast<const uint2*>(partial_out + row * kLatent + quarter * 128) + lane;
-  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in uint2 (four 16-bit values)
-  float4 acc = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int s = warp; s < splits; s += kMergeThreads / 32) {
-    const float w = weight[s];
-    const uint2 packed = src[s * split_stride];
-    const float2 lo = unpack2<kHalf>(packed.x), hi = unpack2<kHalf>(packed.y);
-    acc.x += w * lo.x; acc.y += w * lo.y; acc.z += w * hi.x; acc.w += w * hi.y;
-  }
-  warp_sum[warp][lane] = acc;
   __syncthreads();
   if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
-    const float* sums = reinterpret_cast<const float*>(warp_sum);
-    float x = 0.f, y = 0.f;
+    float top = neg_inf();
 #pragma unroll
-    for (int w = 0; w < kMergeThreads / 32; ++w) {
-      x += sums[w * 128 + 2 * tid];
-      y += sums[w * 128 + 2 * tid + 1];
+    for (int w = 0; w < kMergeWarps; ++w) top = fmaxf(top, warp_max[w]);
+    const float base = top == neg_inf() ? 0.f : top;  // every split empty: O = 0, lse = -inf
+    const float* sums = reinterpret_cast<const float*>(warp_out);
+    float x = 0.f, y = 0.f, total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMergeWarps; ++w) {
+      const float f = fast_exp2(warp_max[w] - base);
+      total += f * warp_sum[w];
+      x += f * sums[w * 128 + 2 * tid];
+      y += f * sums[w * 128 + 2 * tid + 1];
     }
+    const float scale = total > 0.f ? 1.f / total : 0.f;
     *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
+    if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? (base + fast_log2(total)) * kLn2 : neg_inf();
   }
-  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
 }
 
 }  // namespace va
@@ -555,7 +552,7 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out, c
 #define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, u16* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
     va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
         q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
@@ -569,7 +566,6 @@ VA_KERNEL(verify_attn, VA_HALF, VA_ROW_TILES, VA_ROW_GROUPS, VA_KEYS, VA_STAGES,
 // nvcc: every configuration of kdtree_lib.verify_attn.KERNEL_CONFIGS (bf16; f16 is the same code).
 VA_KERNEL(verify_attn_rows64_keys64_stages2, 0, 2, 2, 64, 2, 4)
 VA_KERNEL(verify_attn_rows64_keys64_stages2_wide, 0, 2, 2, 64, 2, 2)
-VA_KERNEL(verify_attn_rows64_keys32_stages4_wide, 0, 2, 2, 32, 4, 2)
 VA_KERNEL(verify_attn_rows32_keys64_stages2, 0, 2, 1, 64, 2, 4)
 VA_KERNEL(verify_attn_rows32_keys32_stages3, 0, 2, 1, 32, 3, 4)
 VA_KERNEL(verify_attn_rows16_keys64_stages2, 0, 1, 1, 64, 2, 4)
@@ -578,11 +574,11 @@ VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)
 #endif
 
 extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(
-    const u16* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
+    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
   va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);
 }
 extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(
-    const u16* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
+    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
   va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);
 }
 

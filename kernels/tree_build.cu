@@ -21,8 +21,11 @@
 //       the winner's row and one round of REDUX (the rescan and the other lanes' best words
 //       together) that gives the next pop's winner: the same work whatever the budget. Each entry's
 //       sibling and child weights and words are computed when it is pushed, and node records and
-//       new entries are written without branches (idle lanes write to spare places), so that work
-//       overlaps the reductions; ties of the 27-bit prefixes (equal weights, or closer than ~2^-15
+//       new entries are written, and entries reloaded, by predicated stores and loads of only the
+//       lanes that own them (the winner, lane i % 32), so that work overlaps the reductions without
+//       branches and without the other lanes' shared-memory traffic (at commit 4a7c5ea every lane
+//       stored and reloaded a 32-byte record per pop: ~54% of the shared-memory wavefronts were
+//       bank-conflict replays); ties of the 27-bit prefixes (equal weights, or closer than ~2^-15
 //       relative) take an exact path: float64 weights, then rank tuples. When every rank a pop can
 //       read fits, the draft is staged as float64 (no conversions, no global reads in the pops).
 //       ~0.28 us per pop on the H200 (commit 4a7c5ea: about 560 cycles at 1.98 GHz; ~170 instructions
@@ -260,14 +263,12 @@ __device__ __forceinline__ int entry_slot(int code) { return code & 1023; }
 __device__ __forceinline__ int entry_rank(int code) { return (code >> 10) & 1023; }
 __device__ __forceinline__ int entry_depth(int code) { return code >> 20; }
 
-// (the popped nodes' log-weights go straight to the output). Past the nodes: one write-off entry
-// per lane, where v2's lanes that record nothing write.
-struct TreeScratch {
-    short parent[KD_MAX_NODES + KD_WARP_SIZE];  // node indices < 1025 and ranks < 1024 fit in 16 bits
-    short rank[KD_MAX_NODES + KD_WARP_SIZE];
-    short first_child[KD_MAX_NODES + KD_WARP_SIZE];
-    short next_sibling[KD_MAX_NODES + KD_WARP_SIZE];
-    unsigned char depth[KD_MAX_NODES + KD_WARP_SIZE];
+struct TreeScratch {  // (the popped nodes' log-weights go straight to the output)
+    short parent[KD_MAX_NODES];        // node indices < 1025 and ranks < 1024 fit in 16 bits
+    short rank[KD_MAX_NODES];
+    short first_child[KD_MAX_NODES];
+    short next_sibling[KD_MAX_NODES];
+    unsigned char depth[KD_MAX_NODES];
     double warp_weight[2][32];         // v1: per-warp winners, double-buffered by pop parity
     int warp_code[2][32];
     int n_nodes;
@@ -470,8 +471,6 @@ __device__ int best_first_pops_v1(const DraftRows& lp, int depth_limit, int budg
 #define KD_MAX_SLOTS 1024                                   // slot j < budget: node j's next child
 #define KD_FRONTIER_COLUMNS (KD_MAX_SLOTS / KD_WARP_SIZE)   // slot j: lane j % 32, column j / 32
 #define KD_FRONTIER_STRIDE (KD_FRONTIER_COLUMNS + 1)        // words per lane row (conflict-free columns)
-#define KD_SPARE_COLUMN KD_FRONTIER_COLUMNS                 // the row padding: each lane's write-off word
-#define KD_SPARE_SLOT KD_MAX_SLOTS                          // slot KD_SPARE_SLOT + lane: its write-off Entry
 #define KD_LIVE_WORD 0x00100000u                            // words of finite weights are >= this
 
 // A pending entry as its pop needs it: its weight, and the weights it will push then (computed
@@ -491,15 +490,16 @@ __device__ __forceinline__ int meta_rank(unsigned meta) { return meta & 1023; }
 __device__ __forceinline__ int meta_row(unsigned meta) { return (meta >> 10) & 31; }
 __device__ __forceinline__ int meta_last(unsigned meta) { return meta >> 15; }
 
-struct alignas(16) StoredEntry {  // an Entry in shared memory (sibling_prefix is recomputed)
-    double weight, sibling, child;
-    unsigned child_word, meta;
+struct alignas(16) StoredEntry {  // an Entry in shared memory (sibling_prefix is recomputed): bytes
+    double weight, sibling, child;  // 0-15 (weight, sibling), then 16-31 (child, child_word, meta), as
+    unsigned child_word, meta;      // the predicated stores and loads below move them
 };
+static_assert(sizeof(StoredEntry) == 32, "two 16-byte halves");
 
 struct Frontier {
     unsigned word[KD_WARP_SIZE * KD_FRONTIER_STRIDE];     // [lane][column]: see frontier_word; 0 = empty
-    StoredEntry entry[KD_MAX_SLOTS + KD_WARP_SIZE];       // the rest of each slot's Entry, by slot, then
-};                                                        // one write-off Entry per lane
+    StoredEntry entry[KD_MAX_SLOTS];                      // the rest of each slot's Entry, by slot: slot j's
+};                                                        // is written and read by lane j % 32 only
 
 // The one frontier of a v2 block, whichever draft type its pops read.
 __device__ __forceinline__ Frontier& block_frontier() {
@@ -527,6 +527,53 @@ __device__ __forceinline__ void store_entry(Frontier& f, int slot, const Entry& 
 __device__ __forceinline__ Entry load_entry(const Frontier& f, int slot) {
     const StoredEntry e = f.entry[slot];
     return {e.weight, e.sibling, e.child, frontier_word(e.sibling, 0), e.child_word, e.meta};
+}
+
+// Predicated shared-memory stores and loads: each is one instruction under a predicate, executed by
+// the lanes where `on` holds and skipped by the others without a branch (the compiler turns an `if`
+// around a few stores into a divergent branch). The loads leave the destination as it was where
+// `on` is false.
+
+__device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void store_shared_if(bool on, short* to, short value) {
+    asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0; @on st.shared.u16 [%1], %2; }"
+                 :: "r"((int)on), "r"(shared_address(to)), "h"(value) : "memory");
+}
+
+__device__ __forceinline__ void store_shared_if(bool on, unsigned char* to, unsigned value) {
+    asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0; @on st.shared.u8 [%1], %2; }"
+                 :: "r"((int)on), "r"(shared_address(to)), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void store_shared_if(bool on, unsigned* to, unsigned value) {
+    asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0; @on st.shared.u32 [%1], %2; }"
+                 :: "r"((int)on), "r"(shared_address(to)), "r"(value) : "memory");
+}
+
+// An Entry's child_word and meta as the 8 bytes StoredEntry holds them in.
+__device__ __forceinline__ unsigned long long entry_words(const Entry& e) {
+    return (unsigned long long)e.meta << 32 | e.child_word;
+}
+
+__device__ __forceinline__ void store_entry_if(bool on, Frontier& f, int slot, const Entry& e) {
+    asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0;\n\t"
+                 "@on st.shared.v2.f64 [%1], {%2, %3};\n\t"
+                 "@on st.shared.v2.b64 [%1+16], {%4, %5}; }"
+                 :: "r"((int)on), "r"(shared_address(&f.entry[slot])), "d"(e.weight), "d"(e.sibling),
+                    "d"(e.child), "l"(entry_words(e)) : "memory");
+}
+
+__device__ __forceinline__ void load_entry_if(bool on, const Frontier& f, int slot, Entry& e) {
+    unsigned long long words = entry_words(e);
+    asm volatile("{ .reg .pred on; setp.ne.b32 on, %4, 0;\n\t"
+                 "@on ld.shared.v2.f64 {%0, %1}, [%5];\n\t"
+                 "@on ld.shared.v2.b64 {%2, %3}, [%5+16]; }"
+                 : "+d"(e.weight), "+d"(e.sibling), "+d"(e.child), "+l"(words)
+                 : "r"((int)on), "r"(shared_address(&f.entry[slot])) : "memory");
+    e.child_word = (unsigned)words;
+    e.meta = (unsigned)(words >> 32);
+    e.sibling_prefix = frontier_word(e.sibling, 0);
 }
 
 // Entry (weight, rank, row) with its sibling and child weights, in the reference's arithmetic.
@@ -582,10 +629,12 @@ __device__ int exact_first_slot(int columns, const Frontier& f, const TreeScratc
 //      i's (node i's first child's) if it lies there, lane i % 32 merges slot i's word otherwise;
 //      the rescan and the other lanes' best words are reduced in the same round of REDUX, which
 //      gives the next pop's `top`;
-//   3. meanwhile node i is recorded and the two new entries are made and stored; lanes with
-//      nothing to write write to their write-off places, so all of it runs without branches.
-// The loop-carried chain is the REDUX round, the shuffles from the winner and the rescan's load;
-// no step depends on the budget. Returns the node count, root included.
+//   3. meanwhile node i is recorded and the two new entries are made and stored, each by the lane
+//      that owns it (predicated stores: no branches); then the winner and lane i % 32, the only
+//      lanes whose best slot or its Entry can have changed, reload their best Entry.
+// Each lane's best_entry stays its best slot's record: slot j's record is only written by lane
+// j % 32, in a pop where that lane reloads. The loop-carried chain is the REDUX round, the shuffles
+// from the winner and the rescan's load; no step depends on the budget. Returns the node count, root included.
 template <typename Rows>
 __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, TreeScratch& s,
                                   double* __restrict__ log_weights) {
@@ -656,17 +705,15 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
         const int child_row = min((int)(child_word & 31u), depth_limit - 1);
         const Entry made = make_entry(pops ? best_entry.sibling : child, pops ? rank + 1 : 0, pops ? row : child_row,
                                       pops ? i : 0, lp, depth_limit);
-        const int node = pops ? i : KD_MAX_NODES + lane;
-        s.parent[node] = (short)best_slot;
-        s.rank[node] = (short)rank;
-        s.depth[node] = (unsigned char)(row + 1);
-        const bool first_link = pops && last == 0;
-        (first_link ? s.first_child : s.next_sibling)[!pops ? node : first_link ? best_slot : last] = (short)i;
+        store_shared_if(pops, &s.parent[i], (short)best_slot);
+        store_shared_if(pops, &s.rank[i], (short)rank);
+        store_shared_if(pops, &s.depth[i], (unsigned)(row + 1));
+        store_shared_if(pops, &(last == 0 ? s.first_child : s.next_sibling)[last == 0 ? best_slot : last], (short)i);
         if (pops) *weight_out = best_entry.weight;
-        const int made_slot = pops ? best_slot : pushes_here ? i : KD_SPARE_SLOT + lane;  // (a -inf sibling: an
-        store_entry(f, made_slot, made);                                                  // empty slot's record)
-        f.word[made_slot < KD_SPARE_SLOT ? frontier_index(made_slot) : lane * KD_FRONTIER_STRIDE + KD_SPARE_COLUMN] =
-            pops ? popped_word : pushed_word;
+        const bool writes = pops || pushes_here;
+        const int made_slot = pops ? best_slot : i;  // (a -inf sibling: an empty slot's record)
+        store_entry_if(writes, f, made_slot, made);
+        store_shared_if(writes, &f.word[frontier_index(made_slot)], pops ? popped_word : pushed_word);
         if (__any_sync(KD_FULL_MASK, pushes_here && pops)) {
             const Entry first_child = make_entry(child, 0, child_row, 0, lp, depth_limit);
             if (pushes_here) {
@@ -679,7 +726,7 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
             mirrored = row_mirrored;
         }
         best_slot = (int)(best & 31u) * KD_WARP_SIZE + lane;
-        best_entry = load_entry(f, best_slot);
+        load_entry_if(writes, f, best_slot, best_entry);
         __syncwarp();  // the rows written here are read across lanes in the next pop
     }
     return n_nodes;

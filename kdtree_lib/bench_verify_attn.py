@@ -13,8 +13,9 @@ is read and O written once; FLOPs = 2 · B · rows · keys · (576 + 512). FLOP/
 so rows ≳ 64-128 is compute-bound on an H200.
 
 Times are medians over reps, each after an L2 flush (a 256 MB memset, as triton's do_bench), by
-CUDA events. The memset leaves L2 full of its own dirty lines, which the timed call then writes
-back; kernel rows also carry time_us_read_flush, the kernel after a flush by reading (clean L2).
+CUDA events. flush_study times the kernel after a flush by reading (clean L2) and with no flush
+too: on the H200 the write-back of the memset's dirty lines costs the kernel next to nothing
+except on the short memory-bound decode shapes (N = 1).
 """
 from __future__ import annotations
 
@@ -185,8 +186,8 @@ def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20, flush: str = "write
     """Median seconds of fn() over reps, each after flushing L2 (CUDA events on torch's stream).
 
     flush: "write" zeroes a 256 MB buffer (triton's do_bench; L2 is left full of dirty lines that
-    the timed call pays to write back), "read" sums it (L2 left holding clean lines), "none" keeps
-    L2 warm. The benchmark rows use "write"; flush_study compares the three.
+    the timed call may pay to write back), "read" sums it (L2 left holding clean lines), "none"
+    keeps L2 warm. The benchmark rows use "write"; flush_study compares the three.
     """
     import torch
     if flush not in FLUSHES:
@@ -271,7 +272,6 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
         roof = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=rate)
         roof_mma = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=mma_rate)
         times = {"kernel": time_gpu(launch, reps=reps)}
-        kernel_clean_l2 = time_gpu(launch, reps=reps, flush="read")  # no dirty flush lines to write back
         plan = launch.plan
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
@@ -284,8 +284,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
             if provider == "kernel":
                 row.update({"pct_roofline": round(100 * roof / seconds, 1),
                             "pct_roofline_mma": round(100 * roof_mma / seconds, 1),
-                            "config": plan.config_name, "splits": plan.splits,
-                            "time_us_read_flush": round(kernel_clean_l2 * 1e6, 2)})
+                            "config": plan.config_name, "splits": plan.splits})
                 if times.get("torch_fallback"):
                     row["speedup_vs_fallback"] = round(times["torch_fallback"] / seconds, 2)
             if provider == "sdpa":

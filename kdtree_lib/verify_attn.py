@@ -194,7 +194,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
 PREFERRED = {64: ("rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
-MAX_SPLITS = 1024  # bounds the fp32 partial workspace (splits x rows x 2 KB) and the merge's loop
+MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits
 
 
 @dataclass(frozen=True)

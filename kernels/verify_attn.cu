@@ -480,71 +480,72 @@ __device__ __forceinline__ void verify_attn_cta(
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter): 8 warps each fold every 8th split into a running (max, weight sum,
-// weighted O) over the quarter's 128 columns (one float4 per lane, loaded 8 splits at a time before
-// any arithmetic: nothing waits on a reduction), then one barrier, and the warps' results are
-// rescaled to the common maximum and added.
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
+// float4 per lane, independent loads), then the warps' sums are added through shared memory.
 constexpr int kMergeThreads = 256;
-constexpr int kMergeWarps = kMergeThreads / 32;
+constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
+
+__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+    x = take_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  return x;
+}
 
 template <bool kHalf>
 __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
-  __shared__ float4 warp_out[kMergeWarps][32];
-  __shared__ float warp_max[kMergeWarps], warp_sum[kMergeWarps];
+  __shared__ float weight[kMaxSplits];
+  __shared__ float4 warp_sum[kMergeThreads / 32][32];
+  __shared__ float scratch[kMergeThreads / 32];
   const i64 row = blockIdx.x;  // b * rows + row
   const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
+  float m = neg_inf();
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = partial_lse[(i64)s * total_rows + row];
+    m = fmaxf(m, weight[s]);
+  }
+  m = block_reduce(m, true, scratch);
+  const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
+  float total = 0.f;
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
+    total += weight[s];
+  }
+  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
+  const float scale = total > 0.f ? 1.f / total : 0.f;
+
   const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
   const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
-  float m = neg_inf(), sum = 0.f;  // log2-domain running maximum, Σ 2^(l_s − m)
-  float4 acc = {0.f, 0.f, 0.f, 0.f};  // Σ 2^(l_s − m)·O_s
-  constexpr int kBatch = 8;  // splits in flight per warp: all loads of a batch are issued first
-  for (int first = warp; first < splits; first += kBatch * kMergeWarps) {
-    float l[kBatch];
-    float4 x[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int s = first + i * kMergeWarps;
-      const bool live = s < splits;  // -inf and O = 0: no weight (also what an empty split wrote)
-      l[i] = live ? partial_lse[(i64)s * total_rows + row] * kLog2e : neg_inf();
-      x[i] = live ? src[s * split_stride] : float4{0.f, 0.f, 0.f, 0.f};
-    }
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const float new_max = fmaxf(m, l[i]);
-      const float base = new_max == neg_inf() ? 0.f : new_max;
-      const float alpha = fast_exp2(m - base), w = fast_exp2(l[i] - base);
-      acc = float4{acc.x * alpha + w * x[i].x, acc.y * alpha + w * x[i].y, acc.z * alpha + w * x[i].z,
-                   acc.w * alpha + w * x[i].w};
-      sum = sum * alpha + w;
-      m = new_max;
-    }
+  float4 acc = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int s = warp; s < splits; s += kMergeThreads / 32) {
+    const float w = weight[s];
+    const float4 x = src[s * split_stride];
+    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
   }
-  warp_out[warp][lane] = acc;
-  if (lane == 0) {
-    warp_max[warp] = m;
-    warp_sum[warp] = sum;
-  }
+  warp_sum[warp][lane] = acc;
   __syncthreads();
   if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
-    float top = neg_inf();
+    const float* sums = reinterpret_cast<const float*>(warp_sum);
+    float x = 0.f, y = 0.f;
 #pragma unroll
-    for (int w = 0; w < kMergeWarps; ++w) top = fmaxf(top, warp_max[w]);
-    const float base = top == neg_inf() ? 0.f : top;  // every split empty: O = 0, lse = -inf
-    const float* sums = reinterpret_cast<const float*>(warp_out);
-    float x = 0.f, y = 0.f, total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kMergeWarps; ++w) {
-      const float f = fast_exp2(warp_max[w] - base);
-      total += f * warp_sum[w];
-      x += f * sums[w * 128 + 2 * tid];
-      y += f * sums[w * 128 + 2 * tid + 1];
+    for (int w = 0; w < kMergeThreads / 32; ++w) {
+      x += sums[w * 128 + 2 * tid];
+      y += sums[w * 128 + 2 * tid + 1];
     }
-    const float scale = total > 0.f ? 1.f / total : 0.f;
     *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
-    if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? (base + fast_log2(total)) * kLn2 : neg_inf();
   }
+  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
 }
 
 }  // namespace va

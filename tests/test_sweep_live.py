@@ -151,3 +151,17 @@ def test_the_stand_in_pair_gets_the_held_out_prompts():
     assert all(len(p) == 12 and 0 <= p.min() and p.max() < vocab for p in chosen.prompts)
     assert [p.tolist() for p in chosen.prompts[:len(chosen.packages)]] == \
         [group[0].tolist() for group in chosen.packages.values()], "packages interleaved"
+
+
+def test_the_command_line_sweep_rows_carry_their_size(tmp_path):
+    """python -m kdtree_lib.sweep rows name prompt_tokens and new_tokens, so largest_measurement ranks
+    a bigger sweep above a smaller one appended later."""
+    from kdtree_lib import results, sweep
+    common = ["--block-sizes", "8", "--budgets", "2", "4", "--live-budgets", "2", "--prompt-tokens", "16",
+              "--temperature", "0", "--results-dir", str(tmp_path)]
+    assert sweep.main(common + ["--prompts-per-package", "1", "--new-tokens", "8"]) == 0
+    assert sweep.main(common + ["--prompts-per-package", "1", "--new-tokens", "4"]) == 0
+    rows = results.read_rows(sweep.TOPIC, results_dir=tmp_path)
+    assert all(r["new_tokens"] in ("8", "4") and r["prompt_tokens"] == "16" for r in rows)
+    picked = sweep.largest_measurement(rows, source="oracle", mode="tree", block_size=8)
+    assert picked and {r["new_tokens"] for r in picked} == {"8"}

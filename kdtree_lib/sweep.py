@@ -357,15 +357,24 @@ def latest(rows: list[dict], **criteria) -> list[dict]:
 
 
 def largest_measurement(rows: list[dict], **criteria) -> list[dict]:
-    """The rows matching `criteria` of the biggest measurement (most prompts x new tokens, then
-    newest): the numbers to report, whatever smaller (CPU-sized) runs were appended since."""
-    def size(row):
-        return int(float(row.get("prompts") or 0)) * int(float(row.get("new_tokens") or 0))
-    rows = [row for row in rows if all(_matches(row.get(k), v) for k, v in criteria.items())]
-    if not rows:
+    """The rows matching `criteria` of the biggest measurement (rows written together, by their
+    date/commit/device stamp; its size: prompts x new tokens summed over its packages), the newest
+    of equal ones: the numbers to report, whatever smaller (CPU-sized) runs were appended since."""
+    runs: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if all(_matches(row.get(k), v) for k, v in criteria.items()):
+            runs.setdefault(tuple(row.get(k) for k in ("date", "commit", "device")), []).append(row)
+    if not runs:
         return []
-    biggest = max(size(row) for row in rows)
-    return latest([row for row in rows if size(row) == biggest])
+
+    def size(run_rows) -> int:
+        per_package = {}
+        for row in run_rows:
+            tokens = int(float(row.get("prompts") or 0)) * int(float(row.get("new_tokens") or 0))
+            per_package[row.get("package")] = max(per_package.get(row.get("package"), 0), tokens)
+        return sum(per_package.values())
+    biggest = max(runs.values(), key=lambda run_rows: (size(run_rows), run_rows[0].get("date") or ""))
+    return latest(biggest)
 
 
 def _matches(value, wanted) -> bool:

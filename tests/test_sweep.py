@@ -76,9 +76,13 @@ def test_depth_and_topk_slices_and_monotone_budget():
 
 def test_largest_measurement_reports_the_biggest_run_not_the_newest():
     from kdtree_lib.sweep import largest_measurement
-    row = dict(source="oracle", package="heldout", block_size="8", mode="tree", temperature="0.0", pair="p")
-    gpu = [dict(row, budget=str(b), prompts="32", new_tokens="128", mean_acceptance=str(a)) for b, a in ((8, 3.7), (32, 4.2))]
-    cpu = [dict(row, budget=str(b), prompts="1", new_tokens="8", mean_acceptance="1.6") for b in (8, 32)]
+    row = dict(source="oracle", block_size="8", mode="tree", temperature="0.0", pair="p", device="d")
+    gpu = [dict(row, date="2026-01-01T00:00:00Z", commit="a", package=package, budget=str(b), prompts=prompts,
+                new_tokens="256", mean_acceptance=str(a))
+           for package, prompts in (("networkx", "32"), ("numpyro", "16")) for b, a in ((8, 3.7), (32, 4.2))]
+    cpu = [dict(row, date="2026-01-02T00:00:00Z", commit="b", package="networkx", budget=str(b), prompts="40",
+                new_tokens="8", mean_acceptance="1.6") for b in (8, 32)]
     chosen = largest_measurement(gpu + cpu, mode="tree", temperature=0)
-    assert [r["mean_acceptance"] for r in chosen] == ["3.7", "4.2"]
+    assert len(chosen) == 4 and {r["commit"] for r in chosen} == {"a"}    # both packages of the GPU run
+    assert sorted(r["mean_acceptance"] for r in chosen) == ["3.7", "3.7", "4.2", "4.2"]
     assert largest_measurement(gpu + cpu, mode="chain") == []

@@ -263,7 +263,7 @@ def bench_accept(batches=ACCEPT_BATCHES, budgets=ACCEPT_BUDGETS, depth: int = 15
             print(f"accept B={batch:3d} budget={budget:4d} layers={layers}: accept {walk:6.2f} us  compact "
                   f"{move:7.2f} us  both {total:7.2f} us  call {call:7.1f} us  mean accepted "
                   f"{want.n_accepted.mean():.2f}  moved {moved_bytes / 1e6:.1f} MB  match={matches}", flush=True)
-            del caches
+            caches = None  # frees the layers before the next configuration
             torch.cuda.empty_cache()
     return rows
 

@@ -62,7 +62,7 @@ def compare_moe_parallel(config: ModelConfig, token_counts, *, tp_size: int = 8,
                 for impl in ("grouped", "looped"):
                     ms = time_ms(lambda: getattr(experts, impl)(inputs[n], ids, weights), repeats)
                     times.setdefault((n, scheme, impl), []).append((ms, hit * per_expert))
-            del experts
+            experts = None  # frees this rank's experts before the next scheme
             torch.cuda.empty_cache()
     return [{"tokens": n, "moe_parallel": scheme, "impl": impl, "tp_size": tp_size,
              "step_ms": max(ms for ms, _ in runs), "mean_rank_ms": sum(ms for ms, _ in runs) / len(runs),

@@ -262,14 +262,13 @@ def run_official(official_dir, budgets, prompt, *, new_tokens: int, block_size: 
     for budget in budgets:
         call(budget)  # warm-up
         out = call(budget)
-        rounds = len(out.acceptance_lengths)
-        decode_seconds = out.time_per_output_token * out.num_output_tokens
-        rows.append({"impl": "official", "method": "ddtree", "batch": 1, "budget": budget, "cuda_graph": False,
-                     "backend": "official", "block_size": block_size, "pair": pair, "prompt_tokens": len(prompt),
-                     "new_tokens": new_tokens, "tokens_per_second": 1.0 / out.time_per_output_token,
-                     "mean_acceptance": float(np.mean(out.acceptance_lengths)), "rounds": rounds,
-                     "ms_per_round": 1e3 * decode_seconds / max(rounds, 1),
-                     **{f"{stage}_ms_per_round": "" for stage in STAGES}})
+        result = DecodeResult(tokens=[out.output_ids[0, out.num_input_tokens:].numpy()],
+                              acceptance=[np.asarray(out.acceptance_lengths)], method="ddtree", budget=budget,
+                              batch=1, backend="official", cuda_graph=False, rounds=len(out.acceptance_lengths),
+                              prefill_seconds=out.time_to_first_token,
+                              decode_seconds=out.time_per_output_token * out.num_output_tokens)
+        rows.append(row(result, 1.0 / out.time_per_output_token, impl="official", pair=pair,
+                        prompt_tokens=len(prompt), new_tokens=new_tokens, block_size=block_size))
         log(_line(rows[-1]))
     return rows
 
@@ -322,14 +321,14 @@ def summary(rows: list[dict]) -> list[dict]:
         eager = select(rows, impl="kdtree", method="ddtree", cuda_graph=False, batch=batch, budget=budget)
         chain = select(rows, impl="kdtree", method="chain", cuda_graph=True, batch=batch)
         speed, acceptance = _number(r["tokens_per_second"]), _number(r["mean_acceptance"])
-        speedup = speed / _number(ar[0]["tokens_per_second"]) if ar else float("nan")
+        speedup = _ratio(speed, ar)
         ceiling = (acceptance * _number(ar[0]["ms_per_round"]) / _number(chain[0]["ms_per_round"])
                    if ar and chain else float("nan"))
         lines.append({"batch": int(_number(batch)), "budget": int(_number(budget)), "tokens_per_second": speed,
                       "mean_acceptance": acceptance, "speedup_vs_ar": speedup,
                       "speedup_target": 0.8 * acceptance, "meets_speedup_target": speedup >= 0.8 * acceptance,
                       "draft_bound_ceiling": ceiling, "vs_ceiling": speedup / ceiling,
-                      "graph_gain": speed / _number(eager[0]["tokens_per_second"]) if eager else float("nan"),
+                      "graph_gain": _ratio(speed, eager),
                       "vs_reference_style": _ratio(speed, reference), "vs_official": _ratio(speed, official)})
     return sorted(lines, key=lambda line: (line["batch"], line["budget"]))
 

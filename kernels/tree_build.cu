@@ -600,7 +600,7 @@ __device__ __forceinline__ Entry make_entry(double weight, int rank, int row, in
 
 // The slot of the heap's first entry, exactly (float64 weights, then rank tuples), over the first
 // `columns` columns of every lane; every lane gets the same answer. Only when prefixes tie.
-__device__ int exact_first_slot(int columns, const Frontier& f, const TreeScratch& s) {
+__device__ __forceinline__ int exact_first_slot(int columns, const Frontier& f, const TreeScratch& s) {
     __syncwarp();  // the popped nodes' ranks and parents were written by other lanes
     const int lane = kd_lane();
     double weight = kd_neg_inf_d();
@@ -733,6 +733,144 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
 }
 
 // ---------------------------------------------------------------------------------------------
+// tree build v3: one warp, rounds of pops
+//
+// A heap pop only waits for the previous pop when that pop pushes an entry that comes first. If
+// the heap's entries are f1 > f2 > ... (heap order), the next pops are f1, ..., fm for the largest
+// m such that every f_j (j <= m) comes before all the pushes of f1 .. f_(j-1): the heap then holds
+// f_j at its top in turn. With tau the largest push of f1 and of the entries above f1's pushes,
+// the entries above tau are such a run (a push is at most its entry's weight, so in exact
+// arithmetic they are the longest run), and a round pops them all at once, in heap order, as nodes
+// i, i + 1, ... Comparisons use the slots' 27-bit prefixes (frontier_word) and strict inequalities
+// only, so a run is never too long; equal prefixes in it cut it before them, and a tie at the top,
+// an empty run (the top's push has the top's prefix) or a run longer than KD_RUN_MAX takes one pop. kdtree_lib.tree_build._best_first_rounds is
+// this procedure in Python. On DDTree-like drafts a round pops ~4 entries at budget 64 and ~10 at
+// budget 1024.
+
+#define KD_RUN_MAX 64  // listed entries per round: two per lane
+
+struct RoundScratch {
+    unsigned member_prefix[KD_RUN_MAX];  // this round's run, in no order: prefixes and slots
+    short member_slot[KD_RUN_MAX];
+};
+
+// The prefix of the larger of the pushes that popping slot `slot` makes.
+__device__ __forceinline__ unsigned push_prefix(const Frontier& f, int slot) {
+    return max(frontier_word(f.entry[slot].sibling, 0), f.entry[slot].child_word & ~31u);
+}
+
+// Entry e (of log-weight `weight`) becomes slot `slot`'s pending entry.
+__device__ __forceinline__ void put_entry(Frontier& f, int slot, double weight, const Entry& e) {
+    store_entry(f, slot, e);
+    f.word[frontier_index(slot)] = frontier_word(weight, slot >> 5);
+}
+
+// Pop slot `slot` as node `node`: record it, link it under its parent (node `slot`), and push its
+// next sibling into the slot and its first child into slot `node` (when node < budget).
+template <typename Rows>
+__device__ __forceinline__ void pop_slot(Frontier& f, int slot, int node, const Rows& lp, int depth_limit, int budget,
+                                         TreeScratch& s, double* __restrict__ log_weights) {
+    const Entry e = load_entry(f, slot);
+    const int rank = meta_rank(e.meta), row = meta_row(e.meta), last = meta_last(e.meta);
+    s.parent[node] = (short)slot;
+    s.rank[node] = (short)rank;
+    s.depth[node] = (unsigned char)(row + 1);
+    (last == 0 ? s.first_child[slot] : s.next_sibling[last]) = (short)node;
+    log_weights[node] = e.weight;
+    put_entry(f, slot, e.sibling, make_entry(e.sibling, rank + 1, row, node, lp, depth_limit));
+    if (node < budget && e.child_word >= KD_LIVE_WORD)  // (then row + 1 < D)
+        put_entry(f, node, e.child, make_entry(e.child, 0, row + 1, 0, lp, depth_limit));
+}
+
+// Best-first pops of one request by one warp, a run per round (see above). Lane l owns slots
+// l, l + 32, ... (its row of words). A round: (1) the top word and its entry's larger push, tau0;
+// (2) the ties of the top prefix and the largest push above tau0: tau; (3) the run, the words above
+// tau, listed in shared memory; (4) each listed entry's place in heap order (the count of larger
+// prefixes; an equal one cuts the run there); (5) the pops, by the lanes that placed them.
+// Returns the node count, root included.
+template <typename Rows>
+__device__ int best_first_pops_v3(const Rows& lp, int depth_limit, int budget, TreeScratch& s,
+                                  double* __restrict__ log_weights) {
+    Frontier& f = block_frontier();
+    __shared__ RoundScratch r;
+    const int lane = kd_lane();
+    for (int c = 0; c < KD_FRONTIER_STRIDE; ++c) f.word[c * KD_WARP_SIZE + lane] = 0u;
+    const double first = lp(0, 0);
+    if (lane == 0 && first != kd_neg_inf_d()) put_entry(f, 0, first, make_entry(first, 0, 0, 0, lp, depth_limit));
+    __syncwarp();
+
+    int i = 1;  // the next node; slots 0 .. i-1 exist
+    while (i <= budget) {
+        const int columns = ((i - 1) >> 5) + 1;
+        const unsigned* words = &f.word[lane * KD_FRONTIER_STRIDE];
+        // 1. the top
+        unsigned best = 0u;
+        for (int c = 0; c < columns; ++c) best = max(best, words[c]);
+        const unsigned top = __reduce_max_sync(KD_FULL_MASK, (best & ~31u) | (unsigned)lane);
+        if (top < KD_LIVE_WORD) break;  // the heap is empty
+        const unsigned top_prefix = top & ~31u;
+        const int top_slot = __shfl_sync(KD_FULL_MASK, (int)(best & 31u) * KD_WARP_SIZE + lane, top & 31);
+        const unsigned tau0 = push_prefix(f, top_slot);  // (a broadcast read)
+        // 2. tau
+        unsigned ties = 0u, above = 0u;
+        for (int c = 0; c < columns; ++c) {
+            const unsigned prefix = words[c] & ~31u;
+            ties += prefix == top_prefix;
+            if (prefix > tau0) above = max(above, push_prefix(f, c * KD_WARP_SIZE + lane));
+        }
+        const unsigned tau = max(tau0, __reduce_max_sync(KD_FULL_MASK, above));
+        // 3. the run, listed
+        int listed = 0;
+        for (int c = 0; c < columns; ++c) {
+            const unsigned prefix = words[c] & ~31u;
+            const unsigned members = __ballot_sync(KD_FULL_MASK, prefix > tau);
+            const int at = listed + __popc(members & kd_lanemask_lt());
+            if (prefix > tau && at < KD_RUN_MAX) {
+                r.member_prefix[at] = prefix;
+                r.member_slot[at] = (short)(c * KD_WARP_SIZE + lane);
+            }
+            listed += __popc(members);
+        }
+        const bool top_tie = __reduce_add_sync(KD_FULL_MASK, ties) > 1u;
+        const bool one_pop = top_tie || listed == 0 || listed > KD_RUN_MAX;
+        __syncwarp();
+        // 4. places in heap order
+        int slot[2] = {-1, -1}, place[2] = {0, 0}, run = listed;
+        if (one_pop) {  // a tie at the top (take the exact first entry), the top's push as large as
+            slot[0] = top_tie ? exact_first_slot(columns, f, s) : top_slot;  // itself, or a run too
+            run = 1;                                                         // long to list
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int k = lane + h * KD_WARP_SIZE;
+                if (k < listed) {
+                    const unsigned prefix = r.member_prefix[k];
+                    int larger = 0, equal = 0;
+                    for (int j = 0; j < listed; ++j) {
+                        larger += r.member_prefix[j] > prefix;
+                        equal += r.member_prefix[j] == prefix;
+                    }
+                    slot[h] = r.member_slot[k];
+                    place[h] = larger;
+                    if (equal > 1) run = min(run, larger);
+                }
+            }
+            run = __reduce_min_sync(KD_FULL_MASK, run);
+        }
+        run = min(run, budget + 1 - i);
+        // 5. the pops
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (slot[h] >= 0 && place[h] < run && (lane == 0 || !one_pop))
+                pop_slot(f, slot[h], i + place[h], lp, depth_limit, budget, s, log_weights);
+        }
+        __syncwarp();  // the rows written here are read across lanes in the next round
+        i += run;
+    }
+    return i;
+}
+
+// ---------------------------------------------------------------------------------------------
 // tree build: the kernels
 
 // The DFlash chain: node d is the argmax token of position d (one thread; at most 32 nodes).
@@ -752,6 +890,14 @@ __device__ int chain_pops(const Rows& lp, int depth_limit, int budget, TreeScrat
         n_nodes = d + 1;
     }
     return n_nodes;
+}
+
+// The pops of the one-warp versions (2 and 3).
+template <int VERSION, typename Rows>
+__device__ __forceinline__ int one_warp_pops(const Rows& lp, int depth_limit, int budget, TreeScratch& s,
+                                             double* __restrict__ log_weights) {
+    if constexpr (VERSION == 2) return best_first_pops_v2(lp, depth_limit, budget, s, log_weights);
+    else return best_first_pops_v3(lp, depth_limit, budget, s, log_weights);
 }
 
 #define KD_STAGE_UNROLL 8
@@ -806,13 +952,13 @@ __device__ __forceinline__ void build_tree(const float* __restrict__ logp, const
     }
     const long long base = (long long)b * capacity;
     double* weights = log_weights + base;  // nodes 1 .. count-1 are written by the pops
-    if (VERSION == 2 && staged_f64) {  // (the block-wide branches here are uniform)
-        if constexpr (VERSION == 2) {  // (v1 has no frontier)
+    if (VERSION >= 2 && staged_f64) {  // (the block-wide branches here are uniform)
+        if constexpr (VERSION >= 2) {  // (v1 has no frontier)
             const DraftRowsOf<double> lp = stage_draft(logp + draft_base, depth_limit, topk, cached, s_draft);
             if (chain_mode) {
                 if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
             } else if (t < KD_WARP_SIZE) {
-                const int count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
+                const int count = one_warp_pops<VERSION>(lp, depth_limit, budget, s, weights);
                 if (t == 0) s.n_nodes = count;
             }
         }
@@ -823,7 +969,7 @@ __device__ __forceinline__ void build_tree(const float* __restrict__ logp, const
         } else if (slot_threads == (int)blockDim.x || t < slot_threads) {
             int count;
             if constexpr (VERSION == 1) count = best_first_pops_v1(lp, depth_limit, budget, slot_threads, s, weights);
-            else count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
+            else count = one_warp_pops<VERSION>(lp, depth_limit, budget, s, weights);
             if (t == 0) s.n_nodes = count;
         }
     }
@@ -866,13 +1012,19 @@ build_tree_v1(const float* __restrict__ logp, const int* __restrict__ ids, const
                   slot_threads, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
 }
 
-// v2: warp 0 pops; the block (any multiple of 32 threads) stages the draft and writes the outputs.
-extern "C" __global__ void __launch_bounds__(512)
-build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
-              int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
-              int staged_f64, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-              int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
-              int* __restrict__ next_sibling, double* __restrict__ log_weights) {
-    build_tree<2>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached,
-                  staged_f64, KD_WARP_SIZE, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
-}
+// v2 and v3: warp 0 pops; the block (any multiple of 32 threads) stages the draft and writes the
+// outputs. (A macro: NVRTC looks kernels up by their unmangled names. One block per SM is enough
+// for the launch bounds: without it ptxas spills in v3 on sm_90.)
+#define KD_ONE_WARP_BUILD_KERNEL(VERSION)                                                                      \
+    extern "C" __global__ void __launch_bounds__(512, 1) build_tree_v##VERSION(                                  \
+        const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,          \
+        int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,   \
+        int staged_f64, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,        \
+        int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,                \
+        int* __restrict__ next_sibling, double* __restrict__ log_weights) {                                   \
+        build_tree<VERSION>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode,  \
+                            cached, staged_f64, KD_WARP_SIZE, tokens, parents, depths, n_nodes, mask,         \
+                            first_child, next_sibling, log_weights);                                          \
+    }
+KD_ONE_WARP_BUILD_KERNEL(2)
+KD_ONE_WARP_BUILD_KERNEL(3)

@@ -37,6 +37,9 @@ HEADS = (8, 16, 64)
 NODES = (1, 8, 16, 32, 64, 128)
 LENGTHS = (1024, 4096, 32768, 131072)
 BATCHES = (1, 8, 64)
+# The issue's targets hold for rows = N·H >= TARGET_ROWS and L >= TARGET_LENGTH.
+TARGET_ROWS = 128
+TARGET_LENGTH = 32768
 # A few shapes spanning the regimes (memory-bound decode, the K2.6 tree, compute-bound batches).
 QUICK_SHAPES = [(1, 1, 8, 131072), (1, 8, 8, 32768), (1, 16, 8, 32768), (1, 64, 8, 32768), (8, 16, 16, 32768),
                 (1, 128, 8, 131072), (64, 16, 8, 4096)]
@@ -242,11 +245,13 @@ def mma_sync_rate(iters: int = 8192) -> float:
 # ----------------------------------------------------------------------------------------------
 # the run
 
-def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: float = float("inf"),
+def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), time_budget: float = float("inf"),
         run_stamp: str | None = None, log=print) -> list[dict]:
     """Time every provider on every shape, appending each shape's rows to data/results as it goes;
     stops starting new shapes after `time_budget` seconds. Returns the rows. `run_stamp` (default:
-    now) marks every row of the run, so parts of one grid measured on several GPUs form one run."""
+    now) marks every row of the run, so parts of one grid measured on several GPUs form one run.
+    `variants`: kernel configs also timed on every shape (provider kernel_variant, its `config`
+    column naming it), next to the launcher's own choice (provider kernel)."""
     import time
     import torch
     from . import results
@@ -273,6 +278,10 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
         roof_mma = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=mma_rate)
         times = {"kernel": time_gpu(launch, reps=reps)}
         plan = launch.plan
+        variant_times = {}
+        for name in variants:
+            variant = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, config=name)
+            variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits)
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
         sdpa_backend = times.pop("sdpa_backend", None)
@@ -290,6 +299,11 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
             if provider == "sdpa":
                 row["sdpa_backend"] = sdpa_backend
             shape_rows.append(row)
+        for name, (seconds, splits) in variant_times.items():
+            shape_rows.append({**common, "provider": "kernel_variant", "time_us": round(seconds * 1e6, 2),
+                               "tbps": round(n_bytes / seconds / 1e12, 3), "tflops": round(n_flops / seconds / 1e12, 2),
+                               "pct_roofline": round(100 * roof / seconds, 1),
+                               "pct_roofline_mma": round(100 * roof_mma / seconds, 1), "config": name, "splits": splits})
         results.append_rows(TOPIC, shape_rows)
         rows += shape_rows
         kernel_row = next(r for r in shape_rows if r["provider"] == "kernel")
@@ -297,7 +311,9 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, time_budget: flo
             f"{kernel_row['tflops']:7.1f} TFLOP/s {kernel_row['tbps']:5.2f} TB/s "
             f"{kernel_row['pct_roofline']:5.1f}% roof ({kernel_row['pct_roofline_mma']:5.1f}% mma roof) "
             f"x{kernel_row.get('speedup_vs_fallback', float('nan'))} vs fallback  [{plan.config_name}, {plan.splits} splits]"
-            f"  t={time.monotonic() - started:.0f}s")
+            + "".join(f"; {r['config']} {r['time_us']:.1f} us {r['pct_roofline']:.1f}%"
+                      for r in shape_rows if r["provider"] == "kernel_variant")
+            + f"  t={time.monotonic() - started:.0f}s")
         del q_latent, q_rope, cache, lengths, tree, launch
         torch.cuda.empty_cache()
     return rows
@@ -406,8 +422,8 @@ def plot_achieved(ax_flops, ax_bytes, rows, **fixed):
 def summary(rows) -> dict:
     """The issue's targets, read from one run's rows."""
     kernel = select(rows, provider="kernel")
-    big = [r for r in kernel if r["rows"] >= 128 and r["length"] >= 32768]
-    long = [r for r in kernel if r["length"] >= 32768 and r.get("speedup_vs_fallback")]
+    big = [r for r in kernel if r["rows"] >= TARGET_ROWS and r["length"] >= TARGET_LENGTH]
+    long = [r for r in kernel if r["length"] >= TARGET_LENGTH and r.get("speedup_vs_fallback")]
     ratios = []
     for r in select(kernel, length=131072):
         short = select(kernel, length=32768, batch=r["batch"], nodes=r["nodes"], heads=r["heads"])
@@ -432,11 +448,11 @@ def summary(rows) -> dict:
 def smoke(log=print) -> bool:
     """Every variant, one and several splits, a ragged batch with a zero length: the sanitizer case."""
     import torch
-    from .verify_attn import KERNEL_CONFIGS, verify_attention
+    from .verify_attn import runnable_configs, verify_attention
     ok = True
     inputs = make_inputs(2, 9, 8, 0, lengths=[70, 0], seed=0, slack=5, poison=True)
     ref_out, ref_lse = verify_attention(*inputs[:2], torch.nan_to_num(inputs[2]), *inputs[3:], backend="torch")
-    for config in KERNEL_CONFIGS:
+    for config in runnable_configs():
         for splits in (1, 3):
             launch = prepare_verify_launch(*inputs, config=config, splits=splits)
             launch()
@@ -450,15 +466,12 @@ def smoke(log=print) -> bool:
 def explore(shapes, *, reps: int = 10, log=print) -> list[dict]:
     """Every variant that fits, with the planner's split and with half / double of it; the kernel
     alone and with the merge. Prints a table (tuning the planner), returns the rows."""
-    from .verify_attn import KERNEL_CONFIGS, _device_limits
-    smem_per_block = _device_limits()[1]
+    from .verify_attn import runnable_configs
     found = []
     for batch, nodes, heads, length in shapes:
         inputs = make_inputs(batch, nodes, heads, length, seed=1)
         n_flops, n_bytes = flops(batch, nodes, heads, length), traffic_bytes(batch, nodes, heads, length)
-        for name, config in KERNEL_CONFIGS.items():
-            if config.smem_bytes > smem_per_block:
-                continue
+        for name in runnable_configs():
             auto = prepare_verify_launch(*inputs, config=name).plan.splits
             for splits in sorted({auto, max(1, auto // 2), min(1024, 2 * auto)}):
                 launch = prepare_verify_launch(*inputs, config=name, splits=splits)
@@ -505,6 +518,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--targets", action="store_true", help="the issue's target shapes only (N·H >= 128, L >= 32k)")
+    parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG",
+                        help="kernel configs also timed on every shape (provider kernel_variant)")
+    parser.add_argument("--no-baselines", action="store_true", help="time the kernels only")
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")
     parser.add_argument("--flush-study", action="store_true", help="kernel time after each kind of L2 flush")
@@ -526,7 +543,10 @@ def main():
     if not 0 <= part < parts:
         raise SystemExit(f"--part: expected K/P with 0 <= K < P, got {args.part}")
     shapes = QUICK_SHAPES if args.quick else benchmark_shapes()
-    run(shapes[part::parts], reps=args.reps, time_budget=args.budget, run_stamp=args.run)
+    if args.targets:
+        shapes = [s for s in shapes if s[1] * s[2] >= TARGET_ROWS and s[3] >= TARGET_LENGTH]
+    run(shapes[part::parts], reps=args.reps, baselines=not args.no_baselines, variants=args.variants,
+        time_budget=args.budget, run_stamp=args.run)
 
 
 if __name__ == "__main__":

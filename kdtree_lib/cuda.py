@@ -7,12 +7,15 @@
   `__nv_bfloat16`), and kernels run on torch's current stream so no extra synchronisation is
   needed between torch ops and ours.
 - `nvcc_compile` builds a kernel file for a given architecture without a GPU (CI checks sm_90 and
-  sm_120 this way, and reads registers and spills from ptxas).
+  sm_120 this way, sm_90a for the wgmma kernel, and reads registers and spills from ptxas).
+- An architecture-specific build (sm_90a) goes through NVRTC directly: CuPy always targets the
+  device's plain architecture.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,15 +37,48 @@ def kernel_source(file_name: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def load_module(file_name: str, options: tuple[str, ...] = ()):
-    """Compile (or fetch from CuPy's cache) one kernel file as a RawModule with NVRTC."""
+def load_module(file_name: str, options: tuple[str, ...] = (), arch: str | None = None):
+    """Compile (or fetch from a cache) one kernel file as a RawModule with NVRTC: for the current
+    device's architecture (CuPy's own build and cache), or for `arch` (e.g. "sm_90a")."""
     import cupy
-    return cupy.RawModule(code=kernel_source(file_name),
-                          options=NVRTC_OPTIONS + (f"-I{KERNEL_DIR}",) + tuple(options))
+    options = NVRTC_OPTIONS + (f"-I{KERNEL_DIR}",) + tuple(options)
+    if arch is None:
+        return cupy.RawModule(code=kernel_source(file_name), options=options)
+    return cupy.RawModule(path=str(_nvrtc_cubin(file_name, options, arch)))
 
 
-def get_function(file_name: str, name: str, options: tuple[str, ...] = ()):
-    return load_module(file_name, tuple(options)).get_function(name)
+def get_function(file_name: str, name: str, options: tuple[str, ...] = (), arch: str | None = None):
+    return load_module(file_name, tuple(options), arch).get_function(name)
+
+
+def _nvrtc_cubin(file_name: str, options: tuple[str, ...], arch: str) -> Path:
+    """A cubin of kernels/<file_name> for `arch`, cached on disk by source, options and NVRTC version.
+
+    CuPy's RawModule always adds the device's own `-arch=sm_XY`, which cannot name an
+    architecture-specific target such as sm_90a (wgmma), so these builds call NVRTC directly.
+    """
+    from cupy.cuda import nvrtc
+    source = kernel_source(file_name)
+    options = options + (f"--gpu-architecture={arch}", "-ftz=true")  # -ftz as CuPy's own builds
+    key = hashlib.sha256(repr((source, options, nvrtc.getVersion())).encode()).hexdigest()[:32]
+    cache_dir = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    cubin = cache_dir / f"kdtree-{Path(file_name).stem}-{arch}-{key}.cubin"
+    if cubin.exists():
+        return cubin
+    program = nvrtc.createProgram(source, file_name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC failed for {file_name} on {arch}:\n{nvrtc.getProgramLog(program)}") from error
+        binary = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = cubin.with_suffix(f".{os.getpid()}.partial")
+    partial.write_bytes(binary)
+    partial.replace(cubin)  # atomic: concurrent processes never load half a file
+    return cubin
 
 
 def as_cupy(x):

@@ -138,9 +138,11 @@ def _torch():
 
 
 # ----------------------------------------------------------------------------------------------
-# CuPy kernel (kernels/verify_attn.cu): tensor-core tree-verify attention
+# CuPy kernels: tensor-core tree-verify attention, portable (kernels/verify_attn.cu, mma.sync) and
+# Hopper-only (kernels/verify_attn_sm90a.cu, wgmma)
 
 KERNEL_FILE = "verify_attn.cu"
+KERNEL_FILE_SM90A = "verify_attn_sm90a.cu"
 MIN_SPLIT_KEYS = 64  # a split may be a single KV tile: short contexts still spread over the SMs
 MAX_GRID_YZ = 65535
 
@@ -153,6 +155,7 @@ class KernelConfig:
     keys: int        # keys per KV tile
     stages: int      # depth of the cp.async ring
     scoring: int = 4  # warps of a group computing S (2: two 32x32 warp tiles, less shared-memory traffic)
+    wgmma: bool = False  # the sm_90a kernel (two warpgroups, 64 rows x 64-key tiles, two stages)
 
     @property
     def rows(self) -> int:
@@ -164,18 +167,35 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Q tile + KV ring + P (rows padded by 16 bytes) + the 4 x rows row-statistics exchange."""
+        """Q tile + KV ring + P + the row-statistics exchange (kernels' kSmemBytes).
+
+        mma.sync: P rows padded by 16 bytes, a 4 x rows exchange. wgmma: unpadded swizzled P,
+        2 x 2 x rows statistics, and 1 KB to align the swizzle atoms."""
         row_bytes = 2 * CACHE_DIM
-        return (self.rows * row_bytes + self.stages * self.keys * row_bytes
-                + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4)
+        tiles = self.rows * row_bytes + self.stages * self.keys * row_bytes
+        if self.wgmma:
+            return 1024 + tiles + self.rows * self.keys * 2 + 4 * self.rows * 4
+        return tiles + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4
+
+    @property
+    def kernel_file(self) -> str:
+        return KERNEL_FILE_SM90A if self.wgmma else KERNEL_FILE
+
+    @property
+    def arch(self) -> str | None:
+        """An architecture-specific NVRTC target, or None for the current device's own."""
+        return "sm_90a" if self.wgmma else None
 
     def nvrtc_options(self, half: bool) -> tuple[str, ...]:
+        if self.wgmma:
+            return (f"-DVA_HALF={int(half)}",)
         return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
                 f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
-
     @property
     def name(self) -> str:
+        if self.wgmma:
+            return f"rows{self.rows}_keys{self.keys}_wgmma"
         return f"rows{self.rows}_keys{self.keys}_stages{self.stages}" + ("_wide" if self.scoring == 2 else "")
 
 
@@ -189,6 +209,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
+    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
 )}
 # Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound.
 PREFERRED = {64: ("rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
@@ -211,8 +232,9 @@ class LaunchPlan:
 
 
 def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: int, smem_per_sm: int,
-                config: str | None = None, splits: int | None = None) -> LaunchPlan:
-    """Choose the variant (by rows = N*H and the device's shared memory) and the key split.
+                wgmma: bool = False, config: str | None = None, splits: int | None = None) -> LaunchPlan:
+    """Choose the variant (by rows = N*H, the device's shared memory and whether it runs sm_90a's
+    wgmma) and the key split.
 
     Splits fill the GPU when B * row_blocks is small (batch 1 is the common case) without
     spilling a partial second wave; each split covers a whole number of KV tiles and at least
@@ -221,12 +243,15 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
     """
     if config is None:
         preference = [name for size, names in PREFERRED.items() if size < 2 * max(rows, 16) for name in names]
-        fitting = [name for name in preference if KERNEL_CONFIGS[name].smem_bytes <= smem_per_block]
+        fitting = [name for name in preference if KERNEL_CONFIGS[name].smem_bytes <= smem_per_block
+                   and (wgmma or not KERNEL_CONFIGS[name].wgmma)]
         if not fitting:
             raise ValueError(f"device: {smem_per_block} bytes of shared memory per block fit no kernel variant")
         config = fitting[0]
     elif config not in KERNEL_CONFIGS:
         raise ValueError(f"config: expected one of {sorted(KERNEL_CONFIGS)}, got {config!r}")
+    elif KERNEL_CONFIGS[config].wgmma and not wgmma:
+        raise ValueError(f"config: {config} needs a compute capability 9.0 device (sm_90a wgmma)")
     chosen = KERNEL_CONFIGS[config]
     row_blocks = -(-rows // chosen.rows)
     tiles = -(-slots // chosen.keys)
@@ -284,7 +309,7 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
     l_max, words, rows = int(cache.shape[1]), (nodes + 31) // 32, nodes * heads
     sms, smem_per_block, smem_per_sm = _device_limits()
     plan = plan_launch(batch, rows, l_max, sms=sms, smem_per_block=smem_per_block, smem_per_sm=smem_per_sm,
-                       config=config, splits=splits)
+                       wgmma=_runs_sm90a(), config=config, splits=splits)
     if out is None:
         out = cuda.device_empty(q_latent, (batch, nodes, heads, LATENT_DIM), dtype_name(q_latent))
     if lse is None:
@@ -358,13 +383,28 @@ def _device_limits() -> tuple[int, int, int]:
     return props["multiProcessorCount"], props["sharedMemPerBlockOptin"], props["sharedMemPerMultiprocessor"]
 
 
+def runnable_configs() -> list[str]:
+    """The variants the current device can run: shared memory per block, and sm_90a for wgmma."""
+    smem_per_block = _device_limits()[1]
+    return [name for name, c in KERNEL_CONFIGS.items()
+            if c.smem_bytes <= smem_per_block and (_runs_sm90a() or not c.wgmma)]
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_sm90a() -> bool:
+    """Does the current device run sm_90a code (wgmma)? Only compute capability 9.0 exactly."""
+    import cupy
+    return cupy.cuda.Device().compute_capability == "90"
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_functions(config_name: str, half: bool):
     """(main, merge) CuPy functions of one variant, compiled once by NVRTC."""
     from . import cuda
     config = KERNEL_CONFIGS[config_name]
     options = config.nvrtc_options(half)
-    main = cuda.get_function(KERNEL_FILE, "verify_attn", options)
+    main = cuda.get_function(config.kernel_file, "verify_attn", options, config.arch)
     main.max_dynamic_shared_size_bytes = config.smem_bytes
-    merge = cuda.get_function(KERNEL_FILE, "verify_attn_merge_f16" if half else "verify_attn_merge_bf16", options)
+    merge = cuda.get_function(config.kernel_file, "verify_attn_merge_f16" if half else "verify_attn_merge_bf16",
+                              options, config.arch)
     return main, merge

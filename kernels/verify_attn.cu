@@ -30,50 +30,11 @@
 // -DVA_HALF=0|1 -DVA_ROW_TILES -DVA_ROW_GROUPS -DVA_KEYS -DVA_STAGES -DVA_SCORING; a plain nvcc build (CI's
 // compile test, ptxas -v) instantiates every configuration the launcher may pick.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
+#include "verify_attn_common.cuh"
 
 namespace va {
 
-constexpr int kLatent = 512;          // value width (c_kv)
-constexpr int kRope = 64;             // rope part of the key
-constexpr int kWidth = 576;           // key width = cache row
-constexpr int kRowChunks = kWidth / 8;  // 16-byte chunks in a row (72)
-constexpr int kRowBytes = kWidth * 2;   // 1152
 constexpr int kColsPerWarp = kLatent / 4;  // output columns owned by one warp of a group (128)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ u32 smem_address(const void* pointer) {
-  u32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
-  return address;
-}
-
-// 16-byte async copy global -> shared; when !valid the destination is zero-filled and src unread.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ u32 dynamic_smem_bytes() {
-  u32 bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
-  return bytes;
-}
-
-// Named barrier for the `threads` threads of one warp group (id 0 is __syncthreads').
-__device__ __forceinline__ void group_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -110,51 +71,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-}
-
-// Two floats -> packed 16-bit pair (lo in the low half), round to nearest even.
-template <bool kHalf>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-  u32 packed;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  }
-  return packed;
-}
-
-// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
-template <bool kHalf>
-__device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
-  *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
-}
-template <bool kHalf>
-__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
-  *reinterpret_cast<float2*>(dst) = float2{lo, hi};
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float fast_log2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Max (kMax) or sum of one value over the quad of lanes that hold a row of an mma accumulator;
-// the quad's first lane stores it to `slot` (the row statistics exchanged through shared memory).
-template <bool kMax>
-__device__ __forceinline__ void quad_reduce_store(float value, float* slot, int quad_col) {
-#pragma unroll
-  for (int offset = 1; offset <= 2; offset <<= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
-    value = kMax ? fmaxf(value, other) : value + other;
-  }
-  if (quad_col == 0) *slot = value;
 }
 
 template <int kRowTiles, int kRowGroups, int kKeys, int kStages, int kScoring>
@@ -207,17 +123,12 @@ __device__ __forceinline__ void verify_attn_cta(
   const int slice = S::kScoringWarps == 4 ? column : group == 0 ? column : column - 2;
   const bool scores = slice >= 0 && slice < S::kScoringWarps;
   const int quad_row = lane >> 2, quad_col = lane & 3;
-  const int batch = gridDim.z, b = blockIdx.z, split = blockIdx.y, splits = gridDim.y;
+  const int batch = gridDim.z, b = blockIdx.z, split = blockIdx.y;
   const int rows = nodes * heads;
   const int row0 = blockIdx.x * S::kRows;
 
-  // Clamp so that a bad device-side length can never address outside the cache.
-  const int length = min(max(lengths[b], 0), l_max - nodes);
-  const int kv_len = length + nodes;
-  const int key_begin = split * chunk;
-  const int key_end = min(key_begin + chunk, kv_len);
-  const int n_tiles = key_end > key_begin ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
-  const int unmasked_end = min(length, key_end);  // keys below this need no mask
+  const KeyRange range = key_range<kKeys>(lengths, b, l_max, nodes, split, chunk);
+  const int kv_len = range.kv_len, key_begin = range.begin, n_tiles = range.tiles;
 
   // Loads: 8 threads per row, thread `load_sub` copies chunks load_sub + 8q (q < 9), so a warp
   // reads four full 128-byte segments per instruction and the swizzle is one per-thread constant.
@@ -346,7 +257,7 @@ __device__ __forceinline__ void verify_attn_cta(
             for (int e = 0; e < 4; ++e) s[mt][nt][e] += chains[c][mt][nt][e];
 
       // Mask: keys past the split or the tree, and tree keys that are not ancestors.
-      if (tile_start + kKeys > unmasked_end) {
+      if (tile_start + kKeys > range.unmasked_end) {
 #pragma unroll
         for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
@@ -359,12 +270,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int key = tile_start + slice * S::kWarpKeys + nt * 8 + 2 * quad_col + e;
-                bool allowed = key < key_end;
-                if (allowed && key >= length) {
-                  const int j = key - length;  // tree slot, < nodes since key < kv_len
-                  allowed = real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
-                }
-                if (!allowed) s[mt][nt][2 * h + e] = neg_inf();
+                if (!key_visible(key, range, real_row, mask_row)) s[mt][nt][2 * h + e] = neg_inf();
               }
           }
       }
@@ -462,90 +368,10 @@ __device__ __forceinline__ void verify_attn_cta(
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float row_lse = l > 0.f ? (row_max[mt][h] + fast_log2(l)) * kLn2 : neg_inf();
       if (row >= rows) continue;
-      const i64 out_row = (i64)b * rows + row;
-      const int col0 = column * kColsPerWarp + 2 * quad_col;
-      auto store_row = [&](auto* dst) {  // this thread's column pairs of the row, normalised
-#pragma unroll
-        for (int j = 0; j < 16; ++j) store_pair<kHalf>(dst + 8 * j, o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
-      };
-      if (splits == 1) {
-        store_row(out + out_row * kLatent + col0);
-        if (column == 0 && quad_col == 0) lse[out_row] = row_lse;
-      } else {
-        const i64 part_row = (i64)split * batch * rows + out_row;
-        store_row(partial_out + part_row * kLatent + col0);
-        if (column == 0 && quad_col == 0) partial_lse[part_row] = row_lse;
-      }
+      store_output_row<kHalf>(o[mt], h, inv, row_lse, column == 0 && quad_col == 0, (i64)b * rows + row,
+                              column * kColsPerWarp + 2 * quad_col, split, (i64)batch * rows, out, lse, partial_out,
+                              partial_lse);
     }
-}
-
-// Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
-// float4 per lane, independent loads), then the warps' sums are added through shared memory.
-constexpr int kMergeThreads = 256;
-constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
-
-__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
-    x = take_max ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();  // scratch may still be read from a previous reduction
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-  __syncthreads();
-  x = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
-  return x;
-}
-
-template <bool kHalf>
-__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
-                                          u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float4 warp_sum[kMergeThreads / 32][32];
-  __shared__ float scratch[kMergeThreads / 32];
-  const i64 row = blockIdx.x;  // b * rows + row
-  const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  float m = neg_inf();
-  for (int s = tid; s < splits; s += kMergeThreads) {
-    weight[s] = partial_lse[(i64)s * total_rows + row];
-    m = fmaxf(m, weight[s]);
-  }
-  m = block_reduce(m, true, scratch);
-  const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
-  float total = 0.f;
-  for (int s = tid; s < splits; s += kMergeThreads) {
-    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
-    total += weight[s];
-  }
-  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
-  const float scale = total > 0.f ? 1.f / total : 0.f;
-
-  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
-  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
-  float4 acc = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int s = warp; s < splits; s += kMergeThreads / 32) {
-    const float w = weight[s];
-    const float4 x = src[s * split_stride];
-    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
-  }
-  warp_sum[warp][lane] = acc;
-  __syncthreads();
-  if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
-    const float* sums = reinterpret_cast<const float*>(warp_sum);
-    float x = 0.f, y = 0.f;
-#pragma unroll
-    for (int w = 0; w < kMergeThreads / 32; ++w) {
-      x += sums[w * 128 + 2 * tid];
-      y += sums[w * 128 + 2 * tid + 1];
-    }
-    *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
-  }
-  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
 }
 
 }  // namespace va
@@ -574,14 +400,7 @@ VA_KERNEL(verify_attn_rows16_keys32_stages4, 0, 1, 1, 32, 4, 4)
 VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)
 #endif
 
-extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(
-    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
-  va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);
-}
-extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(
-    const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {
-  va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);
-}
+VA_MERGE_KERNELS
 
 // The mma.sync ceiling: 8 independent m16n8k16 bf16 chains per warp on register operands, no
 // memory traffic. FLOPs = blocks · warps · iters · 8 chains · 4096 (one m16n8k16).

@@ -1,11 +1,13 @@
-"""The CuPy verify-attention kernel (kernels/verify_attn.cu) against the fp32 torch reference.
+"""The CuPy verify-attention kernels (kernels/verify_attn.cu, kernels/verify_attn_sm90a.cu) against
+the fp32 torch reference.
 
 GPU tests draw fresh random inputs on every run (the seed is printed), use ragged sizes on purpose
 (N not a multiple of 16, L not a multiple of the tile, N = 1, a request of length 0, differing
 lengths, padding nodes), poison the outputs and the cache past each request's tree, force every
-kernel variant and split count, and compare the kernel's error with a bf16 torch run's error
-(flash-attention's criterion) as well as with the issue's bounds. CPU tests cover the host checks,
-the launch plan, and an nvcc build for sm_90 and sm_120 (no register spills).
+kernel variant the device runs (the wgmma one on compute capability 9.0) and split count, and
+compare the kernel's error with a bf16 torch run's error (flash-attention's criterion) as well as
+with the issue's bounds. CPU tests cover the host checks, the launch plan, and nvcc builds: the
+portable kernel for sm_90 and sm_120, the wgmma kernel for sm_90a (no register spills).
 """
 import os
 import re
@@ -17,13 +19,15 @@ import pytest
 from kdtree_lib import bench_verify_attn as bench
 from kdtree_lib import cuda
 from kdtree_lib.tree_build import tree_from_parents
-from kdtree_lib.verify_attn import (KERNEL_CONFIGS, KERNEL_FILE, MIN_SPLIT_KEYS, _check_kernel_args, plan_launch,
-                                    prepare_verify_launch, verify_attention)
+from kdtree_lib.verify_attn import (KERNEL_CONFIGS, KERNEL_FILE, KERNEL_FILE_SM90A, MIN_SPLIT_KEYS, _check_kernel_args,
+                                    plan_launch, prepare_verify_launch, runnable_configs, verify_attention)
 
 REL_ERR = 1e-2
 LSE_ERR = 1e-3
-H200 = {"sms": 132, "smem_per_block": 232448, "smem_per_sm": 233472}
+H200 = {"sms": 132, "smem_per_block": 232448, "smem_per_sm": 233472, "wgmma": True}
 RTX_5090 = {"sms": 170, "smem_per_block": 101376, "smem_per_sm": 102400}
+WGMMA = "rows64_keys64_wgmma"
+PORTABLE_CONFIGS = [name for name, c in KERNEL_CONFIGS.items() if not c.wgmma]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,9 +63,17 @@ def test_plan_picks_the_variant_by_rows_and_shared_memory():
         plan_launch(1, 8, 4096, **H200, splits=2000)
 
 
+def test_the_wgmma_variant_needs_sm90a():
+    assert plan_launch(1, 128, 4096, **H200, config=WGMMA).config.wgmma
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        plan_launch(1, 128, 4096, **RTX_5090, config=WGMMA)
+    assert not plan_launch(1, 128, 4096, **{**H200, "wgmma": False}).config.wgmma
+
+
 def test_kernel_config_shared_memory_fits_its_target():
     assert KERNEL_CONFIGS["rows64_keys64_stages2"].smem_bytes <= H200["smem_per_block"]
     assert KERNEL_CONFIGS["rows16_keys32_stages2"].smem_bytes <= RTX_5090["smem_per_block"]
+    assert KERNEL_CONFIGS[WGMMA].smem_bytes == 1024 + 3 * 64 * 1152 + 64 * 64 * 2 + 4 * 64 * 4
     assert all(c.smem_bytes <= H200["smem_per_block"] for c in KERNEL_CONFIGS.values())
 
 
@@ -154,10 +166,9 @@ def test_the_error_check_rejects_known_wrong_answers():
 # ----------------------------------------------------------------------------------------------
 # CPU: nvcc builds for both targets
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
-def test_nvcc_builds_without_spills(arch, tmp_path):
-    report = cuda.nvcc_compile(KERNEL_FILE, arch, tmp_path)
+def _ptxas_kernels(file_name, arch, tmp_path) -> dict:
+    """{kernel: (spilled bytes, registers)} from ptxas -v of an nvcc build; no kernel may spill."""
+    report = cuda.nvcc_compile(file_name, arch, tmp_path)
     blocks = re.split(r"Compiling entry function '(\w+)'", report)[1:]
     kernels = {}
     for name, text in zip(blocks[::2], blocks[1::2]):
@@ -165,10 +176,26 @@ def test_nvcc_builds_without_spills(arch, tmp_path):
         registers = re.search(r"Used (\d+) registers", text)
         kernels[name] = (int(spills[1]) + int(spills[2]), int(registers[1]))
         print(f"{arch} {name}: {registers[1]} registers, {spills[1]}/{spills[2]} bytes spilled")
-    assert {f"verify_attn_{name}" for name in KERNEL_CONFIGS} <= set(kernels)
     for name, (spilled, registers) in kernels.items():
         assert spilled == 0, f"{name} spills on {arch}"
         assert registers <= 255
+    assert "wgmma.mma_async instructions are serialized" not in report
+    return kernels
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
+def test_nvcc_builds_without_spills(arch, tmp_path):
+    kernels = _ptxas_kernels(KERNEL_FILE, arch, tmp_path)
+    assert {f"verify_attn_{name}" for name in PORTABLE_CONFIGS} <= set(kernels)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_nvcc_builds_the_wgmma_kernel_for_sm90a_only(tmp_path):
+    kernels = _ptxas_kernels(KERNEL_FILE_SM90A, "sm_90a", tmp_path)
+    assert {"verify_attn_wgmma_bf16", "verify_attn_wgmma_f16", "verify_attn_merge_bf16"} <= set(kernels)
+    with pytest.raises(RuntimeError, match="needs sm_90a"):
+        cuda.nvcc_compile(KERNEL_FILE_SM90A, "sm_90", tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,10 +237,16 @@ def _poisoned_launch(q_latent, q_rope, cache, lengths, tree, **kwargs):
     return launch
 
 
+def _skip_unless_runnable(config):
+    if config is not None and config not in runnable_configs():
+        pytest.skip(f"{config} does not run on this device")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, *KERNEL_CONFIGS])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_kernel_matches_reference(case, config):
+    _skip_unless_runnable(config)
     batch, nodes, heads, lengths, n_nodes = CASES[case]
     seed = SEED + case
     inputs = bench.make_inputs(batch, nodes, heads, 0, lengths=lengths, n_nodes=n_nodes, seed=seed, slack=37,
@@ -248,6 +281,18 @@ def test_float16_cupy_in_cupy_out():
 
 
 @pytest.mark.gpu
+def test_float16_wgmma():
+    _skip_unless_runnable(WGMMA)
+    inputs = bench.make_inputs(2, 19, 8, 0, lengths=[700, 90], seed=SEED, dtype="float16", slack=11, poison=True)
+    ref_out, ref_lse = _reference(*inputs)
+    for splits in (1, 5):
+        launch = _poisoned_launch(*inputs, config=WGMMA, splits=splits)
+        err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
+        print(f"float16 wgmma splits={splits}: {err}")
+        assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
+
+
+@pytest.mark.gpu
 def test_torch_in_torch_out_on_the_current_stream():
     torch = pytest.importorskip("torch")
     inputs = bench.make_inputs(1, 5, 8, 77, seed=SEED)
@@ -263,14 +308,16 @@ def test_torch_in_torch_out_on_the_current_stream():
 
 
 @pytest.mark.gpu
-def test_bad_device_lengths_are_clamped_not_out_of_bounds():
+@pytest.mark.parametrize("config", [None, WGMMA])
+def test_bad_device_lengths_are_clamped_not_out_of_bounds(config):
     """Device lengths are not checked on the host (no sync): the kernel clamps to [0, L_max - N]."""
+    _skip_unless_runnable(config)
     torch = pytest.importorskip("torch")
     q_latent, q_rope, cache, _, tree = bench.make_inputs(3, 6, 8, 0, lengths=[50, 50, 50], seed=SEED)
     l_max = cache.shape[1]
     bad = torch.tensor([-5, 10 ** 6, 20], dtype=torch.int32, device="cuda")
     clamped = torch.tensor([0, l_max - 6, 20], dtype=torch.int64, device="cuda")
-    launch = _poisoned_launch(q_latent, q_rope, cache, bad, tree)
+    launch = _poisoned_launch(q_latent, q_rope, cache, bad, tree, config=config)
     ref_out, ref_lse = _reference(q_latent, q_rope, cache, clamped, tree)
     err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
     assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
@@ -281,11 +328,12 @@ def test_long_context_split_merge():
     """32k keys through many splits (merge by LSE) and through one (a single CTA per row block)."""
     inputs = bench.make_inputs(1, 16, 8, 32768 + 5, seed=SEED)
     ref_out, ref_lse = _reference(*inputs)
-    for splits in (None, 1):
-        launch = _poisoned_launch(*inputs, splits=splits)
-        err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
-        print(f"32k splits={launch.plan.splits}: {err}")
-        assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
+    for config in (None, *[name for name in (WGMMA,) if name in runnable_configs()]):
+        for splits in (None, 1):
+            launch = _poisoned_launch(*inputs, config=config, splits=splits)
+            err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
+            print(f"32k {launch.plan.config_name} splits={launch.plan.splits}: {err}")
+            assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
 
 
 @pytest.mark.gpu

@@ -1,0 +1,231 @@
+// verify_attn_common.cuh — what the two verify-attention kernels share: the portable mma.sync one
+// (verify_attn.cu, sm_90 and sm_120) and the wgmma one (verify_attn_sm90a.cu, sm_90a only).
+//
+// Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2), the
+// key range one CTA covers, the tree-mask test, the epilogue's row store (bf16/f16 output or a
+// split's fp32 partial) and the kernel that merges split partials by LSE.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+namespace va {
+
+constexpr int kLatent = 512;          // value width (c_kv)
+constexpr int kRope = 64;             // rope part of the key
+constexpr int kWidth = 576;           // key width = cache row
+constexpr int kRowChunks = kWidth / 8;  // 16-byte chunks in a row (72)
+constexpr int kRowBytes = kWidth * 2;   // 1152
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ u32 smem_address(const void* pointer) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+  return address;
+}
+
+// 16-byte async copy global -> shared; when !valid the destination is zero-filled and src unread.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+  u32 bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
+
+// Named barrier for the `threads` threads of one warp group (id 0 is __syncthreads').
+__device__ __forceinline__ void group_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Two floats -> packed 16-bit pair (lo in the low half), round to nearest even.
+template <bool kHalf>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 packed;
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  }
+  return packed;
+}
+
+// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
+template <bool kHalf>
+__device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
+  *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
+}
+template <bool kHalf>
+__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
+  *reinterpret_cast<float2*>(dst) = float2{lo, hi};
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Max (kMax) or sum of one value over the quad of lanes that hold a row of an mma accumulator;
+// the quad's first lane stores it to `slot` (the row statistics exchanged through shared memory).
+template <bool kMax>
+__device__ __forceinline__ void quad_reduce_store(float value, float* slot, int quad_col) {
+#pragma unroll
+  for (int offset = 1; offset <= 2; offset <<= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+    value = kMax ? fmaxf(value, other) : value + other;
+  }
+  if (quad_col == 0) *slot = value;
+}
+
+// The keys one CTA covers: split `split` of request b's stream [0, length + nodes), in tiles of
+// kKeys. A bad device-side length is clamped so that it can never address outside the cache.
+struct KeyRange {
+  int length;        // committed keys (no mask below this)
+  int kv_len;        // length + nodes: keys past it are zero-filled, never read
+  int begin, end;    // this split's keys
+  int tiles;         // KV tiles in [begin, end)
+  int unmasked_end;  // keys below this need no mask
+};
+
+template <int kKeys>
+__device__ __forceinline__ KeyRange key_range(const int* lengths, int b, int l_max, int nodes, int split,
+                                              int chunk) {
+  KeyRange r;
+  r.length = min(max(lengths[b], 0), l_max - nodes);
+  r.kv_len = r.length + nodes;
+  r.begin = split * chunk;
+  r.end = min(r.begin + chunk, r.kv_len);
+  r.tiles = r.end > r.begin ? (r.end - r.begin + kKeys - 1) / kKeys : 0;
+  r.unmasked_end = min(r.length, r.end);
+  return r;
+}
+
+// May a query row (of node `mask_row`'s mask, real_row false for padding rows past N·H) see `key`?
+// Keys past the split are never visible; tree keys only when they are the node's ancestors.
+__device__ __forceinline__ bool key_visible(int key, const KeyRange& range, bool real_row, const u32* mask_row) {
+  if (key >= range.end) return false;
+  if (key < range.length) return true;
+  const int j = key - range.length;  // tree slot, < nodes since key < kv_len
+  return real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
+}
+
+// Epilogue for one accumulator row half h (rows quad_row, quad_row + 8 of an m16n8 / wgmma
+// fragment): kTiles column pairs at stride 8, normalised by inv, to the bf16/f16 output (one
+// split) or the split's fp32 partial; `writes_lse` threads also write the row's LSE.
+template <bool kHalf, int kTiles>
+__device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], int h, float inv, float row_lse,
+                                                 bool writes_lse, i64 out_row, int col0, int split, i64 total_rows,
+                                                 u16* out, float* lse, float* partial_out, float* partial_lse) {
+  auto store_row = [&](auto* dst) {
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) store_pair<kHalf>(dst + 8 * j, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+  };
+  if (gridDim.y == 1) {
+    store_row(out + out_row * kLatent + col0);
+    if (writes_lse) lse[out_row] = row_lse;
+  } else {
+    const i64 part_row = (i64)split * total_rows + out_row;
+    store_row(partial_out + part_row * kLatent + col0);
+    if (writes_lse) partial_lse[part_row] = row_lse;
+  }
+}
+
+// Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
+// float4 per lane, independent loads), then the warps' sums are added through shared memory.
+constexpr int kMergeThreads = 256;
+constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
+
+__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+    x = take_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  return x;
+}
+
+template <bool kHalf>
+__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
+                                          u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float4 warp_sum[kMergeThreads / 32][32];
+  __shared__ float scratch[kMergeThreads / 32];
+  const i64 row = blockIdx.x;  // b * rows + row
+  const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  float m = neg_inf();
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = partial_lse[(i64)s * total_rows + row];
+    m = fmaxf(m, weight[s]);
+  }
+  m = block_reduce(m, true, scratch);
+  const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
+  float total = 0.f;
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
+    total += weight[s];
+  }
+  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
+  const float scale = total > 0.f ? 1.f / total : 0.f;
+
+  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
+  float4 acc = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int s = warp; s < splits; s += kMergeThreads / 32) {
+    const float w = weight[s];
+    const float4 x = src[s * split_stride];
+    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+  }
+  warp_sum[warp][lane] = acc;
+  __syncthreads();
+  if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
+    const float* sums = reinterpret_cast<const float*>(warp_sum);
+    float x = 0.f, y = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMergeThreads / 32; ++w) {
+      x += sums[w * 128 + 2 * tid];
+      y += sums[w * 128 + 2 * tid + 1];
+    }
+    *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
+  }
+  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
+}
+
+}  // namespace va
+
+// The split merge kernels, one per 16-bit type; every verify-attention module defines them.
+#define VA_MERGE_KERNELS                                                                                         \
+  extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(                        \
+      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
+    va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);                                \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(                         \
+      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
+    va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);                                 \
+  }

@@ -1,0 +1,334 @@
+// Tree-verify attention for absorbed MLA on Hopper's warpgroup MMA (wgmma), sm_90a only. The
+// portable mma.sync kernel (verify_attn.cu) states the problem and stays the one for sm_120 and
+// every other device; kdtree_lib/verify_attn.py picks this one on compute capability 9.0. Both
+// share verify_attn_common.cuh (key range, mask, epilogue, split merge).
+//
+// One CTA = 64 query rows (tree node × head) × one split of the key range, two warpgroups:
+//   * Q (64 × 576) stays in shared memory; KV tiles of 64 keys stream through two cp.async stages.
+//     Every 64-row × 576 tile is stored as nine 64-column blocks of 64 rows × 128 bytes, each row
+//     128-byte swizzled (16-byte chunk c of row r at chunk c ^ r % 8), the layout a wgmma shared
+//     memory descriptor reads directly, K-major (Q, K, P) as well as MN-major (V).
+//   * S = Q·Kᵀ is split by keys: warpgroup w scores keys [32w, 32w + 32) of the tile for all 64
+//     rows (36 × m64n32k16, Q and K from shared memory), so Q·Kᵀ is computed once.
+//   * Online softmax in registers (log2 domain); the two warpgroups exchange row maxima through
+//     shared memory, and each writes its bf16/f16 P half into a 64 × 64 swizzled P tile.
+//   * O += P·V: warpgroup w owns output columns [256w, 256w + 256) (64 × 256 fp32, 128 registers
+//     a thread): 4 × m64n256k16 with P (K-major) and V = the tile's first 512 columns read as
+//     the MN-major B operand.
+//   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
+//     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
+//     read), split partials merged by verify_attn_merge_* (VA_MERGE_KERNELS), fp32 LSE.
+// Per tile: wait for the tile, barrier, issue the next tile's loads (into the stage the previous
+// tile's P·V has finished with), S, row-max exchange, P, barrier, P·V.
+
+#include "verify_attn_common.cuh"
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "verify_attn_sm90a.cu needs sm_90a (wgmma); build verify_attn.cu for other targets"
+#endif
+
+typedef unsigned long long u64;
+
+namespace va {
+namespace wg {
+
+constexpr int kRows = 64;                        // query rows per CTA (one wgmma M)
+constexpr int kKeys = 64;                        // keys per KV tile
+constexpr int kThreads = 256;                    // two warpgroups
+constexpr int kBlockBytes = 64 * 128;            // one 64-column block of a 64-row tile
+constexpr int kTileBytes = 9 * kBlockBytes;      // 64 rows × 576 (Q or one KV stage)
+constexpr int kPBytes = kRows * 128;             // P: 64 rows × 64 keys
+constexpr int kStatBytes = 2 * 2 * kRows * 4;    // row maxima and row sums of both warpgroups
+constexpr int kAlign = 1024;                     // 128-byte swizzle atoms are 1024-byte aligned
+constexpr int kSmemBytes = kAlign + 3 * kTileBytes + kPBytes + kStatBytes;  // kdtree_lib KernelConfig
+static_assert(kSmemBytes <= 232448, "more than sm_90's 227 KB opt-in");
+
+// Shared memory descriptor of a 128-byte-swizzled operand: start address, leading byte offset
+// (MN-major: stride between 64-element blocks; unused K-major), stride byte offset (between
+// 8-row groups), swizzle mode 1 (128 B). Offsets below 256 KB are added to the low word in 16 B.
+__device__ __forceinline__ u64 smem_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes) {
+  return (u64)((address & 0x3ffff) >> 4) | ((u64)(leading_bytes >> 4) << 16) | ((u64)(stride_bytes >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Generic-proxy shared memory writes (threads, cp.async) made visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across wgmma's issue and wait.
+template <int kCount>
+__device__ __forceinline__ void fence_registers(float* registers) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(registers[i])::"memory");
+}
+
+// d (64 × 32, fp32) = a·bᵀ (+ d when accumulate): a, b K-major in shared memory.
+template <bool kHalf>
+__device__ __forceinline__ void wgmma_m64n32(float (&d)[16], u64 a, u64 b, bool accumulate) {
+#define VA_WGMMA_N32(TYPE)                                                                                         \
+  asm volatile(                                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                 \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                             \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"       \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),           \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])      \
+      : "l"(a), "l"(b), "r"((int)accumulate))
+  if constexpr (kHalf) {
+    VA_WGMMA_N32("f16");
+  } else {
+    VA_WGMMA_N32("bf16");
+  }
+#undef VA_WGMMA_N32
+}
+
+// d (64 × 256, fp32) += a·b: a (64 × 16) K-major, b (16 × 256) MN-major, both in shared memory.
+#define VA_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+template <bool kHalf>
+__device__ __forceinline__ void wgmma_m64n256_mn(float (&d)[128], u64 a, u64 b) {
+#define VA_WGMMA_N256(TYPE)                                                                                        \
+  asm volatile(                                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                           \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                       \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                             \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                             \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                             \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                             \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                             \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                 \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"               \
+      "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                                         \
+      : VA_F8(0), VA_F8(8), VA_F8(16), VA_F8(24), VA_F8(32), VA_F8(40), VA_F8(48), VA_F8(56), VA_F8(64),          \
+        VA_F8(72), VA_F8(80), VA_F8(88), VA_F8(96), VA_F8(104), VA_F8(112), VA_F8(120)                            \
+      : "l"(a), "l"(b), "r"(1))
+  if constexpr (kHalf) {
+    VA_WGMMA_N256("f16");
+  } else {
+    VA_WGMMA_N256("bf16");
+  }
+#undef VA_WGMMA_N256
+}
+#undef VA_F8
+
+// One CTA: rows [blockIdx.x·64, +64) of request blockIdx.z over key split blockIdx.y.
+template <bool kHalf>
+__device__ __forceinline__ void verify_attn_cta(
+    const u16* __restrict__ q_latent,   // [B, rows, 512]
+    const u16* __restrict__ q_rope,     // [B, rows, 64]
+    const u16* __restrict__ cache,      // [B, l_max, 576]
+    const int* __restrict__ lengths,    // [B]
+    const u32* __restrict__ mask,       // [B, N, words]
+    u16* __restrict__ out,              // [B, rows, 512]           (one split)
+    float* __restrict__ lse,            // [B, rows]                (one split)
+    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
+    float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
+    int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
+  if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
+  extern __shared__ unsigned char smem_raw[];
+  const u32 raw_address = smem_address(smem_raw);
+  const u32 q_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);
+  const u32 kv_smem = q_smem + kTileBytes;        // two stages
+  const u32 p_smem = kv_smem + 2 * kTileBytes;
+  unsigned char* p_bytes = smem_raw + (p_smem - raw_address);
+  float* exchange_max = reinterpret_cast<float*>(p_bytes + kPBytes);  // [2][64]: each warpgroup's row maxima
+  float* exchange_sum = exchange_max + 2 * kRows;                      // [2][64]: row sums (epilogue)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2;  // warpgroup: scores keys [32g, 32g + 32), owns O columns [256g, 256g + 256)
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+  const int b = blockIdx.z, split = blockIdx.y;
+  const int rows = nodes * heads;
+  const int row0 = blockIdx.x * kRows;
+  const KeyRange range = key_range<kKeys>(lengths, b, l_max, nodes, split, chunk);
+
+  // Loads: 8 threads per row, thread `load_sub` copies chunk load_sub of each 64-column block, so
+  // a warp reads four full 128-byte segments per instruction; the swizzle is a per-thread constant.
+  constexpr int kRowsPerPass = kThreads / 8;
+  const int load_row = tid >> 3, load_sub = tid & 7;
+  const u32 load_offset = load_row * 128 + ((load_sub ^ (load_row & 7)) << 4);  // row & 7 is the same in every pass
+  const u16* cache_b = cache + (i64)b * l_max * kWidth;
+  auto load_tile = [&](int tile, int stage) {
+    const int tile_start = range.begin + tile * kKeys;
+#pragma unroll
+    for (int pass = 0; pass < kKeys / kRowsPerPass; ++pass) {
+      const int r = pass * kRowsPerPass + load_row;
+      const bool valid = tile_start + r < range.kv_len;
+      const u16* src = cache_b + (i64)(valid ? tile_start + r : 0) * kWidth + load_sub * 8;
+      const u32 dst = kv_smem + stage * kTileBytes + pass * kRowsPerPass * 128 + load_offset;
+#pragma unroll
+      for (int block = 0; block < 9; ++block) cp_async16(dst + block * kBlockBytes, src + block * 64, valid);
+    }
+  };
+
+  // Prologue: Q and the first tile.
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int r = pass * kRowsPerPass + load_row;
+    const bool valid = row0 + r < rows;
+    const i64 q_row = (i64)b * rows + (valid ? row0 + r : 0);
+    const u16* latent = q_latent + q_row * kLatent + load_sub * 8;
+    const u32 dst = q_smem + pass * kRowsPerPass * 128 + load_offset;
+#pragma unroll
+    for (int block = 0; block < 8; ++block) cp_async16(dst + block * kBlockBytes, latent + block * 64, valid);
+    cp_async16(dst + 8 * kBlockBytes, q_rope + q_row * kRope + load_sub * 8, valid);
+  }
+  if (range.tiles > 0) load_tile(0, 0);
+  cp_async_commit();
+
+  // Accumulator fragments (wgmma D layout): warp w of the group holds rows 16w + quad_row (+8);
+  // element 4j + 2h + e is column 8j + 2·quad_col + e of row half h.
+  float o[32][4];      // O columns 256·group + 8j + ...
+  float s[4][4];       // S keys 32·group + 8j + ...
+  float row_max[2], row_sum[2];  // log2-domain running max; this thread's partial sums
+#pragma unroll
+  for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  row_max[0] = row_max[1] = neg_inf();
+  row_sum[0] = row_sum[1] = 0.f;
+  const int warp_row0 = (warp & 3) * 16;
+
+  const u64 q_desc = smem_descriptor(q_smem, 16, 1024);
+  const u64 p_desc = smem_descriptor(p_smem, 16, 1024);
+
+  for (int tile = 0; tile < range.tiles; ++tile) {
+    cp_async_wait<0>();
+    fence_async_shared();
+    __syncthreads();  // tile visible to both warpgroups' wgmma; both are done with tile - 1 (stage, P)
+    if (tile + 1 < range.tiles) load_tile(tile + 1, (tile + 1) & 1);
+    cp_async_commit();
+    const u32 stage = kv_smem + (tile & 1) * kTileBytes;
+    const int tile_start = range.begin + tile * kKeys;
+
+    // S = Q·Kᵀ for this group's 32 keys over all 576 dims: block k/4, 32 bytes per k16 step.
+    {
+      const u64 k_desc = smem_descriptor(stage + group * 32 * 128, 16, 1024);
+      float* s_flat = &s[0][0];
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kWidth / 16; ++k) {
+        const u32 step = ((k >> 2) * kBlockBytes + (k & 3) * 32) >> 4;
+        wgmma_m64n32<kHalf>(*reinterpret_cast<float(*)[16]>(s_flat), q_desc + step, k_desc + step, k > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers<16>(s_flat);
+    }
+
+    // Mask: keys past the split or the tree, and tree keys that are not ancestors.
+    if (tile_start + kKeys > range.unmasked_end) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + warp_row0 + quad_row + 8 * h;
+        const bool real_row = row < rows;
+        const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = tile_start + group * 32 + 8 * j + 2 * quad_col + e;
+            if (!key_visible(key, range, real_row, mask_row)) s[j][2 * h + e] = neg_inf();
+          }
+      }
+    }
+
+    // Row maxima of this group's keys, exchanged with the other group.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = neg_inf();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      quad_reduce_store<true>(m, exchange_max + group * kRows + warp_row0 + quad_row + 8 * h, quad_col);
+    }
+    __syncthreads();
+
+    // P (bf16/f16) into the swizzled P tile, row sums, O rescaled.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row0 + quad_row + 8 * h;
+      const float tile_max = fmaxf(exchange_max[r], exchange_max[kRows + r]);
+      const float new_max = fmaxf(row_max[h], tile_max * scale_log2);
+      const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
+      const float alpha = fast_exp2(row_max[h] - base);
+      row_max[h] = new_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float p0 = fast_exp2(fmaf(s[j][2 * h], scale_log2, -base));
+        const float p1 = fast_exp2(fmaf(s[j][2 * h + 1], scale_log2, -base));
+        sum += p0 + p1;
+        const int chunk_index = group * 4 + j;  // key 32·group + 8j + 2·quad_col: chunk 4·group + j
+        *reinterpret_cast<u32*>(p_bytes + r * 128 + ((chunk_index ^ (r & 7)) << 4) + quad_col * 4) =
+            pack2<kHalf>(p0, p1);
+      }
+      row_sum[h] = row_sum[h] * alpha + sum;
+      if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[j][2 * h] *= alpha;
+          o[j][2 * h + 1] *= alpha;
+        }
+      }
+    }
+    fence_async_shared();
+    __syncthreads();  // P complete (both halves) and visible to wgmma
+
+    // O += P·V for this group's 256 columns: V rows = the tile's 64 keys (16 per step, 2048 bytes),
+    // columns = blocks 4·group .. 4·group + 3.
+    {
+      const u64 v_desc = smem_descriptor(stage + group * 4 * kBlockBytes, kBlockBytes, 1024);
+      float* o_flat = &o[0][0];
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n256_mn<kHalf>(*reinterpret_cast<float(*)[128]>(o_flat), p_desc + ((k * 32) >> 4),
+                                v_desc + ((k * 16 * 128) >> 4));
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers<128>(o_flat);
+    }
+  }
+  cp_async_wait<0>();
+
+  // Row sums: over the quad, then over the two groups.
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    quad_reduce_store<false>(row_sum[h], exchange_sum + group * kRows + warp_row0 + quad_row + 8 * h, quad_col);
+  __syncthreads();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp_row0 + quad_row + 8 * h;
+    const int row = row0 + r;
+    const float l = exchange_sum[r] + exchange_sum[kRows + r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float row_lse = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
+    if (row >= rows) continue;
+    store_output_row<kHalf>(o, h, inv, row_lse, group == 0 && quad_col == 0, (i64)b * rows + row,
+                            group * 256 + 2 * quad_col, split, (i64)gridDim.z * rows, out, lse, partial_out,
+                            partial_lse);
+  }
+}
+
+}  // namespace wg
+}  // namespace va
+
+#define VA_WGMMA_KERNEL(NAME, HALF)                                                                             \
+  extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
+      const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      int chunk, float scale_log2) {                                                                          \
+    va::wg::verify_attn_cta<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse, partial_out,        \
+                                         partial_lse, nodes, heads, l_max, words, chunk, scale_log2);         \
+  }
+
+#ifdef VA_HALF
+// NVRTC: the 16-bit type the launcher chose.
+VA_WGMMA_KERNEL(verify_attn, VA_HALF)
+#else
+// nvcc (CI's compile test, ptxas -v): both types.
+VA_WGMMA_KERNEL(verify_attn_wgmma_bf16, 0)
+VA_WGMMA_KERNEL(verify_attn_wgmma_f16, 1)
+#endif
+
+VA_MERGE_KERNELS

@@ -59,7 +59,7 @@ def _nvrtc_cubin(file_name: str, options: tuple[str, ...], arch: str) -> Path:
     """
     from cupy.cuda import nvrtc
     source = kernel_source(file_name)
-    options = options + (f"--gpu-architecture={arch}", "-ftz=true")  # -ftz as CuPy's own builds
+    options = options + (f"--gpu-architecture={arch}", "-ftz=true", "--device-as-default-execution-space")  # as CuPy
     key = hashlib.sha256(repr((source, options, nvrtc.getVersion())).encode()).hexdigest()[:32]
     cache_dir = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
     cubin = cache_dir / f"kdtree-{Path(file_name).stem}-{arch}-{key}.cubin"

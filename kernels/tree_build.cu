@@ -520,12 +520,12 @@ __device__ __forceinline__ unsigned frontier_word(double weight, int column) {
     return (key & ~31u) | (unsigned)column;
 }
 
-__device__ __forceinline__ void store_entry(Frontier& f, int slot, const Entry& e) {
-    f.entry[slot] = {e.weight, e.sibling, e.child, e.child_word, e.meta};
+__device__ __forceinline__ void store_entry(StoredEntry* entries, int slot, const Entry& e) {
+    entries[slot] = {e.weight, e.sibling, e.child, e.child_word, e.meta};
 }
 
-__device__ __forceinline__ Entry load_entry(const Frontier& f, int slot) {
-    const StoredEntry e = f.entry[slot];
+__device__ __forceinline__ Entry load_entry(const StoredEntry* entries, int slot) {
+    const StoredEntry e = entries[slot];
     return {e.weight, e.sibling, e.child, frontier_word(e.sibling, 0), e.child_word, e.meta};
 }
 
@@ -598,20 +598,20 @@ __device__ __forceinline__ Entry make_entry(double weight, int rank, int row, in
     return e;
 }
 
-// The slot of the heap's first entry, exactly (float64 weights, then rank tuples), over the first
-// `columns` columns of every lane; every lane gets the same answer. Only when prefixes tie.
-__device__ __forceinline__ int exact_first_slot(int columns, const Frontier& f, const TreeScratch& s) {
+// The slot of the heap's first entry, exactly (float64 weights, then rank tuples), over this lane's
+// live columns (bit c: slot 32c + lane) in every lane; every lane gets the same answer. Only when
+// prefixes tie.
+__device__ __forceinline__ int exact_first_slot(unsigned live_columns, const StoredEntry* entries, const TreeScratch& s) {
     __syncwarp();  // the popped nodes' ranks and parents were written by other lanes
     const int lane = kd_lane();
     double weight = kd_neg_inf_d();
     int code = 0;
-    for (int c = 0; c < columns; ++c) {
-        const int slot = c * KD_WARP_SIZE + lane;
-        if (f.word[lane * KD_FRONTIER_STRIDE + c] < KD_LIVE_WORD) continue;
-        const unsigned meta = f.entry[slot].meta;
+    for (; live_columns != 0u; live_columns &= live_columns - 1) {
+        const int slot = (__ffs(live_columns) - 1) * KD_WARP_SIZE + lane;
+        const unsigned meta = entries[slot].meta;
         const int slot_code = entry_code(slot, meta_rank(meta), meta_row(meta) + 1);
-        if (pops_first(f.entry[slot].weight, slot_code, weight, code, s)) {
-            weight = f.entry[slot].weight;
+        if (pops_first(entries[slot].weight, slot_code, weight, code, s)) {
+            weight = entries[slot].weight;
             code = slot_code;
         }
     }
@@ -642,7 +642,7 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
     const int lane = kd_lane();
     for (int c = 0; c < KD_FRONTIER_STRIDE; ++c) f.word[c * KD_WARP_SIZE + lane] = 0u;
     const Entry empty = {kd_neg_inf_d(), kd_neg_inf_d(), kd_neg_inf_d(), 0u, 0u, entry_meta(0, 0, 0)};
-    for (int slot = lane; slot < budget; slot += KD_WARP_SIZE) store_entry(f, slot, empty);  // valid rows
+    for (int slot = lane; slot < budget; slot += KD_WARP_SIZE) store_entry(f.entry, slot, empty);  // valid rows
 
     Entry best_entry = empty;
     int best_slot = lane;
@@ -656,7 +656,7 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
     const Entry root_child = make_entry(first, 0, 0, 0, lp, depth_limit);
     if (lane == 0) {
         best_entry = root_child;
-        store_entry(f, 0, best_entry);
+        store_entry(f.entry, 0, best_entry);
     }
     __syncwarp();  // rows are read across lanes
 
@@ -669,12 +669,15 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
         unsigned column_word = f.word[winner * KD_FRONTIER_STRIDE + lane];  // the winner's row
         const bool unique_in_row = (best & 31u) + (mirrored & 31u) == 31u;
         if (__ballot_sync(KD_FULL_MASK, (best >> 5) == (top >> 5) && (lane != winner || !unique_in_row))) {
-            const int slot = exact_first_slot(((i - 1) >> 5) + 1, f, s);
+            unsigned live_columns = 0u;
+            for (int c = 0; c <= (i - 1) >> 5; ++c)
+                live_columns |= (unsigned)(f.word[lane * KD_FRONTIER_STRIDE + c] >= KD_LIVE_WORD) << c;
+            const int slot = exact_first_slot(live_columns, f.entry, s);
             winner = slot & 31;
             column_word = f.word[winner * KD_FRONTIER_STRIDE + lane];
             if (lane == winner) {
                 best_slot = slot;
-                best_entry = load_entry(f, slot);
+                best_entry = load_entry(f.entry, slot);
             }
         }
         const bool pops = lane == winner;
@@ -717,7 +720,7 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
         if (__any_sync(KD_FULL_MASK, pushes_here && pops)) {
             const Entry first_child = make_entry(child, 0, child_row, 0, lp, depth_limit);
             if (pushes_here) {
-                store_entry(f, i, first_child);
+                store_entry(f.entry, i, first_child);
                 f.word[frontier_index(i)] = pushed_word;
             }
         }
@@ -733,7 +736,7 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
 }
 
 // ---------------------------------------------------------------------------------------------
-// tree build v3: one warp, rounds of pops
+// tree build v3: one warp, runs of pops per round
 //
 // A heap pop only waits for the previous pop when that pop pushes an entry that comes first. If
 // the heap's entries are f1 > f2 > ... (heap order), the next pops are f1, ..., fm for the largest
@@ -741,130 +744,166 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
 // f_j at its top in turn. With tau the largest push of f1 and of the entries above f1's pushes,
 // the entries above tau are such a run (a push is at most its entry's weight, so in exact
 // arithmetic they are the longest run), and a round pops them all at once, in heap order, as nodes
-// i, i + 1, ... Comparisons use the slots' 27-bit prefixes (frontier_word) and strict inequalities
+// i, i + 1, ... Comparisons use 27-bit weight prefixes (frontier_word's) and strict inequalities
 // only, so a run is never too long; equal prefixes in it cut it before them, and a tie at the top,
-// an empty run (the top's push has the top's prefix) or a run longer than KD_RUN_MAX takes one pop. kdtree_lib.tree_build._best_first_rounds is
-// this procedure in Python. On DDTree-like drafts a round pops ~4 entries at budget 64 and ~10 at
-// budget 1024.
+// an empty run (the top's push has the top's prefix) or a run longer than KD_RUN_MAX takes one
+// pop. kdtree_lib.tree_build._best_first_rounds is this procedure in Python. On DDTree-like drafts
+// a round pops ~4 entries at budget 64 and ~10 at budget 1024.
+//
+// Lane l owns slots l, l + 32, ... (COLUMNS of them) and keeps their prefixes and their pushes'
+// in registers; the entries themselves live in shared memory. Each lane pops its own slots of the
+// run (its registers change with them) and hands the new first children's prefixes, by place in
+// the run, to the lanes that own their slots.
 
-#define KD_RUN_MAX 64  // listed entries per round: two per lane
+#define KD_RUN_MAX 64  // listed entries per round
 
 struct RoundScratch {
-    unsigned member_prefix[KD_RUN_MAX];  // this round's run, in no order: prefixes and slots
-    short member_slot[KD_RUN_MAX];
+    StoredEntry entry[KD_MAX_SLOTS];     // slot j: the pending next child of node j
+    short place[KD_MAX_SLOTS];           // by slot: its place in this round's run (written and read by its lane)
+    unsigned member_prefix[KD_RUN_MAX];  // this round's run, listed in no order
+    unsigned child_prefix[KD_RUN_MAX];   // by place: the popped node's first child's prefix (0: none)
+    unsigned child_push[KD_RUN_MAX];     // and its larger push's prefix
 };
 
-// The prefix of the larger of the pushes that popping slot `slot` makes.
-__device__ __forceinline__ unsigned push_prefix(const Frontier& f, int slot) {
-    return max(frontier_word(f.entry[slot].sibling, 0), f.entry[slot].child_word & ~31u);
+// The one RoundScratch of a v3 block, whichever instantiation of the pops uses it.
+__device__ __forceinline__ RoundScratch& block_round_scratch() {
+    __shared__ RoundScratch scratch;
+    return scratch;
 }
 
-// Entry e (of log-weight `weight`) becomes slot `slot`'s pending entry.
-__device__ __forceinline__ void put_entry(Frontier& f, int slot, double weight, const Entry& e) {
-    store_entry(f, slot, e);
-    f.word[frontier_index(slot)] = frontier_word(weight, slot >> 5);
+__device__ __forceinline__ unsigned weight_prefix(double weight) { return frontier_word(weight, 0); }
+
+// The prefix of the larger push that popping e makes.
+__device__ __forceinline__ unsigned push_prefix(const Entry& e) { return max(e.sibling_prefix, e.child_word & ~31u); }
+
+// row[column] = value with a register array (no-op past the end).
+template <int COLUMNS>
+__device__ __forceinline__ void set_column(unsigned (&row)[COLUMNS], int column, unsigned value) {
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) row[c] = c == column ? value : row[c];
 }
 
-// Pop slot `slot` as node `node`: record it, link it under its parent (node `slot`), and push its
-// next sibling into the slot and its first child into slot `node` (when node < budget).
-template <typename Rows>
-__device__ __forceinline__ void pop_slot(Frontier& f, int slot, int node, const Rows& lp, int depth_limit, int budget,
-                                         TreeScratch& s, double* __restrict__ log_weights) {
-    const Entry e = load_entry(f, slot);
-    const int rank = meta_rank(e.meta), row = meta_row(e.meta), last = meta_last(e.meta);
-    s.parent[node] = (short)slot;
-    s.rank[node] = (short)rank;
-    s.depth[node] = (unsigned char)(row + 1);
-    (last == 0 ? s.first_child[slot] : s.next_sibling[last]) = (short)node;
-    log_weights[node] = e.weight;
-    put_entry(f, slot, e.sibling, make_entry(e.sibling, rank + 1, row, node, lp, depth_limit));
-    if (node < budget && e.child_word >= KD_LIVE_WORD)  // (then row + 1 < D)
-        put_entry(f, node, e.child, make_entry(e.child, 0, row + 1, 0, lp, depth_limit));
-}
-
-// Best-first pops of one request by one warp, a run per round (see above). Lane l owns slots
-// l, l + 32, ... (its row of words). A round: (1) the top word and its entry's larger push, tau0;
-// (2) the ties of the top prefix and the largest push above tau0: tau; (3) the run, the words above
-// tau, listed in shared memory; (4) each listed entry's place in heap order (the count of larger
-// prefixes; an equal one cuts the run there); (5) the pops, by the lanes that placed them.
-// Returns the node count, root included.
-template <typename Rows>
+// Best-first pops of one request by one warp, a run per round (see above); budget <= 32 * COLUMNS.
+// A round: (1) the top prefix and its entry's larger push, tau0; (2) the ties of the top prefix
+// and the largest push above tau0: tau; (3) the run, the prefixes above tau, listed in shared
+// memory; (4) each member's place in heap order, the count of larger listed prefixes (an equal one
+// cuts the run there); (5) the pops, each by the lane that owns the slot, and (6) the new slots'
+// prefixes into their lanes' registers. Returns the node count, root included.
+template <int COLUMNS, typename Rows>
 __device__ int best_first_pops_v3(const Rows& lp, int depth_limit, int budget, TreeScratch& s,
                                   double* __restrict__ log_weights) {
-    Frontier& f = block_frontier();
-    __shared__ RoundScratch r;
+    RoundScratch& r = block_round_scratch();
     const int lane = kd_lane();
-    for (int c = 0; c < KD_FRONTIER_STRIDE; ++c) f.word[c * KD_WARP_SIZE + lane] = 0u;
+    unsigned prefix[COLUMNS], push[COLUMNS];  // of slot 32c + lane; 0: empty
+#pragma unroll
+    for (int c = 0; c < COLUMNS; ++c) prefix[c] = push[c] = 0u;
     const double first = lp(0, 0);
-    if (lane == 0 && first != kd_neg_inf_d()) put_entry(f, 0, first, make_entry(first, 0, 0, 0, lp, depth_limit));
-    __syncwarp();
-
-    int i = 1;  // the next node; slots 0 .. i-1 exist
+    if (first != kd_neg_inf_d()) {  // slot 0: the root's first child, log w = logp[0, 0]
+        const Entry root_child = make_entry(first, 0, 0, 0, lp, depth_limit);
+        if (lane == 0) {
+            store_entry(r.entry, 0, root_child);
+            prefix[0] = weight_prefix(first);
+            push[0] = push_prefix(root_child);
+        }
+    }
+    int i = 1;  // the next node
     while (i <= budget) {
-        const int columns = ((i - 1) >> 5) + 1;
-        const unsigned* words = &f.word[lane * KD_FRONTIER_STRIDE];
         // 1. the top
-        unsigned best = 0u;
-        for (int c = 0; c < columns; ++c) best = max(best, words[c]);
-        const unsigned top = __reduce_max_sync(KD_FULL_MASK, (best & ~31u) | (unsigned)lane);
+        unsigned best = 0u, best_push = 0u;
+        int best_column = 0;
+#pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {
+            if (prefix[c] > best) {
+                best = prefix[c];
+                best_push = push[c];
+                best_column = c;
+            }
+        }
+        const unsigned top = __reduce_max_sync(KD_FULL_MASK, best | (unsigned)lane);
         if (top < KD_LIVE_WORD) break;  // the heap is empty
         const unsigned top_prefix = top & ~31u;
-        const int top_slot = __shfl_sync(KD_FULL_MASK, (int)(best & 31u) * KD_WARP_SIZE + lane, top & 31);
-        const unsigned tau0 = push_prefix(f, top_slot);  // (a broadcast read)
+        const unsigned tau0 = __shfl_sync(KD_FULL_MASK, best_push, top & 31);
         // 2. tau
-        unsigned ties = 0u, above = 0u;
-        for (int c = 0; c < columns; ++c) {
-            const unsigned prefix = words[c] & ~31u;
-            ties += prefix == top_prefix;
-            if (prefix > tau0) above = max(above, push_prefix(f, c * KD_WARP_SIZE + lane));
+        unsigned ties = 0u, above = 0u, live = 0u;
+#pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {
+            ties += prefix[c] == top_prefix;
+            above = max(above, prefix[c] > tau0 ? push[c] : 0u);
+            live |= (unsigned)(prefix[c] >= KD_LIVE_WORD) << c;
         }
         const unsigned tau = max(tau0, __reduce_max_sync(KD_FULL_MASK, above));
+        const bool top_tie = __reduce_add_sync(KD_FULL_MASK, ties) > 1u;
         // 3. the run, listed
+        unsigned mine = 0u;
         int listed = 0;
-        for (int c = 0; c < columns; ++c) {
-            const unsigned prefix = words[c] & ~31u;
-            const unsigned members = __ballot_sync(KD_FULL_MASK, prefix > tau);
+#pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {
+            const bool member = prefix[c] > tau;
+            const unsigned members = __ballot_sync(KD_FULL_MASK, member);
             const int at = listed + __popc(members & kd_lanemask_lt());
-            if (prefix > tau && at < KD_RUN_MAX) {
-                r.member_prefix[at] = prefix;
-                r.member_slot[at] = (short)(c * KD_WARP_SIZE + lane);
-            }
+            if (member && at < KD_RUN_MAX) r.member_prefix[at] = prefix[c];
+            mine |= (unsigned)member << c;
             listed += __popc(members);
         }
-        const bool top_tie = __reduce_add_sync(KD_FULL_MASK, ties) > 1u;
-        const bool one_pop = top_tie || listed == 0 || listed > KD_RUN_MAX;
         __syncwarp();
         // 4. places in heap order
-        int slot[2] = {-1, -1}, place[2] = {0, 0}, run = listed;
-        if (one_pop) {  // a tie at the top (take the exact first entry), the top's push as large as
-            slot[0] = top_tie ? exact_first_slot(columns, f, s) : top_slot;  // itself, or a run too
-            run = 1;                                                         // long to list
+        int run;
+        if (top_tie || listed == 0 || listed > KD_RUN_MAX) {  // one pop: the top (exact when tied)
+            const int slot = top_tie ? exact_first_slot(live, r.entry, s) : best_column * KD_WARP_SIZE + (top & 31);
+            mine = lane == (slot & 31) ? 1u << (slot >> 5) : 0u;
+            if (mine) r.place[slot] = 0;
+            run = 1;
         } else {
+            int cut = listed;
+            for (unsigned m = mine; m != 0u; m &= m - 1) {
+                const int c = __ffs(m) - 1;
+                unsigned own = 0u;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int k = lane + h * KD_WARP_SIZE;
-                if (k < listed) {
-                    const unsigned prefix = r.member_prefix[k];
-                    int larger = 0, equal = 0;
-                    for (int j = 0; j < listed; ++j) {
-                        larger += r.member_prefix[j] > prefix;
-                        equal += r.member_prefix[j] == prefix;
-                    }
-                    slot[h] = r.member_slot[k];
-                    place[h] = larger;
-                    if (equal > 1) run = min(run, larger);
+                for (int k = 0; k < COLUMNS; ++k) own = k == c ? prefix[k] : own;
+                int larger = 0, equal = 0;
+#pragma unroll 4
+                for (int j = 0; j < listed; ++j) {
+                    larger += r.member_prefix[j] > own;
+                    equal += r.member_prefix[j] == own;
                 }
+                r.place[c * KD_WARP_SIZE + lane] = (short)larger;
+                if (equal > 1) cut = min(cut, larger);
             }
-            run = __reduce_min_sync(KD_FULL_MASK, run);
+            run = __reduce_min_sync(KD_FULL_MASK, cut);
         }
         run = min(run, budget + 1 - i);
-        // 5. the pops
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (slot[h] >= 0 && place[h] < run && (lane == 0 || !one_pop))
-                pop_slot(f, slot[h], i + place[h], lp, depth_limit, budget, s, log_weights);
+        // 5. the pops: node i + place of each listed slot inside the run
+        for (unsigned m = mine; m != 0u; m &= m - 1) {
+            const int c = __ffs(m) - 1, slot = c * KD_WARP_SIZE + lane;
+            const int place = r.place[slot];
+            if (place >= run) continue;
+            const int node = i + place;
+            const Entry e = load_entry(r.entry, slot);
+            const int rank = meta_rank(e.meta), row = meta_row(e.meta), last = meta_last(e.meta);
+            s.parent[node] = (short)slot;
+            s.rank[node] = (short)rank;
+            s.depth[node] = (unsigned char)(row + 1);
+            (last == 0 ? s.first_child[slot] : s.next_sibling[last]) = (short)node;
+            log_weights[node] = e.weight;
+            const Entry sibling = make_entry(e.sibling, rank + 1, row, node, lp, depth_limit);
+            store_entry(r.entry, slot, sibling);
+            set_column(prefix, c, weight_prefix(e.sibling));
+            set_column(push, c, push_prefix(sibling));
+            const bool has_child = node < budget && e.child_word >= KD_LIVE_WORD;  // (then row + 1 < D)
+            if (has_child) {
+                const Entry child = make_entry(e.child, 0, row + 1, 0, lp, depth_limit);
+                store_entry(r.entry, node, child);
+                r.child_push[place] = push_prefix(child);
+            }
+            r.child_prefix[place] = has_child ? weight_prefix(e.child) : 0u;
         }
-        __syncwarp();  // the rows written here are read across lanes in the next round
+        __syncwarp();
+        // 6. slot i + p (p < run) is lane (i + p) % 32's, column (i + p) / 32
+        for (int p = (lane - i) & 31; p < run; p += KD_WARP_SIZE) {
+            const unsigned child_prefix = r.child_prefix[p];
+            set_column(prefix, (i + p) >> 5, child_prefix);
+            set_column(push, (i + p) >> 5, child_prefix == 0u ? 0u : r.child_push[p]);
+        }
         i += run;
     }
     return i;
@@ -897,7 +936,9 @@ template <int VERSION, typename Rows>
 __device__ __forceinline__ int one_warp_pops(const Rows& lp, int depth_limit, int budget, TreeScratch& s,
                                              double* __restrict__ log_weights) {
     if constexpr (VERSION == 2) return best_first_pops_v2(lp, depth_limit, budget, s, log_weights);
-    else return best_first_pops_v3(lp, depth_limit, budget, s, log_weights);
+    else if (budget <= 2 * KD_WARP_SIZE) return best_first_pops_v3<2>(lp, depth_limit, budget, s, log_weights);
+    else if (budget <= 8 * KD_WARP_SIZE) return best_first_pops_v3<8>(lp, depth_limit, budget, s, log_weights);
+    else return best_first_pops_v3<KD_MAX_SLOTS / KD_WARP_SIZE>(lp, depth_limit, budget, s, log_weights);
 }
 
 #define KD_STAGE_UNROLL 8

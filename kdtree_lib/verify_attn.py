@@ -156,6 +156,7 @@ class KernelConfig:
     stages: int      # depth of the cp.async ring
     scoring: int = 4  # warps of a group computing S (2: two 32x32 warp tiles, less shared-memory traffic)
     wgmma: bool = False  # the sm_90a kernel (two warpgroups, 64 rows x 64-key tiles, two stages)
+    scorers: int = 2  # wgmma: warpgroups computing S (1: group 0 alone, m64n64, P·V from its registers)
 
     @property
     def rows(self) -> int:
@@ -188,14 +189,14 @@ class KernelConfig:
 
     def nvrtc_options(self, half: bool) -> tuple[str, ...]:
         if self.wgmma:
-            return (f"-DVA_HALF={int(half)}",)
+            return (f"-DVA_HALF={int(half)}", f"-DVA_SCORERS={self.scorers}")
         return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
                 f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
     @property
     def name(self) -> str:
         if self.wgmma:
-            return f"rows{self.rows}_keys{self.keys}_wgmma"
+            return f"rows{self.rows}_keys{self.keys}_wgmma" + ("_one_scorer" if self.scorers == 1 else "")
         return f"rows{self.rows}_keys{self.keys}_stages{self.stages}" + ("_wide" if self.scoring == 2 else "")
 
 
@@ -210,9 +211,11 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
+    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, scorers=1),
 )}
-# Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound.
-PREFERRED = {64: ("rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
+# Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
+# the wgmma kernel (compute capability 9.0 only) ~1.4x over those at N·H >= 128, L >= 32k.
+PREFERRED = {64: ("rows64_keys64_wgmma", "rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
 MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits

@@ -83,15 +83,21 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-// Max (kMax) or sum of one value over the quad of lanes that hold a row of an mma accumulator;
-// the quad's first lane stores it to `slot` (the row statistics exchanged through shared memory).
+// Max (kMax) or sum of one value over the quad of lanes that hold a row of an mma accumulator.
 template <bool kMax>
-__device__ __forceinline__ void quad_reduce_store(float value, float* slot, int quad_col) {
+__device__ __forceinline__ float quad_reduce(float value) {
 #pragma unroll
   for (int offset = 1; offset <= 2; offset <<= 1) {
     const float other = __shfl_xor_sync(0xffffffffu, value, offset);
     value = kMax ? fmaxf(value, other) : value + other;
   }
+  return value;
+}
+
+// The same, stored by the quad's first lane to `slot` (row statistics exchanged through shared memory).
+template <bool kMax>
+__device__ __forceinline__ void quad_reduce_store(float value, float* slot, int quad_col) {
+  value = quad_reduce<kMax>(value);
   if (quad_col == 0) *slot = value;
 }
 

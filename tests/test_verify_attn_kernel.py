@@ -27,6 +27,7 @@ LSE_ERR = 1e-3
 H200 = {"sms": 132, "smem_per_block": 232448, "smem_per_sm": 233472, "wgmma": True}
 RTX_5090 = {"sms": 170, "smem_per_block": 101376, "smem_per_sm": 102400}
 WGMMA = "rows64_keys64_wgmma"
+WGMMA_ONE = "rows64_keys64_wgmma_one_scorer"
 PORTABLE_CONFIGS = [name for name, c in KERNEL_CONFIGS.items() if not c.wgmma]
 
 
@@ -64,7 +65,8 @@ def test_plan_picks_the_variant_by_rows_and_shared_memory():
 
 
 def test_the_wgmma_variant_needs_sm90a():
-    assert plan_launch(1, 128, 4096, **H200, config=WGMMA).config.wgmma
+    assert plan_launch(1, 128, 4096, **H200).config_name == WGMMA  # preferred where it runs
+    assert plan_launch(1, 128, 4096, **H200, config=WGMMA_ONE).config.wgmma
     with pytest.raises(ValueError, match="compute capability 9.0"):
         plan_launch(1, 128, 4096, **RTX_5090, config=WGMMA)
     assert not plan_launch(1, 128, 4096, **{**H200, "wgmma": False}).config.wgmma
@@ -193,7 +195,9 @@ def test_nvcc_builds_without_spills(arch, tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_nvcc_builds_the_wgmma_kernel_for_sm90a_only(tmp_path):
     kernels = _ptxas_kernels(KERNEL_FILE_SM90A, "sm_90a", tmp_path)
-    assert {"verify_attn_wgmma_bf16", "verify_attn_wgmma_f16", "verify_attn_merge_bf16"} <= set(kernels)
+    wgmma_configs = [name for name, c in KERNEL_CONFIGS.items() if c.wgmma]
+    assert {f"verify_attn_{name}_{dtype}" for name in wgmma_configs for dtype in ("bf16", "f16")} <= set(kernels)
+    assert "verify_attn_merge_bf16" in kernels
     with pytest.raises(RuntimeError, match="needs sm_90a"):
         cuda.nvcc_compile(KERNEL_FILE_SM90A, "sm_90", tmp_path)
 
@@ -281,14 +285,15 @@ def test_float16_cupy_in_cupy_out():
 
 
 @pytest.mark.gpu
-def test_float16_wgmma():
-    _skip_unless_runnable(WGMMA)
+@pytest.mark.parametrize("config", [WGMMA, WGMMA_ONE])
+def test_float16_wgmma(config):
+    _skip_unless_runnable(config)
     inputs = bench.make_inputs(2, 19, 8, 0, lengths=[700, 90], seed=SEED, dtype="float16", slack=11, poison=True)
     ref_out, ref_lse = _reference(*inputs)
     for splits in (1, 5):
-        launch = _poisoned_launch(*inputs, config=WGMMA, splits=splits)
+        launch = _poisoned_launch(*inputs, config=config, splits=splits)
         err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
-        print(f"float16 wgmma splits={splits}: {err}")
+        print(f"float16 {config} splits={splits}: {err}")
         assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
 
 
@@ -308,7 +313,7 @@ def test_torch_in_torch_out_on_the_current_stream():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, WGMMA])
+@pytest.mark.parametrize("config", [None, WGMMA, WGMMA_ONE])
 def test_bad_device_lengths_are_clamped_not_out_of_bounds(config):
     """Device lengths are not checked on the host (no sync): the kernel clamps to [0, L_max - N]."""
     _skip_unless_runnable(config)
@@ -328,7 +333,7 @@ def test_long_context_split_merge():
     """32k keys through many splits (merge by LSE) and through one (a single CTA per row block)."""
     inputs = bench.make_inputs(1, 16, 8, 32768 + 5, seed=SEED)
     ref_out, ref_lse = _reference(*inputs)
-    for config in (None, *[name for name in (WGMMA,) if name in runnable_configs()]):
+    for config in (None, *[name for name in (WGMMA, WGMMA_ONE) if name in runnable_configs()]):
         for splits in (None, 1):
             launch = _poisoned_launch(*inputs, config=config, splits=splits)
             err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)

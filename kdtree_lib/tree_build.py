@@ -168,82 +168,6 @@ def _best_first_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int,
     return pops
 
 
-ROUND_RUN_MAX = 64  # KD_RUN_MAX in kernels/tree_build.cu
-
-
-def _weight_prefix(log_w: float) -> int:
-    """The top 27 bits of log_w's order-preserving key: what build_tree_v3 compares (frontier_word)."""
-    high = int(np.array(log_w, np.float64).view(np.uint64)) >> 32
-    key = (~high & 0xFFFFFFFF) if high > 0x80000000 else high | 0x80000000
-    return key & ~31
-
-
-def _best_first_rounds(logp: np.ndarray, budget: int) -> tuple[list[tuple[int, int, int, float]], list[int]]:
-    """The heap's pops made in runs, as build_tree_v3 makes them: (the pops of _best_first_pops, the
-    run length of each round).
-
-    A pop only waits for the one before it when that pop pushes an entry that comes first; with
-    tau the largest push of the top entry and of the entries above the top's pushes, every entry
-    above tau pops in one round, in heap order. Comparisons are on 27-bit weight prefixes, strict
-    only; a tie at the top, an empty run or one longer than ROUND_RUN_MAX pops the top alone, and
-    equal prefixes in a run cut it before them (see the kernel's comment).
-    """
-    depth_limit, k = logp.shape
-    live = _weight_prefix(-np.finfo(np.float64).max)  # finite weights have prefixes >= this
-
-    def entry(log_w, row, rank, last):  # (log w, row, rank, last node popped from the slot, sibling, child)
-        current = float(logp[row, rank])
-        next_logp = float(logp[row, rank + 1]) if rank + 1 < k else -np.inf
-        head = float(logp[row + 1, 0]) if row + 1 < depth_limit else -np.inf
-        return log_w, row, rank, last, (log_w - current) + next_logp, log_w + head
-
-    def push(slot):
-        return max(_weight_prefix(slots[slot][4]), _weight_prefix(slots[slot][5]))
-
-    def rank_tuple(slot):
-        ranks = [slots[slot][2]]
-        while slot != 0:
-            ranks.append(popped[slot - 1][2])
-            slot = popped[slot - 1][0]
-        return tuple(reversed(ranks))
-
-    first = float(logp[0, 0])
-    slots = {0: entry(first, 0, 0, 0)} if first != -np.inf else {}
-    popped: list[tuple[int, int, int, float]] = []  # (parent, depth, rank, log w) of nodes 1, 2, ...
-    runs: list[int] = []
-    while len(popped) < budget:
-        prefix = {slot: _weight_prefix(e[0]) for slot, e in slots.items() if _weight_prefix(e[0]) >= live}
-        if not prefix:
-            break
-        top_prefix = max(prefix.values())
-        tops = [slot for slot, p in prefix.items() if p == top_prefix]
-        tau0 = push(tops[0])
-        tau = max([tau0] + [push(slot) for slot, p in prefix.items() if p > tau0])
-        members = [slot for slot, p in prefix.items() if p > tau]
-        if len(tops) > 1 or not members or len(members) > ROUND_RUN_MAX:
-            top = min(prefix, key=lambda slot: (-slots[slot][0], rank_tuple(slot))) if len(tops) > 1 else tops[0]
-            places = {top: 0}
-            run = 1
-        else:
-            places = {slot: sum(prefix[other] > prefix[slot] for other in members) for slot in members}
-            cuts = [places[slot] for slot in members if sum(prefix[o] == prefix[slot] for o in members) > 1]
-            run = min([len(members)] + cuts)
-        run = min(run, budget - len(popped))
-        first_node = len(popped) + 1
-        popped.extend([None] * run)
-        for slot, place in places.items():
-            if place >= run:
-                continue
-            node = first_node + place
-            log_w, row, rank, _, sibling, child = slots[slot]
-            popped[node - 1] = (slot, row + 1, rank, log_w)
-            slots[slot] = entry(sibling, row, min(rank + 1, k - 1), node)
-            if node < budget and child != -np.inf:
-                slots[node] = entry(child, row + 1, 0, 0)
-        runs.append(run)
-    return popped, runs
-
-
 def _chain_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, float]]:
     """The top-1 path: node d has parent d-1 and the argmax token of position d."""
     pops: list[tuple[int, int, int, float]] = []
@@ -370,10 +294,10 @@ def root_to_node_paths(tree: Tree, b: int) -> list[list[int]]:
 # current stream (CuPy's when torch is not in use), so nothing here waits for the GPU.
 
 _TOPK_THREADS = 1024               # KD_TOPK_THREADS in kernels/tree_build.cu
-BUILD_VERSIONS = (1, 2, 3)         # build_tree_v1, v2, v3 in kernels/tree_build.cu
-# logp staged in shared memory, per version: with the static shared memory (9.8 KB, 45.9 KB, 44.5 KB)
-# <= 99 KB (tests/test_tree_kernels.py checks the sum against ptxas' report)
-_BUILD_DRAFT_CACHE_BYTES = {1: 80 * 1024, 2: 51 * 1024, 3: 51 * 1024}
+BUILD_VERSIONS = (1, 2)            # build_tree_v1, build_tree_v2 in kernels/tree_build.cu
+# logp staged in shared memory, per version: with the static shared memory (9.8 KB, 45.9 KB) <= 99 KB
+# (tests/test_tree_kernels.py checks the sum against ptxas' report)
+_BUILD_DRAFT_CACHE_BYTES = {1: 80 * 1024, 2: 51 * 1024}
 
 
 def _draft_topk_cupy(logits, k: int) -> DraftTopK:
@@ -419,7 +343,7 @@ def _empty_tree(like, batch: int, capacity: int, max_depth: int) -> Tree:
 
 def _build_version(budget: int) -> int:
     """The build_tree_v* kernel the public entry point launches for this budget."""
-    return 3
+    return 2
 
 
 def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, version: int | None = None) -> None:
@@ -428,9 +352,9 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
     pop can read, rank <= budget + 1, unless D * K is very large).
 
     v1: heap slots 2 per thread on `slot_threads` threads (one warp up to budget 64, then
-    ceil(budget / 2) rounded up to 32). v2 (a pop per step) and v3 (runs of pops per round, see
-    _best_first_rounds): one warp pops; the CTA's other warps stage and write; when every readable
-    rank fits as float64, the draft is staged as float64 (no conversion, no global reads in the pops).
+    ceil(budget / 2) rounded up to 32). v2: one warp pops; the CTA's other warps stage and write;
+    when every readable rank fits as float64, the draft is staged as float64 (no conversion, no
+    global reads in the pops).
     """
     version = _build_version(budget) if version is None else version
     if version not in BUILD_VERSIONS:
@@ -450,7 +374,7 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
         else:  # the warps past the first stage the draft and write the outputs
             slot_threads, threads = 32, min(512, max(128, -(-budget // 64) * 32))
         readable = min(topk, budget + 2)
-        staged_f64 = version >= 2 and 8 * depth_limit * readable <= cache_bytes
+        staged_f64 = version == 2 and 8 * depth_limit * readable <= cache_bytes
         cached = readable if staged_f64 else min(readable, cache_bytes // (4 * depth_limit))
     args = ((cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
              np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kdtree_lib.tree_build import (ROUND_RUN_MAX, DraftTopK, _best_first_pops, _best_first_rounds, build_tree,
-                                   draft_topk, pack_mask, root_to_node_paths, tree_from_parents, unpack_mask)
+from kdtree_lib.tree_build import (DraftTopK, build_tree, draft_topk, pack_mask, root_to_node_paths,
+                                   tree_from_parents, unpack_mask)
 
 # Dyadic log-probabilities: float64 sums and differences of these are exact, so the heap's
 # subtract-then-add arithmetic equals the plain path sum and ties are real ties.
@@ -236,47 +236,3 @@ def test_build_tree_rejects_bad_input():
             build_tree(**kwargs)
     with pytest.raises(ValueError, match="backend: 'cupy' needs"):
         build_tree(good, 4, backend="cupy")
-
-
-# ----------------------------------------------------------------------------------------------
-# build_tree_v3's rounds: runs of pops, the same pops as the heap
-
-@settings(max_examples=150, deadline=None)
-@given(tie_heavy_drafts())
-def test_rounds_pop_what_the_heap_pops_including_ties(case):
-    logp, budget = case
-    for b in range(logp.shape[0]):
-        assert _best_first_rounds(logp[b], budget)[0] == _best_first_pops(logp[b], budget)
-
-
-def wide_draft(step: float, group: int, offset: float) -> np.ndarray:
-    """logp [3, 128]: a flat first row (ranks in groups of `group` equal values, `step` apart) over
-    steep later rows, so the first row pops one by one and then its 128 children are all in the
-    heap above every push: runs longer than ROUND_RUN_MAX, and with groups or steps of a few ulps,
-    ties at the top and equal prefixes inside runs."""
-    logp = np.full((3, 128), -100.0, np.float32)
-    logp[0] = offset - step * (np.arange(128) // group)
-    logp[1, 0] = -5.0
-    return logp
-
-
-WIDE_DRAFTS = [(0.01, 1, 0.0), (0.01, 2, 0.0), (3e-6, 1, -1.0), (3e-6, 3, -1.0)]
-
-
-@pytest.mark.parametrize("step, group, offset", WIDE_DRAFTS)
-def test_rounds_with_long_runs_and_prefix_ties(step, group, offset):
-    logp = wide_draft(step, group, offset)
-    pops, runs = _best_first_rounds(logp, 300)
-    assert pops == _best_first_pops(logp, 300)
-    assert ROUND_RUN_MAX in runs or group > 1 or step < 1e-3  # the flat row's children in one full run
-
-
-def test_rounds_are_fewer_than_pops_on_peaked_drafts():
-    """The point of v3: on drafter-like inputs a round pops several nodes."""
-    rng = np.random.default_rng(3)
-    for budget in (64, 512):
-        logits = rng.normal(size=(15, 4 * budget + 4096)) * 5.0
-        logp = draft_topk(logits.astype(np.float32)[None], budget).logp[0]
-        pops, runs = _best_first_rounds(logp, budget)
-        assert pops == _best_first_pops(logp, budget)
-        assert sum(runs) == budget and len(runs) < budget / 2.5, (budget, len(runs))

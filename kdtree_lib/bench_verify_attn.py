@@ -383,12 +383,24 @@ def select(rows, **fixed) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
 
 
-def plot_time(ax, rows, x: str, **fixed):
-    """Time (µs, log) of every provider against `x` ('length' or 'nodes') with the rest fixed."""
+VARIANT_COLORS = ("C1", "C4", "C5", "C6")
+
+
+def _series(rows, **fixed):
+    """(label, color, style, rows) per provider, then one per kernel variant timed alongside."""
     for provider, (color, style) in PROVIDER_STYLE.items():
-        points = sorted((r[x], r["time_us"]) for r in select(rows, provider=provider, **fixed))
-        if points:
-            ax.plot(*zip(*points), style, color=color, label=provider)
+        chosen = select(rows, provider=provider, **fixed)
+        if chosen:
+            yield provider, color, style, chosen
+    variants = select(rows, provider="kernel_variant", **fixed)
+    for color, config in zip(VARIANT_COLORS, sorted({r["config"] for r in variants})):
+        yield config, color, "x-", select(variants, config=config)
+
+
+def plot_time(ax, rows, x: str, **fixed):
+    """Time (µs, log) of every provider and kernel variant against `x` ('length' or 'nodes')."""
+    for label, color, style, chosen in _series(rows, **fixed):
+        ax.plot(*zip(*sorted((r[x], r["time_us"]) for r in chosen)), style, color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(x)
@@ -398,16 +410,15 @@ def plot_time(ax, rows, x: str, **fixed):
 
 
 def plot_achieved(ax_flops, ax_bytes, rows, **fixed):
-    """Kernel TFLOP/s and TB/s against rows = N·H, with the measured ceilings as lines."""
+    """Kernel (and variant) TFLOP/s and TB/s against rows = N·H, with the measured ceilings as lines."""
     kernel = sorted(select(rows, provider="kernel", **fixed), key=lambda r: r["rows"])
     if not kernel:
         return
     ceil = kernel[0]
     for ax, key, unit in ((ax_flops, "tflops", "TFLOP/s"), (ax_bytes, "tbps", "TB/s")):
-        for provider, (color, style) in PROVIDER_STYLE.items():
-            points = sorted((r["rows"], r[key]) for r in select(rows, provider=provider, **fixed))
-            if points and provider != "roofline_mma":
-                ax.plot(*zip(*points), style, color=color, label=provider)
+        for label, color, style, chosen in _series(rows, **fixed):
+            if label != "roofline_mma":
+                ax.plot(*zip(*sorted((r["rows"], r[key]) for r in chosen)), style, color=color, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows = N·H")
         ax.set_ylabel(unit)
@@ -419,27 +430,48 @@ def plot_achieved(ax_flops, ax_bytes, rows, **fixed):
     ax_bytes.legend(fontsize=8)
 
 
-def summary(rows) -> dict:
-    """The issue's targets, read from one run's rows."""
-    kernel = select(rows, provider="kernel")
+def kernel_rows(rows, config: str | None = None) -> list[dict]:
+    """One row per shape timing the kernel: the launcher's choice (provider kernel), or `config`
+    wherever it was timed (the launcher's row where it chose it, else its kernel_variant row)."""
+    if config is None:
+        return select(rows, provider="kernel")
+    by_shape = {}
+    for r in rows:
+        if r["provider"] in ("kernel_variant", "kernel") and r.get("config") == config:
+            shape = (r["batch"], r["nodes"], r["heads"], r["length"])
+            if r["provider"] == "kernel" or shape not in by_shape:
+                by_shape[shape] = r
+    return list(by_shape.values())
+
+
+def variant_configs(rows) -> list[str]:
+    """The kernel variants timed alongside the launcher's choice in these rows."""
+    return sorted({r["config"] for r in select(rows, provider="kernel_variant")})
+
+
+def summary(rows, config: str | None = None) -> dict:
+    """The issue's targets, read from one run's rows: for the launcher's choice, or for `config`."""
+    kernel = kernel_rows(rows, config)
+    shape = lambda r: (r["batch"], r["nodes"], r["heads"], r["length"])  # noqa: E731
+    fallback = {shape(r): r["time_us"] for r in select(rows, provider="torch_fallback")}
     big = [r for r in kernel if r["rows"] >= TARGET_ROWS and r["length"] >= TARGET_LENGTH]
-    long = [r for r in kernel if r["length"] >= TARGET_LENGTH and r.get("speedup_vs_fallback")]
+    speedups = [fallback[shape(r)] / r["time_us"] for r in kernel
+                if r["length"] >= TARGET_LENGTH and shape(r) in fallback]
     ratios = []
-    for r in select(kernel, length=131072):
-        short = select(kernel, length=32768, batch=r["batch"], nodes=r["nodes"], heads=r["heads"])
+    for r in [r for r in kernel if r["length"] == 131072]:
+        short = [s for s in kernel if shape(s) == (r["batch"], r["nodes"], r["heads"], 32768)]
         if short:
             ratios.append(r["time_us"] / short[0]["time_us"])
     med = statistics.median
-    out = {"shapes": len(kernel), "device": kernel[0]["device"] if kernel else None,
-           "date": kernel[0]["date"] if kernel else None}
+    out = {"kernel": config or "launcher's choice", "shapes": len(kernel),
+           "device": kernel[0]["device"] if kernel else None, "date": kernel[0]["date"] if kernel else None}
     if big:
         out.update({"compute_shapes": len(big), "pct_roofline_min": min(r["pct_roofline"] for r in big),
                     "pct_roofline_median": med(r["pct_roofline"] for r in big),
                     "pct_roofline_mma_median": med(r["pct_roofline_mma"] for r in big),
                     "best_tflops": max(r["tflops"] for r in big)})
-    if long:
-        out.update({"speedup_min": min(r["speedup_vs_fallback"] for r in long),
-                    "speedup_median": med(r["speedup_vs_fallback"] for r in long)})
+    if speedups:
+        out.update({"speedup_min": round(min(speedups), 2), "speedup_median": round(med(speedups), 2)})
     if ratios:
         out.update({"time_128k_over_32k_median": med(ratios), "ideal_ratio": 131072 / 32768})
     return out

@@ -214,8 +214,10 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, scorers=1),
 )}
 # Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
-# the wgmma kernel (compute capability 9.0 only) ~1.4x over those at N·H >= 128, L >= 32k.
-PREFERRED = {64: ("rows64_keys64_wgmma", "rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
+# where the wgmma kernels run (compute capability 9.0), the one-scorer one wins ~1.5x over those at
+# N·H >= 128, L >= 32k, and ~1.1x over two scoring warpgroups (data/results/verify_attn.csv, 48faa12).
+PREFERRED = {64: ("rows64_keys64_wgmma_one_scorer", "rows64_keys64_wgmma", "rows64_keys64_stages2_wide",
+                  "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
 MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits

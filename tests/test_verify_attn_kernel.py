@@ -65,8 +65,8 @@ def test_plan_picks_the_variant_by_rows_and_shared_memory():
 
 
 def test_the_wgmma_variant_needs_sm90a():
-    assert plan_launch(1, 128, 4096, **H200).config_name == WGMMA  # preferred where it runs
-    assert plan_launch(1, 128, 4096, **H200, config=WGMMA_ONE).config.wgmma
+    assert plan_launch(1, 128, 4096, **H200).config_name == WGMMA_ONE  # preferred where it runs
+    assert plan_launch(1, 128, 4096, **H200, config=WGMMA).config.wgmma
     with pytest.raises(ValueError, match="compute capability 9.0"):
         plan_launch(1, 128, 4096, **RTX_5090, config=WGMMA)
     assert not plan_launch(1, 128, 4096, **{**H200, "wgmma": False}).config.wgmma

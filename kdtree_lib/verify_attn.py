@@ -215,7 +215,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
 )}
 # Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
 # where the wgmma kernels run (compute capability 9.0), the one-scorer one wins ~1.5x over those at
-# N·H >= 128, L >= 32k, and ~1.1x over two scoring warpgroups (data/results/verify_attn.csv, 48faa12).
+# N·H >= 128, L >= 32k, and 1.05-1.19x over two scoring warpgroups (data/results/verify_attn.csv, 48faa12).
 PREFERRED = {64: ("rows64_keys64_wgmma_one_scorer", "rows64_keys64_wgmma", "rows64_keys64_stages2_wide",
                   "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),

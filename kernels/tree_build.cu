@@ -699,6 +699,7 @@ __device__ int best_first_pops_v2(const Rows& lp, int depth_limit, int budget, T
         const unsigned others_top = __reduce_max_sync(KD_FULL_MASK, pops ? 0u : (best & ~31u) | (unsigned)lane);
         top = max(others_top, (row_best & ~31u) | (unsigned)winner);
 
+        __syncwarp();  // the winner's row was read across lanes in 1; 3 writes it (and slot i's row)
         // 3. node i (the winner's slot is its parent), the winner's next sibling into that slot, node
         // i's first child into slot i (lane i % 32; both in the winner, rarely)
         const int rank = meta_rank(best_entry.meta), row = meta_row(best_entry.meta), last = meta_last(best_entry.meta);
@@ -867,7 +868,8 @@ build_tree_v1(const float* __restrict__ logp, const int* __restrict__ ids, const
 }
 
 // v2: warp 0 pops; the block (any multiple of 32 threads) stages the draft and writes the outputs.
-extern "C" __global__ void __launch_bounds__(512)
+// (Bounds of one block per SM let ptxas keep the pops in more registers: 79 instead of 64.)
+extern "C" __global__ void __launch_bounds__(512, 1)
 build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
               int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
               int staged_f64, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,

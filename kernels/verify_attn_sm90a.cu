@@ -21,6 +21,7 @@
 //     read), split partials merged by verify_attn_merge_* (VA_MERGE_KERNELS), fp32 LSE.
 // Per tile: wait for the tile, barrier, issue the next tile's loads (into the stage the previous
 // tile's P·V has finished with), S, (two scorers: row-max exchange, barrier), P, barrier, P·V.
+// The launcher prefers one scorer: faster on every target shape measured (notebook 05).
 
 #include "verify_attn_common.cuh"
 

@@ -105,6 +105,22 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     assert [name for name, *_ in calls] == ["main"]
 
 
+def test_summary_reads_the_launchers_choice_and_each_variant():
+    def row(provider, length, time_us, config=None, pct=None):
+        return {"provider": provider, "batch": 1, "nodes": 16, "heads": 8, "rows": 128, "length": length,
+                "time_us": time_us, "config": config, "pct_roofline": pct, "pct_roofline_mma": pct, "tflops": 1.0,
+                "device": "H200", "date": "d"}
+    rows = [row("kernel", 32768, 10.0, "a", 50.0), row("kernel", 131072, 40.0, "a", 52.0),
+            row("kernel_variant", 32768, 8.0, "b", 60.0), row("kernel_variant", 131072, 30.0, "b", 70.0),
+            row("torch_fallback", 32768, 30.0), row("torch_fallback", 131072, 120.0)]
+    assert bench.variant_configs(rows) == ["b"]
+    chosen, variant = bench.summary(rows), bench.summary(rows, "b")
+    assert (chosen["pct_roofline_median"], chosen["speedup_median"], chosen["time_128k_over_32k_median"]) == (51.0, 3.0, 4.0)
+    assert (variant["pct_roofline_median"], variant["speedup_min"], variant["compute_shapes"]) == (65.0, 3.75, 2)
+    assert [r["provider"] for r in bench.kernel_rows(rows + [row("kernel_variant", 32768, 9.0, "a")], "a")] == [
+        "kernel", "kernel"]  # the launcher's own row wins over a variant row of the same config
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: host checks (metadata only)
 

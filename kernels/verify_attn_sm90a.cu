@@ -181,9 +181,7 @@ __device__ __forceinline__ void wgmma_m64n256_mn(float (&d)[128], const u32 (&a)
 // and both read all of P from shared memory. kScorers = 1: group 0 scores all 64 (m64n64, half
 // the Q re-reads per key), runs the softmax alone, multiplies its P from registers and publishes
 // P and the rows' rescale factors for group 1: one barrier per tile fewer, group 1 idle meanwhile.
-// kKvEvictFirst: KV tiles are loaded with an L2 evict-first policy (streamed once per row block),
-// so they displace one another rather than what else L2 holds (the partials the merge reads next).
-template <bool kHalf, int kScorers, bool kKvEvictFirst>
+template <bool kHalf, int kScorers>
 __device__ __forceinline__ void verify_attn_cta(
     const u16* __restrict__ q_latent,   // [B, rows, 512]
     const u16* __restrict__ q_rope,     // [B, rows, 64]
@@ -224,7 +222,6 @@ __device__ __forceinline__ void verify_attn_cta(
   const int load_row = tid >> 3, load_sub = tid & 7;
   const u32 load_offset = load_row * 128 + ((load_sub ^ (load_row & 7)) << 4);  // row & 7 is the same in every pass
   const u16* cache_b = cache + (i64)b * l_max * kWidth;
-  const u64 kv_policy = kKvEvictFirst ? l2_evict_first_policy() : 0;
   auto load_tile = [&](int tile, int stage) {
     const int tile_start = range.begin + tile * kKeys;
 #pragma unroll
@@ -234,13 +231,7 @@ __device__ __forceinline__ void verify_attn_cta(
       const u16* src = cache_b + (i64)(valid ? tile_start + r : 0) * kWidth + load_sub * 8;
       const u32 dst = kv_smem + stage * kTileBytes + pass * kRowsPerPass * 128 + load_offset;
 #pragma unroll
-      for (int block = 0; block < 9; ++block) {
-        if constexpr (kKvEvictFirst) {
-          cp_async16(dst + block * kBlockBytes, src + block * 64, valid, kv_policy);
-        } else {
-          cp_async16(dst + block * kBlockBytes, src + block * 64, valid);
-        }
-      }
+      for (int block = 0; block < 9; ++block) cp_async16(dst + block * kBlockBytes, src + block * 64, valid);
     }
   };
 
@@ -432,27 +423,25 @@ __device__ __forceinline__ void verify_attn_cta(
 }  // namespace wg
 }  // namespace va
 
-#define VA_WGMMA_KERNEL(NAME, HALF, SCORERS, KV_EVICT_FIRST)                                                \
+#define VA_WGMMA_KERNEL(NAME, HALF, SCORERS)                                                                \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
       float* lse, va::partial_t* partial_out, float* partial_lse, int nodes, int heads, int l_max,            \
       int words, int chunk, float scale_log2) {                                                               \
-    va::wg::verify_attn_cta<(HALF) != 0, SCORERS, (KV_EVICT_FIRST) != 0>(                                   \
-        q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
-        words, chunk, scale_log2);                                                                            \
+    va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,            \
+                                                             partial_out, partial_lse, nodes, heads, l_max,   \
+                                                             words, chunk, scale_log2);                       \
   }
 
 #ifdef VA_HALF
 // NVRTC: the variant the launcher chose.
-VA_WGMMA_KERNEL(verify_attn, VA_HALF, VA_SCORERS, VA_KV_EVICT_FIRST)
+VA_WGMMA_KERNEL(verify_attn, VA_HALF, VA_SCORERS)
 #else
 // nvcc (CI's compile test, ptxas -v): every variant of kdtree_lib.verify_attn.KERNEL_CONFIGS, both types.
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_bf16, 0, 2, 0)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_f16, 1, 2, 0)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_bf16, 0, 1, 0)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_f16, 1, 1, 0)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_kv_evict_first_bf16, 0, 1, 1)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_kv_evict_first_f16, 1, 1, 1)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_bf16, 0, 2)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_f16, 1, 2)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_bf16, 0, 1)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_f16, 1, 1)
 #endif
 
 VA_MERGE_KERNELS

@@ -188,6 +188,52 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+# ----------------------------------------------------------------------------------------------
+# split-KV attention: a few queries (one block) over a long context
+
+KEY_CHUNK = 512          # context keys per split; caches of SPLIT_MIN_KEYS slots or more hold whole chunks
+SPLIT_MIN_KEYS = 2048    # context length from which the split path replaces one SDPA call
+SPLIT_MAX_QUERIES = 64   # query positions up to which it does (a drafted block, not training's many blocks)
+
+
+def uses_split_kv(context_len: int, queries: int) -> bool:
+    """Whether Attention takes the split path for `context_len` context keys and `queries` positions."""
+    return context_len >= SPLIT_MIN_KEYS and context_len % KEY_CHUNK == 0 and queries <= SPLIT_MAX_QUERIES
+
+
+def split_kv_attention(q, context_k, context_v, own_k, own_v, visible):
+    """Softmax attention of q (B, G, R, d) over [context (B, G, C, d) ; own block (B, G, Q, d)] where
+    visible (B, 1, Q, C + Q) bool, R = (H/G)·Q rows (head-major), C a multiple of KEY_CHUNK: what
+    scaled_dot_product_attention computes on the concatenated keys with the mask repeated per head.
+
+    SDPA runs one CTA per (request, key/value head) on this shape and walks the whole context in
+    it. Here the context is cut into C / KEY_CHUNK chunks (views of the cache when it holds exactly
+    C slots), all scored by one batched matmul; each chunk gives its unnormalised output with its
+    float32 softmax statistics, the own block is one more piece, and a log-sum-exp merge combines
+    them exactly. Fixed shapes, no host synchronisation: a CUDA graph captures it."""
+    queries = own_k.shape[2]
+    chunks = context_k.shape[2] // KEY_CHUNK
+    q = (q * q.shape[-1] ** -0.5)[:, :, None]                                  # (B, G, 1, R, d)
+    context_visible = visible[..., :-queries].unflatten(-1, (chunks, KEY_CHUNK)).transpose(2, 3)  # (B, 1, n, Q, c)
+    pieces = [_attention_piece(q, context_k.unflatten(2, (chunks, KEY_CHUNK)),
+                               context_v.unflatten(2, (chunks, KEY_CHUNK)), context_visible),
+              _attention_piece(q, own_k[:, :, None], own_v[:, :, None], visible[:, :, None, :, -queries:])]
+    out, top, total = (torch.cat(parts, dim=2) for parts in zip(*pieces))      # (B, G, n + 1, R, d or 1)
+    lse = torch.logsumexp(top + total.log(), dim=2, keepdim=True)              # (B, G, 1, R, 1)
+    return (out.float() * torch.exp(top - lse)).sum(2).to(q.dtype)             # (B, G, R, d)
+
+
+def _attention_piece(q, k, v, visible):
+    """q (B, G, 1, R, d), pre-scaled, on keys/values (B, G, n, c, d) where visible (B, 1, n, Q, c):
+    per chunk sum_j exp(s_j - m) v_j (B, G, n, R, d), the stabiliser m and sum_j exp(s_j - m)
+    (B, G, n, R, 1) in float32. A chunk that shows a row nothing gets a finite m and a zero sum."""
+    scores = torch.matmul(q, k.transpose(-1, -2))                              # (B, G, n, R, c)
+    scores.unflatten(3, (-1, visible.shape[3])).masked_fill_(~visible[:, :, :, None], float("-inf"))
+    top = scores.detach().amax(-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)  # (B, G, n, R, 1)
+    probs = scores.sub_(top).exp_()
+    return torch.matmul(probs, v), top.float(), probs.sum(-1, keepdim=True, dtype=torch.float32)
+
+
 class Attention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
@@ -212,15 +258,18 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(batch, n, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)                                            # (B, H, Q, d)
         own_k, own_v = self.key_value(x, cos, sin)                             # (B, G, Q, d)
-        k = torch.cat([context_k, own_k], dim=2)                               # (B, G, C + Q, d)
-        v = torch.cat([context_v, own_v], dim=2)
-        # GQA: the H / G query heads of one key/value head become rows of its query block, so SDPA
-        # reads each key once (enable_gqa with a mask falls back to a path that repeats the keys)
+        # GQA: the H / G query heads of one key/value head become rows of its query block, so each
+        # key is read once (enable_gqa with a mask falls back to a path that repeats the keys)
         group = self.heads // self.kv_heads
         q = q.reshape(batch, self.kv_heads, group * n, self.head_dim)          # (B, G, (H/G)·Q, d)
-        if mask is not None:
-            mask = mask.repeat(1, 1, group, 1)                                 # (B, 1, (H/G)·Q, C + Q)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)          # (B, G, (H/G)·Q, d)
+        if mask is not None and uses_split_kv(context_k.shape[2], n):
+            out = split_kv_attention(q, context_k, context_v, own_k, own_v, mask)
+        else:
+            k = torch.cat([context_k, own_k], dim=2)                           # (B, G, C + Q, d)
+            v = torch.cat([context_v, own_v], dim=2)
+            if mask is not None:
+                mask = mask.repeat(1, 1, group, 1)                             # (B, 1, (H/G)·Q, C + Q)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)      # (B, G, (H/G)·Q, d)
         out = out.reshape(batch, self.heads, n, self.head_dim)                 # (B, H, Q, d)
         return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))          # (B, Q, D)
 
@@ -278,14 +327,26 @@ class TargetHead:
 
 @dataclass
 class DFlashCache:
-    """Context keys/values of the committed tokens: per layer (B, G, L, d), and lengths int64 [B]."""
+    """Context keys/values of the committed tokens: per layer (B, G, S, d), and lengths int64 [B].
+    A request holds up to `capacity` tokens; the storage S rounds a long cache (SPLIT_MIN_KEYS slots
+    or more) up to whole key chunks, so the split-KV attention reads it as views."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: torch.Tensor
+    capacity: int
 
     @property
-    def capacity(self) -> int:
+    def slots(self) -> int:
+        """S: the storage's slots."""
         return int(self.keys[0].shape[2])
+
+    def attended_slots(self, static: bool) -> int:
+        """The slots a block attends over (the rest are empty): all of them with static=True (fixed
+        shapes), else the longest request's, rounded up to whole chunks where the split path runs."""
+        if static:
+            return self.slots
+        longest = int(self.lengths.max())
+        return -(-longest // KEY_CHUNK) * KEY_CHUNK if longest >= SPLIT_MIN_KEYS else longest
 
     def crop(self, lengths) -> None:
         """Roll back to `lengths` committed tokens (entries past them are ignored, then overwritten)."""
@@ -340,10 +401,12 @@ class DFlashDrafter(nn.Module):
 
     def _mask(self, visible, query_pos, key_pos, layer):
         """Add causality and the sliding window (by position) to a base visibility (B, Q, K)."""
+        window = self.config.window(layer)
+        if not self.config.is_causal and window is None:
+            return visible[:, None]                                            # (B, 1, Q, K)
         diff = query_pos[:, :, None] - key_pos[:, None, :]                     # (B, Q, K)
         if self.config.is_causal:
             visible = visible & (diff >= 0)
-        window = self.config.window(layer)
         if window is not None:
             near = diff < window
             if not self.config.is_causal:
@@ -364,10 +427,11 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> DFlashCache:
         c, weight = self.config, self.fc.weight
-        shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        slots = -(-capacity // KEY_CHUNK) * KEY_CHUNK if capacity >= SPLIT_MIN_KEYS else capacity
+        shape = (batch, c.num_key_value_heads, slots, c.head_dim)
         return DFlashCache(keys=[weight.new_zeros(shape) for _ in self.layers],
                            values=[weight.new_zeros(shape) for _ in self.layers],
-                           lengths=torch.zeros(batch, dtype=torch.long, device=weight.device))
+                           lengths=torch.zeros(batch, dtype=torch.long, device=weight.device), capacity=capacity)
 
     @torch.no_grad()
     def draft(self, cache: DFlashCache, features, bonus, n_new=None, *, static: bool = False):
@@ -378,7 +442,7 @@ class DFlashDrafter(nn.Module):
         bonus int [B]: the token at position lengths[b] + n_new[b], not yet run by the target.
         n_new int [B] (default T for every request); T may be 0.
         static=True: fixed shapes and no host synchronisation (what a CUDA graph captures): the
-        block attends over the whole cache capacity and the caller guarantees n_new and capacity.
+        block attends over the whole cache storage and the caller guarantees n_new and capacity.
         Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus.
         """
         c = self.config
@@ -406,7 +470,7 @@ class DFlashDrafter(nn.Module):
             cache.values[i].scatter_(2, index, v)
         cache.lengths = cache.lengths + n_new.long()
 
-        visible_slots = cache.capacity if static else int(cache.lengths.max())
+        visible_slots = cache.attended_slots(static)
         key_slot = torch.arange(visible_slots, device=device)
         block_pos = cache.lengths[:, None] + torch.arange(c.block_size, device=device)      # (B, Q)
         key_pos = torch.cat([key_slot.expand(batch, -1), block_pos], dim=1)                # (B, L' + Q)

@@ -4,10 +4,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from kdtree_lib import dflash
 from kdtree_lib.dflash import (DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, load_drafter,
-                               save_drafter)
+                               save_drafter, split_kv_attention)
 
 VOCAB, HIDDEN = 96, 32
 LAYER_IDS = (1, 2)
@@ -119,9 +121,18 @@ def test_weight_names_are_zlabs(target):
     assert names == expected
 
 
+@pytest.fixture(params=["sdpa", "split"])
+def attention_path(request, monkeypatch):
+    """Run a test as is (tiny caches: one SDPA call) and with the split-KV path from 8 context keys on."""
+    if request.param == "split":
+        monkeypatch.setattr(dflash, "KEY_CHUNK", 8)
+        monkeypatch.setattr(dflash, "SPLIT_MIN_KEYS", 8)
+    return request.param
+
+
 @pytest.mark.parametrize("overrides", [{}, {"layer_types": ("sliding_attention", "full_attention"),
                                              "sliding_window": 5}])
-def test_draft_rounds_equal_reference(target, overrides):
+def test_draft_rounds_equal_reference(target, overrides, attention_path):
     drafter = make_drafter(target, **overrides)
     torch.manual_seed(2)
     tokens = torch.randint(0, VOCAB - 1, (1, 20))
@@ -137,7 +148,7 @@ def test_draft_rounds_equal_reference(target, overrides):
         torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
 
 
-def test_ragged_batch_equals_single_requests(target):
+def test_ragged_batch_equals_single_requests(target, attention_path):
     drafter = make_drafter(target)
     torch.manual_seed(3)
     tokens = torch.randint(0, VOCAB - 1, (2, 16))
@@ -152,6 +163,85 @@ def test_ragged_batch_equals_single_requests(target):
         single = drafter.new_cache(1, 24)
         want = drafter.draft(single, features[b:b + 1, :length], tokens[b:b + 1, length])
         torch.testing.assert_close(got[b], want[0], rtol=1e-5, atol=1e-5)
+
+
+def split_inputs(dtype, *, batch=3, kv_heads=2, group=4, queries=5, dim=32, chunks=5, seed=0):
+    """q, context k/v, own k/v and a mask for split_kv_attention: ragged lengths (one request's
+    later chunks fully hidden), random holes, a causal own block."""
+    generator = torch.Generator().manual_seed(seed)
+    context = chunks * dflash.KEY_CHUNK
+    shapes = [(group * queries,), (context,), (context,), (queries,), (queries,)]
+    tensors = [torch.randn(batch, kv_heads, n, dim, generator=generator).to(dtype) for (n,) in shapes]
+    lengths = torch.tensor([context, dflash.KEY_CHUNK + 7, 3][:batch])
+    slots = torch.arange(context)[None, None, :] < lengths[:, None, None]                 # (B, 1, C)
+    holes = torch.rand(batch, queries, context, generator=generator) > 0.1
+    causal = torch.ones(queries, queries, dtype=torch.bool).tril().expand(batch, -1, -1)
+    visible = torch.cat([slots & holes, causal], dim=2)[:, None]                          # (B, 1, Q, C + Q)
+    return tensors, visible
+
+
+def sdpa_attention(q, context_k, context_v, own_k, own_v, visible):
+    group = q.shape[2] // own_k.shape[2]
+    return F.scaled_dot_product_attention(q, torch.cat([context_k, own_k], 2), torch.cat([context_v, own_v], 2),
+                                          attn_mask=visible.repeat(1, 1, group, 1))
+
+
+def unfused_attention(q, context_k, context_v, own_k, own_v, visible):
+    """Attention as a same-precision torch run writes it: scores in q's dtype, softmax in float32,
+    probabilities back in q's dtype for the product with the values."""
+    group = q.shape[2] // own_k.shape[2]
+    k, v = torch.cat([context_k, own_k], 2), torch.cat([context_v, own_v], 2)
+    hidden = ~visible.repeat(1, 1, group, 1)
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(hidden, -torch.inf)
+    return scores.float().softmax(-1).to(v.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split_kv_attention_equals_sdpa(monkeypatch, dtype, seed):
+    """Against SDPA in float64: float32 to rounding, bfloat16 within twice a same-precision torch run's error."""
+    monkeypatch.setattr(dflash, "KEY_CHUNK", 64)
+    tensors, visible = split_inputs(dtype, seed=seed)
+    reference = sdpa_attention(*(t.double() for t in tensors), visible)
+    got = split_kv_attention(*tensors, visible)
+    # the context as a slice of a longer storage (chunks that are no plain view of it)
+    storage = [torch.cat([t, torch.full_like(t, float("nan"))], 2) for t in tensors[1:3]]
+    sliced = split_kv_attention(tensors[0], *(t[:, :, :tensors[1].shape[2]] for t in storage), *tensors[3:], visible)
+    error = (got.double() - reference).abs().max().item()
+    sdpa = (sdpa_attention(*tensors, visible).double() - reference).abs().max().item()
+    baseline = (unfused_attention(*tensors, visible).double() - reference).abs().max().item()
+    print(f"{dtype}: split max error {error:.2e}, SDPA's {sdpa:.2e}, unfused torch's {baseline:.2e}")
+    assert got.dtype == dtype and got.shape == tensors[0].shape
+    assert torch.equal(sliced, got)
+    assert error <= (1e-5 if dtype == torch.float32 else 2 * baseline)
+
+
+def test_split_path_in_static_draft_equals_sdpa(target, monkeypatch):
+    """A ragged batch, sliding and causal layers: the split path (static, over the whole storage,
+    and eager) drafts what one SDPA call over the used slots drafts."""
+    drafter = make_drafter(target, is_causal=True, layer_types=("sliding_attention", "full_attention"),
+                           sliding_window=6)
+    tokens = torch.randint(0, VOCAB - 1, (2, 24))
+    features = features_of(target, tokens)
+
+    def rounds(static):
+        cache = drafter.new_cache(2, 21)
+        first = drafter.draft(cache, features[:, :11], tokens[:, 11], n_new=torch.tensor([11, 5]), static=static)
+        second = drafter.draft(cache, torch.stack([features[0, 11:14], features[1, 5:8]]),
+                               torch.stack([tokens[0, 14], tokens[1, 8]]), static=static)
+        return torch.cat([first, second]), cache
+
+    want, _ = rounds(static=False)
+    monkeypatch.setattr(dflash, "KEY_CHUNK", 8)
+    monkeypatch.setattr(dflash, "SPLIT_MIN_KEYS", 8)
+    calls = []  # the context length of each split call
+    monkeypatch.setattr(dflash, "split_kv_attention",
+                        lambda *args: calls.append(args[1].shape[2]) or split_kv_attention(*args))
+    for static in (True, False):
+        got, cache = rounds(static)
+        assert cache.slots == 24 and cache.capacity == 21
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [24] * 4 + [16] * 4   # per layer: static over the storage, eager over the used chunks
 
 
 def test_crop_rolls_back(target):

@@ -21,9 +21,8 @@
 //     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
 //   * Only tiles reaching the tree slots (or the split's end) evaluate the mask; prefix tiles run
 //     unmasked. Rows past N·H and keys past len + N are zero-filled, never read out of bounds.
-//   * With more than one split, each CTA writes its normalised partial O (bf16/f16, like the
-//     output) and its fp32 LSE, and verify_attn_merge_* combines them by LSE in fp32; with one
-//     split the CTA writes bf16/f16 O directly.
+//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE and
+//     verify_attn_merge_* combines them by LSE; with one split the CTA writes bf16/f16 O directly.
 // Shared memory is XOR-swizzled in 16-byte chunks (chunk ^ row%8), so ldmatrix and cp.async are
 // free of bank conflicts; P rows are padded by 16 bytes instead.
 //
@@ -105,7 +104,7 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32* __restrict__ mask,       // [B, N, words]
     u16* __restrict__ out,              // [B, rows, 512]           (one split)
     float* __restrict__ lse,            // [B, rows]                (one split)
-    partial_t* __restrict__ partial_out,  // [splits, B, rows, 512]  (several splits)
+    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
@@ -380,8 +379,8 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, va::partial_t* partial_out, float* partial_lse, int nodes, int heads, int l_max,            \
-      int words, int chunk, float scale_log2) {                                                               \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      int chunk, float scale_log2) {                                                                          \
     va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
         q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
         words, chunk, scale_log2);                                                                            \

@@ -2,8 +2,8 @@
 // (verify_attn.cu, sm_90 and sm_120) and the wgmma one (verify_attn_sm90a.cu, sm_90a only).
 //
 // Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2), the
-// key range one CTA covers, the tree-mask test, the epilogue's row store (bf16/f16 output, or a
-// split's partial in the same 16-bit type) and the kernel that merges split partials by LSE in fp32.
+// key range one CTA covers, the tree-mask test, the epilogue's row store (bf16/f16 output or a
+// split's fp32 partial) and the kernel that merges split partials by LSE.
 #pragma once
 
 typedef unsigned short u16;
@@ -19,14 +19,6 @@ constexpr int kRowChunks = kWidth / 8;  // 16-byte chunks in a row (72)
 constexpr int kRowBytes = kWidth * 2;   // 1152
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// A split's normalised partial O: the output's 16-bit type (half the bytes of fp32 to write and to
-// merge; the LSE stays fp32), or fp32 with -DVA_PARTIAL_F32=1.
-#if defined(VA_PARTIAL_F32) && VA_PARTIAL_F32
-typedef float partial_t;
-#else
-typedef u16 partial_t;
-#endif
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -70,7 +62,7 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return packed;
 }
 
-// Two adjacent output values: a 16-bit pair (the output, a 16-bit partial) or an fp32 pair.
+// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
 template <bool kHalf>
 __device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
   *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
@@ -78,31 +70,6 @@ __device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
 template <bool kHalf>
 __device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
   *reinterpret_cast<float2*>(dst) = float2{lo, hi};
-}
-
-// A packed 16-bit pair (lo in the low half) as two floats.
-template <bool kHalf>
-__device__ __forceinline__ float2 unpack2(u32 packed) {
-  float2 x;
-  if constexpr (kHalf) {
-    asm("{ .reg .f16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }\n"
-        : "=f"(x.x), "=f"(x.y) : "r"(packed));
-  } else {  // bf16 -> fp32 is a 16-bit shift
-    x = {__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u)};
-  }
-  return x;
-}
-
-// Four adjacent partial values as floats (16-bit: one 8-byte load; fp32: one 16-byte load).
-template <bool kHalf>
-__device__ __forceinline__ float4 load4(const u16* src) {
-  const uint2 packed = *reinterpret_cast<const uint2*>(src);
-  const float2 lo = unpack2<kHalf>(packed.x), hi = unpack2<kHalf>(packed.y);
-  return {lo.x, lo.y, hi.x, hi.y};
-}
-template <bool kHalf>
-__device__ __forceinline__ float4 load4(const float* src) {
-  return *reinterpret_cast<const float4*>(src);
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -168,11 +135,11 @@ __device__ __forceinline__ bool key_visible(int key, const KeyRange& range, bool
 
 // Epilogue for one accumulator row half h (rows quad_row, quad_row + 8 of an m16n8 / wgmma
 // fragment): kTiles column pairs at stride 8, normalised by inv, to the bf16/f16 output (one
-// split) or the split's partial; `writes_lse` threads also write the row's LSE.
+// split) or the split's fp32 partial; `writes_lse` threads also write the row's LSE.
 template <bool kHalf, int kTiles>
 __device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], int h, float inv, float row_lse,
                                                  bool writes_lse, i64 out_row, int col0, int split, i64 total_rows,
-                                                 u16* out, float* lse, partial_t* partial_out, float* partial_lse) {
+                                                 u16* out, float* lse, float* partial_out, float* partial_lse) {
   auto store_row = [&](auto* dst) {
 #pragma unroll
     for (int j = 0; j < kTiles; ++j) store_pair<kHalf>(dst + 8 * j, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
@@ -188,8 +155,8 @@ __device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], in
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (four
-// values per lane, independent loads, fp32 sums), then the warps' sums are added through shared memory.
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
+// float4 per lane, independent loads), then the warps' sums are added through shared memory.
 constexpr int kMergeThreads = 256;
 constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
@@ -209,7 +176,7 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
 }
 
 template <bool kHalf>
-__device__ __forceinline__ void merge_row(const partial_t* __restrict__ partial_out, const float* __restrict__ partial_lse,
+__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
   __shared__ float weight[kMaxSplits];
   __shared__ float4 warp_sum[kMergeThreads / 32][32];
@@ -232,13 +199,13 @@ __device__ __forceinline__ void merge_row(const partial_t* __restrict__ partial_
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
-  const partial_t* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
-  const i64 split_stride = (i64)total_rows * kLatent;
+  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
   float4 acc = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int s = warp; s < splits; s += kMergeThreads / 32) {
     const float w = weight[s];
-    const float4 x = load4<kHalf>(src + s * split_stride);
+    const float4 x = src[s * split_stride];
     acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
   }
   warp_sum[warp][lane] = acc;
@@ -261,12 +228,10 @@ __device__ __forceinline__ void merge_row(const partial_t* __restrict__ partial_
 // The split merge kernels, one per 16-bit type; every verify-attention module defines them.
 #define VA_MERGE_KERNELS                                                                                         \
   extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(                        \
-      const va::partial_t* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows,          \
-      int splits) {                                                                                              \
+      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
     va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);                                \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(                         \
-      const va::partial_t* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows,          \
-      int splits) {                                                                                              \
+      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
     va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);                                 \
   }

@@ -190,7 +190,7 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32* __restrict__ mask,       // [B, N, words]
     u16* __restrict__ out,              // [B, rows, 512]           (one split)
     float* __restrict__ lse,            // [B, rows]                (one split)
-    partial_t* __restrict__ partial_out,  // [splits, B, rows, 512]  (several splits)
+    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   static_assert(kScorers == 1 || kScorers == 2, "one or two scoring warpgroups");
@@ -426,8 +426,8 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_WGMMA_KERNEL(NAME, HALF, SCORERS)                                                                \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, va::partial_t* partial_out, float* partial_lse, int nodes, int heads, int l_max,            \
-      int words, int chunk, float scale_log2) {                                                               \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      int chunk, float scale_log2) {                                                                          \
     va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,            \
                                                              partial_out, partial_lse, nodes, heads, l_max,   \
                                                              words, chunk, scale_log2);                       \

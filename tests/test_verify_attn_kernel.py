@@ -87,7 +87,7 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     def stand_in(name):
         return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, len(args),
                                                                                  shared_mem))
-    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half, fp32: (stand_in("main"), stand_in("merge")))
+    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half: (stand_in("main"), stand_in("merge")))
     monkeypatch.setattr(cuda, "current_stream", lambda: None)
     plan = plan_launch(2, 3 * 8, 1000, **H200, splits=3)
     arrays = dict.fromkeys(("q_latent", "q_rope", "cache", "lengths", "mask", "out", "lse", "partial_out",

@@ -201,6 +201,11 @@ def uses_split_kv(context_len: int, queries: int) -> bool:
     return context_len >= SPLIT_MIN_KEYS and context_len % KEY_CHUNK == 0 and queries <= SPLIT_MAX_QUERIES
 
 
+def chunk_aligned(slots: int) -> int:
+    """`slots` rounded up to whole key chunks where the split path runs (SPLIT_MIN_KEYS or more)."""
+    return -(-slots // KEY_CHUNK) * KEY_CHUNK if slots >= SPLIT_MIN_KEYS else slots
+
+
 def split_kv_attention(q, context_k, context_v, own_k, own_v, visible):
     """Softmax attention of q (B, G, R, d) over [context (B, G, C, d) ; own block (B, G, Q, d)] where
     visible (B, 1, Q, C + Q) bool, R = (H/G)·Q rows (head-major), C a multiple of KEY_CHUNK: what
@@ -343,10 +348,7 @@ class DFlashCache:
     def attended_slots(self, static: bool) -> int:
         """The slots a block attends over (the rest are empty): all of them with static=True (fixed
         shapes), else the longest request's, rounded up to whole chunks where the split path runs."""
-        if static:
-            return self.slots
-        longest = int(self.lengths.max())
-        return -(-longest // KEY_CHUNK) * KEY_CHUNK if longest >= SPLIT_MIN_KEYS else longest
+        return self.slots if static else chunk_aligned(int(self.lengths.max()))
 
     def crop(self, lengths) -> None:
         """Roll back to `lengths` committed tokens (entries past them are ignored, then overwritten)."""
@@ -427,8 +429,7 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> DFlashCache:
         c, weight = self.config, self.fc.weight
-        slots = -(-capacity // KEY_CHUNK) * KEY_CHUNK if capacity >= SPLIT_MIN_KEYS else capacity
-        shape = (batch, c.num_key_value_heads, slots, c.head_dim)
+        shape = (batch, c.num_key_value_heads, chunk_aligned(capacity), c.head_dim)
         return DFlashCache(keys=[weight.new_zeros(shape) for _ in self.layers],
                            values=[weight.new_zeros(shape) for _ in self.layers],
                            lengths=torch.zeros(batch, dtype=torch.long, device=weight.device), capacity=capacity)

@@ -213,6 +213,7 @@ def test_split_kv_attention_equals_sdpa(monkeypatch, dtype, seed):
     print(f"{dtype}: split max error {error:.2e}, SDPA's {sdpa:.2e}, unfused torch's {baseline:.2e}")
     assert got.dtype == dtype and got.shape == tensors[0].shape
     assert torch.equal(sliced, got)
+    assert (split_kv_attention(*tensors, torch.ones_like(visible)) - got).abs().max() > 0.1  # the mask matters here
     assert error <= (1e-5 if dtype == torch.float32 else 2 * baseline)
 
 

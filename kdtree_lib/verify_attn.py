@@ -220,7 +220,7 @@ PREFERRED = {64: ("rows64_keys64_wgmma_one_scorer", "rows64_keys64_wgmma", "rows
                   "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
-MAX_SPLITS = 1024  # key splits per call (the merge reads one LSE per split and row)
+MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits
 
 
 @dataclass(frozen=True)
@@ -293,8 +293,8 @@ class VerifyLaunch:
                              np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)), config.smem_bytes))
         if plan.splits > 1:
             rows = batch * nodes * heads
-            self._calls.append((merge, (rows,), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
-                                                         np.int32(rows), np.int32(plan.splits)), 0))
+            self._calls.append((merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
+                                                           np.int32(rows), np.int32(plan.splits)), 0))
 
     def __call__(self, *, merge: bool = True):
         """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""

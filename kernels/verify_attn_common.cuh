@@ -155,65 +155,72 @@ __device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], in
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// One block per row, no block-wide reduction before the loads: every warp reduces the row's split
-// LSEs itself (shuffles), then sums every 8th split over all 512 columns (four float4 per lane,
-// independent loads); the warps' sums meet once in shared memory. One block per row keeps the
-// grid to a single wave where the old (row, quarter) blocks needed several (many rows, few splits).
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
+// float4 per lane, independent loads), then the warps' sums are added through shared memory.
 constexpr int kMergeThreads = 256;
-constexpr int kMergeWarps = kMergeThreads / 32;
+constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
-template <bool kMax>
-__device__ __forceinline__ float warp_reduce(float x) {
+__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float y = __shfl_xor_sync(0xffffffffu, x, offset);
-    x = kMax ? fmaxf(x, y) : x + y;
+    x = take_max ? fmaxf(x, y) : x + y;
   }
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
   return x;
 }
 
 template <bool kHalf>
 __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
-  __shared__ float4 warp_sum[kMergeWarps][kLatent / 4];
+  __shared__ float weight[kMaxSplits];
+  __shared__ float4 warp_sum[kMergeThreads / 32][32];
+  __shared__ float scratch[kMergeThreads / 32];
   const i64 row = blockIdx.x;  // b * rows + row
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* row_lse = partial_lse + row;  // split s at s * total_rows
+  const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   float m = neg_inf();
-  for (int s = lane; s < splits; s += 32) m = fmaxf(m, row_lse[(i64)s * total_rows]);
-  m = warp_reduce<true>(m);
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = partial_lse[(i64)s * total_rows + row];
+    m = fmaxf(m, weight[s]);
+  }
+  m = block_reduce(m, true, scratch);
   const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
   float total = 0.f;
-  for (int s = lane; s < splits; s += 32) total += fast_exp2((row_lse[(i64)s * total_rows] - base) * kLog2e);
-  total = warp_reduce<false>(total);
+  for (int s = tid; s < splits; s += kMergeThreads) {
+    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
+    total += weight[s];
+  }
+  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
-  // Lane l holds columns 4l + 128j (j < 4) of this warp's splits.
-  const float* src = partial_out + row * kLatent + 4 * lane;
-  const i64 split_stride = (i64)total_rows * kLatent;
-  float4 acc[4] = {};
-#pragma unroll 2
-  for (int s = warp; s < splits; s += kMergeWarps) {
-    const float w = fast_exp2((row_lse[(i64)s * total_rows] - base) * kLog2e);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 x = *reinterpret_cast<const float4*>(src + s * split_stride + 128 * j);
-      acc[j].x += w * x.x; acc[j].y += w * x.y; acc[j].z += w * x.z; acc[j].w += w * x.w;
-    }
+  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
+  float4 acc = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int s = warp; s < splits; s += kMergeThreads / 32) {
+    const float w = weight[s];
+    const float4 x = src[s * split_stride];
+    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
   }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) warp_sum[warp][lane + 32 * j] = acc[j];
+  warp_sum[warp][lane] = acc;
   __syncthreads();
-  const float* sums = reinterpret_cast<const float*>(warp_sum);  // thread t: columns 2t, 2t + 1
-  float x = 0.f, y = 0.f;
+  if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
+    const float* sums = reinterpret_cast<const float*>(warp_sum);
+    float x = 0.f, y = 0.f;
 #pragma unroll
-  for (int w = 0; w < kMergeWarps; ++w) {
-    x += sums[w * kLatent + 2 * tid];
-    y += sums[w * kLatent + 2 * tid + 1];
+    for (int w = 0; w < kMergeThreads / 32; ++w) {
+      x += sums[w * 128 + 2 * tid];
+      y += sums[w * 128 + 2 * tid + 1];
+    }
+    *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
   }
-  *reinterpret_cast<u32*>(out + row * kLatent + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
-  if (tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
+  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
 }
 
 }  // namespace va

@@ -285,25 +285,28 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
         sdpa_backend = times.pop("sdpa_backend", None)
+
+        def timed(provider, seconds):
+            return {**common, "provider": provider, "time_us": round(seconds * 1e6, 2),
+                    "tbps": round(n_bytes / seconds / 1e12, 3), "tflops": round(n_flops / seconds / 1e12, 2)}
+
+        def kernel_fields(seconds, config, splits):
+            return {"pct_roofline": round(100 * roof / seconds, 1), "pct_roofline_mma": round(100 * roof_mma / seconds, 1),
+                    "config": config, "splits": splits}
+
         for provider, seconds in (("roofline", roof), ("roofline_mma", roof_mma), *times.items()):
             if seconds is None:
                 continue
-            row = {**common, "provider": provider, "time_us": round(seconds * 1e6, 2),
-                   "tbps": round(n_bytes / seconds / 1e12, 3), "tflops": round(n_flops / seconds / 1e12, 2)}
+            row = timed(provider, seconds)
             if provider == "kernel":
-                row.update({"pct_roofline": round(100 * roof / seconds, 1),
-                            "pct_roofline_mma": round(100 * roof_mma / seconds, 1),
-                            "config": plan.config_name, "splits": plan.splits})
+                row.update(kernel_fields(seconds, plan.config_name, plan.splits))
                 if times.get("torch_fallback"):
                     row["speedup_vs_fallback"] = round(times["torch_fallback"] / seconds, 2)
             if provider == "sdpa":
                 row["sdpa_backend"] = sdpa_backend
             shape_rows.append(row)
         for name, (seconds, splits) in variant_times.items():
-            shape_rows.append({**common, "provider": "kernel_variant", "time_us": round(seconds * 1e6, 2),
-                               "tbps": round(n_bytes / seconds / 1e12, 3), "tflops": round(n_flops / seconds / 1e12, 2),
-                               "pct_roofline": round(100 * roof / seconds, 1),
-                               "pct_roofline_mma": round(100 * roof_mma / seconds, 1), "config": name, "splits": splits})
+            shape_rows.append({**timed("kernel_variant", seconds), **kernel_fields(seconds, name, splits)})
         results.append_rows(TOPIC, shape_rows)
         rows += shape_rows
         kernel_row = next(r for r in shape_rows if r["provider"] == "kernel")

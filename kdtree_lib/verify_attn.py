@@ -248,8 +248,7 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
     """
     if config is None:
         preference = [name for size, names in PREFERRED.items() if size < 2 * max(rows, 16) for name in names]
-        fitting = [name for name in preference if KERNEL_CONFIGS[name].smem_bytes <= smem_per_block
-                   and (wgmma or not KERNEL_CONFIGS[name].wgmma)]
+        fitting = [name for name in preference if _can_run(KERNEL_CONFIGS[name], smem_per_block, wgmma)]
         if not fitting:
             raise ValueError(f"device: {smem_per_block} bytes of shared memory per block fit no kernel variant")
         config = fitting[0]
@@ -388,11 +387,15 @@ def _device_limits() -> tuple[int, int, int]:
     return props["multiProcessorCount"], props["sharedMemPerBlockOptin"], props["sharedMemPerMultiprocessor"]
 
 
+def _can_run(config: KernelConfig, smem_per_block: int, wgmma: bool) -> bool:
+    """Whether a device with this much shared memory per block (and sm_90a code, if wgmma) runs `config`."""
+    return config.smem_bytes <= smem_per_block and (wgmma or not config.wgmma)
+
+
 def runnable_configs() -> list[str]:
     """The variants the current device can run: shared memory per block, and sm_90a for wgmma."""
     smem_per_block = _device_limits()[1]
-    return [name for name, c in KERNEL_CONFIGS.items()
-            if c.smem_bytes <= smem_per_block and (_runs_sm90a() or not c.wgmma)]
+    return [name for name, c in KERNEL_CONFIGS.items() if _can_run(c, smem_per_block, _runs_sm90a())]
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,9 +18,11 @@
 //     V = the tile's first 512 columns read as the MN-major B operand.
 //   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
 //     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
-//     read), split partials merged by verify_attn_merge_* (VA_MERGE_KERNELS), fp32 LSE.
+//     read), split partials merged in the kernel (merge_splits_in_kernel) or by verify_attn_merge_*
+//     (VA_MERGE_KERNELS), fp32 LSE.
 // Per tile: wait for the tile, barrier, issue the next tile's loads (into the stage the previous
-// tile's P·V has finished with), S, (two scorers: row-max exchange, barrier), P, barrier, P·V.
+// tile's P·V has finished with; one scorer: group 1 issues them while group 0 scores), S, (two
+// scorers: row-max exchange, barrier), P, barrier, P·V.
 // The launcher prefers one scorer: faster on every target shape measured (notebook 05).
 
 #include "verify_attn_common.cuh"
@@ -176,6 +178,11 @@ __device__ __forceinline__ void wgmma_m64n256_mn(float (&d)[128], const u32 (&a)
 #undef VA_ACCUMULATORS_256
 #undef VA_F8
 
+template <int kValue>
+struct Count {  // a compile-time thread count passed to a generic lambda
+  static constexpr int value = kValue;
+};
+
 // One CTA: rows [blockIdx.x·64, +64) of request blockIdx.z over key split blockIdx.y.
 // kScorers = 2: each warpgroup scores 32 keys of a tile (m64n32), the groups exchange row maxima
 // and both read all of P from shared memory. kScorers = 1: group 0 scores all 64 (m64n64, half
@@ -192,6 +199,7 @@ __device__ __forceinline__ void verify_attn_cta(
     float* __restrict__ lse,            // [B, rows]                (one split)
     float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
+    int* __restrict__ merge_counters,   // [B, row blocks, 2]: merge in this kernel; null: verify_attn_merge_*
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   static_assert(kScorers == 1 || kScorers == 2, "one or two scoring warpgroups");
   constexpr int kGroupKeys = kKeys / kScorers;  // keys a scoring group scores per tile
@@ -218,22 +226,31 @@ __device__ __forceinline__ void verify_attn_cta(
 
   // Loads: 8 threads per row, thread `load_sub` copies chunk load_sub of each 64-column block, so
   // a warp reads four full 128-byte segments per instruction; the swizzle is a per-thread constant.
+  // Q and the first tile: every thread. Later tiles: with one scorer only group 1 (idle while
+  // group 0 scores), so the scorer starts S right after the barrier; with two, every thread.
   constexpr int kRowsPerPass = kThreads / 8;
+  constexpr int kLoaders = kScorers == 1 ? kThreads / 2 : kThreads;
   const int load_row = tid >> 3, load_sub = tid & 7;
   const u32 load_offset = load_row * 128 + ((load_sub ^ (load_row & 7)) << 4);  // row & 7 is the same in every pass
   const u16* cache_b = cache + (i64)b * l_max * kWidth;
-  auto load_tile = [&](int tile, int stage) {
+  auto load_tile = [&](int tile, int stage, auto loaders) {  // loaders: threads [kThreads - loaders, kThreads)
+    constexpr int kPassRows = decltype(loaders)::value / 8;
+    const int row = (tid - (kThreads - decltype(loaders)::value)) >> 3;
+    const u32 offset = row * 128 + ((load_sub ^ (row & 7)) << 4);
     const int tile_start = range.begin + tile * kKeys;
 #pragma unroll
-    for (int pass = 0; pass < kKeys / kRowsPerPass; ++pass) {
-      const int r = pass * kRowsPerPass + load_row;
+    for (int pass = 0; pass < kKeys / kPassRows; ++pass) {
+      const int r = pass * kPassRows + row;
       const bool valid = tile_start + r < range.kv_len;
       const u16* src = cache_b + (i64)(valid ? tile_start + r : 0) * kWidth + load_sub * 8;
-      const u32 dst = kv_smem + stage * kTileBytes + pass * kRowsPerPass * 128 + load_offset;
+      const u32 dst = kv_smem + stage * kTileBytes + pass * kPassRows * 128 + offset;
 #pragma unroll
       for (int block = 0; block < 9; ++block) cp_async16(dst + block * kBlockBytes, src + block * 64, valid);
     }
   };
+  using AllThreads = Count<kThreads>;
+  using Loaders = Count<kLoaders>;
+  const bool loads = tid >= kThreads - kLoaders;
 
   // Prologue: Q and the first tile.
 #pragma unroll
@@ -247,7 +264,7 @@ __device__ __forceinline__ void verify_attn_cta(
     for (int block = 0; block < 8; ++block) cp_async16(dst + block * kBlockBytes, latent + block * 64, valid);
     cp_async16(dst + 8 * kBlockBytes, q_rope + q_row * kRope + load_sub * 8, valid);
   }
-  if (range.tiles > 0) load_tile(0, 0);
+  if (range.tiles > 0) load_tile(0, 0, AllThreads{});
   cp_async_commit();
 
   // Accumulator fragments (wgmma D layout): warp w of the group holds rows 16w + quad_row (+8);
@@ -277,7 +294,7 @@ __device__ __forceinline__ void verify_attn_cta(
     cp_async_wait<0>();
     fence_async_shared();
     __syncthreads();  // tile visible to both warpgroups' wgmma; both are done with tile - 1 (stage, P)
-    if (tile + 1 < range.tiles) load_tile(tile + 1, (tile + 1) & 1);
+    if (tile + 1 < range.tiles && loads) load_tile(tile + 1, (tile + 1) & 1, Loaders{});
     cp_async_commit();
     const u32 stage = kv_smem + (tile & 1) * kTileBytes;
     const int tile_start = range.begin + tile * kKeys;
@@ -418,6 +435,9 @@ __device__ __forceinline__ void verify_attn_cta(
                             group * 256 + 2 * quad_col, split, (i64)gridDim.z * rows, out, lse, partial_out,
                             partial_lse);
   }
+  if (merge_counters != nullptr && gridDim.y > 1)
+    merge_splits_in_kernel<kHalf, kThreads>(merge_counters, partial_out, partial_lse, out, lse, (i64)b * rows + row0,
+                                            min(kRows, rows - row0), (i64)gridDim.z * rows);
 }
 
 }  // namespace wg
@@ -426,11 +446,11 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_WGMMA_KERNEL(NAME, HALF, SCORERS)                                                                \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
-      int chunk, float scale_log2) {                                                                          \
+      float* lse, float* partial_out, float* partial_lse, int* merge_counters, int nodes, int heads, int l_max, \
+      int words, int chunk, float scale_log2) {                                                               \
     va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,            \
-                                                             partial_out, partial_lse, nodes, heads, l_max,   \
-                                                             words, chunk, scale_log2);                       \
+                                                  partial_out, partial_lse, merge_counters, nodes, heads,      \
+                                                  l_max, words, chunk, scale_log2);                            \
   }
 
 #ifdef VA_HALF

@@ -217,11 +217,17 @@ def _check_driver(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error %d' % status).decode()}")
 
 
+def _function_handle(function) -> ctypes.c_void_p:
+    """The CUfunction of a CuPy RawKernel (its compiled `kernel`) or cupy.cuda.Function."""
+    compiled = getattr(function, "kernel", function)
+    return ctypes.c_void_p(compiled.ptr)
+
+
 def max_resident_blocks(function, threads: int, shared_mem: int) -> int:
     """CTAs of `function` that fit on one SM at once (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
     blocks = ctypes.c_int()
     _check_driver(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(blocks), ctypes.c_void_p(function.ptr), ctypes.c_int(threads), ctypes.c_size_t(shared_mem)),
+        ctypes.byref(blocks), _function_handle(function), ctypes.c_int(threads), ctypes.c_size_t(shared_mem)),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     return blocks.value
 
@@ -244,7 +250,7 @@ class CooperativeLaunch:
     outlive the launch (the caller keeps them)."""
 
     def __init__(self, function, grid: tuple, block: tuple, args: tuple, shared_mem: int):
-        self._function = ctypes.c_void_p(function.ptr)
+        self._function = _function_handle(function)
         self._values = [_ctypes_argument(a) for a in args]
         self._params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
                                                         for v in self._values))

@@ -280,8 +280,8 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
         plan = launch.plan
         variant_times = {}
         for name in variants:
-            variant = prepare_variant_launch(name, q_latent, q_rope, cache, lengths, tree)
-            variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits, variant.merge)
+            variant = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, config=name)
+            variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits)
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
         sdpa_backend = times.pop("sdpa_backend", None)
@@ -290,44 +290,36 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
             return {**common, "provider": provider, "time_us": round(seconds * 1e6, 2),
                     "tbps": round(n_bytes / seconds / 1e12, 3), "tflops": round(n_flops / seconds / 1e12, 2)}
 
-        def kernel_fields(seconds, config, splits, merge):
+        def kernel_fields(seconds, config, splits):
             return {"pct_roofline": round(100 * roof / seconds, 1), "pct_roofline_mma": round(100 * roof_mma / seconds, 1),
-                    "config": config, "splits": splits, "merge": merge}
+                    "config": config, "splits": splits}
 
         for provider, seconds in (("roofline", roof), ("roofline_mma", roof_mma), *times.items()):
             if seconds is None:
                 continue
             row = timed(provider, seconds)
             if provider == "kernel":
-                row.update(kernel_fields(seconds, plan.config_name, plan.splits, launch.merge))
+                row.update(kernel_fields(seconds, plan.config_name, plan.splits))
                 if times.get("torch_fallback"):
                     row["speedup_vs_fallback"] = round(times["torch_fallback"] / seconds, 2)
             if provider == "sdpa":
                 row["sdpa_backend"] = sdpa_backend
             shape_rows.append(row)
-        for name, (seconds, splits, merge) in variant_times.items():
-            shape_rows.append({**timed("kernel_variant", seconds), **kernel_fields(seconds, name, splits, merge)})
+        for name, (seconds, splits) in variant_times.items():
+            shape_rows.append({**timed("kernel_variant", seconds), **kernel_fields(seconds, name, splits)})
         results.append_rows(TOPIC, shape_rows)
         rows += shape_rows
         kernel_row = next(r for r in shape_rows if r["provider"] == "kernel")
         log(f"B={batch:3d} N={nodes:4d} H={heads:3d} L={length:7d}: kernel {kernel_row['time_us']:9.1f} us "
             f"{kernel_row['tflops']:7.1f} TFLOP/s {kernel_row['tbps']:5.2f} TB/s "
             f"{kernel_row['pct_roofline']:5.1f}% roof ({kernel_row['pct_roofline_mma']:5.1f}% mma roof) "
-            f"x{kernel_row.get('speedup_vs_fallback', float('nan'))} vs fallback  "
-            f"[{plan.config_name}, {plan.splits} splits, merge {launch.merge}]"
+            f"x{kernel_row.get('speedup_vs_fallback', float('nan'))} vs fallback  [{plan.config_name}, {plan.splits} splits]"
             + "".join(f"; {r['config']} {r['time_us']:.1f} us {r['pct_roofline']:.1f}%"
                       for r in shape_rows if r["provider"] == "kernel_variant")
             + f"  t={time.monotonic() - started:.0f}s")
         del q_latent, q_rope, cache, lengths, tree, launch
         torch.cuda.empty_cache()
     return rows
-
-
-def prepare_variant_launch(spec: str, *inputs):
-    """The launch a variant names: "CONFIG" (the launcher's split and merge) or "CONFIG:MERGE"
-    (verify_attn.MERGES: "kernel" times the separate merge kernel where the launcher would fuse)."""
-    config, _, merge = spec.partition(":")
-    return prepare_verify_launch(*inputs, config=config, merge=merge or None)
 
 
 def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dict:
@@ -489,19 +481,19 @@ def summary(rows, config: str | None = None) -> dict:
 
 
 def smoke(log=print) -> bool:
-    """Every variant, one and several splits (both merges), a ragged batch with a zero length: the sanitizer case."""
+    """Every variant, one and several splits, a ragged batch with a zero length: the sanitizer case."""
     import torch
     from .verify_attn import runnable_configs, verify_attention
     ok = True
     inputs = make_inputs(2, 9, 8, 0, lengths=[70, 0], seed=0, slack=5, poison=True)
     ref_out, ref_lse = verify_attention(*inputs[:2], torch.nan_to_num(inputs[2]), *inputs[3:], backend="torch")
     for config in runnable_configs():
-        for splits, merge in ((1, None), (3, "fused"), (3, "kernel")):
-            launch = prepare_verify_launch(*inputs, config=config, splits=splits, merge=merge)
+        for splits in (1, 3):
+            launch = prepare_verify_launch(*inputs, config=config, splits=splits)
             launch()
             err = errors(launch.out, launch.lse, ref_out, ref_lse)
             ok &= err["finite"] and err["rel_err"] <= 1e-2 and err["lse_err"] <= 1e-3
-            log(f"smoke {config} splits={launch.plan.splits} merge={launch.merge}: {err}")
+            log(f"smoke {config} splits={launch.plan.splits}: {err}")
     torch.cuda.synchronize()
     return ok
 
@@ -519,13 +511,9 @@ def explore(shapes, *, reps: int = 10, log=print) -> list[dict]:
             for splits in sorted({auto, max(1, auto // 2), min(1024, 2 * auto)}):
                 launch = prepare_verify_launch(*inputs, config=name, splits=splits)
                 total = time_gpu(launch, reps=reps)
-                alone = total
-                if launch.plan.splits > 1:  # the main kernel without the merge: the unfused launch's first kernel
-                    unfused = prepare_verify_launch(*inputs, config=name, splits=splits, merge="kernel")
-                    alone = time_gpu(lambda: unfused(merge=False), reps=reps)
+                alone = time_gpu(lambda: launch(merge=False), reps=reps) if launch.plan.splits > 1 else total
                 row = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "config": name,
-                       "splits": launch.plan.splits, "merge": launch.merge, "auto": splits == auto,
-                       "total_us": round(total * 1e6, 1),
+                       "splits": launch.plan.splits, "auto": splits == auto, "total_us": round(total * 1e6, 1),
                        "kernel_us": round(alone * 1e6, 1), "tflops": round(n_flops / total / 1e12, 1),
                        "tbps": round(n_bytes / total / 1e12, 2)}
                 found.append(row)
@@ -566,9 +554,8 @@ def main():
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--targets", action="store_true", help="the issue's target shapes only (N·H >= 128, L >= 32k)")
-    parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG[:MERGE]",
-                        help="kernel configs (optionally with a split merge, fused or kernel) also timed on every "
-                             "shape (provider kernel_variant)")
+    parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG",
+                        help="kernel configs also timed on every shape (provider kernel_variant)")
     parser.add_argument("--no-baselines", action="store_true", help="time the kernels only")
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")

@@ -269,84 +269,51 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
     return LaunchPlan(config, row_blocks, -(-tiles // tiles_per_split), tiles_per_split * chosen.keys)
 
 
-MERGES = ("fused", "kernel")  # split partials merged inside the main kernel (cooperative launch) or by verify_attn_merge_*
-
-
 class VerifyLaunch:
     """One prepared verify-attention call: device views, outputs, workspace, plan and the kernel
     arguments, built once so a call costs only the launches (decode loops, benchmarks).
 
-    With several splits the partials are merged either inside the main kernel (merge "fused": one
-    cooperative launch, the CTAs of a row block wait for each other, then share its merge) or by
-    the separate merge kernel (merge "kernel"). Calling it enqueues on torch's current stream;
-    nothing here synchronises, so it can run back to back in a benchmark or inside a CUDA graph.
+    Calling it enqueues the kernel (and the split merge) on torch's current stream; nothing here
+    synchronises, so it can run back to back in a benchmark or inside a CUDA graph.
     """
 
-    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse, *, merge: str = "kernel"):
-        from . import cuda
-        if merge not in MERGES:
-            raise ValueError(f"merge: expected one of {MERGES}, got {merge!r}")
+    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse):
         self.plan, self.out, self.lse = plan, out, lse
-        self.merge = merge if plan.splits > 1 else "none"
         self._arrays = arrays  # keeps the converted inputs and the workspace alive
         batch, nodes, heads, l_max, words, scale_log2 = sizes
         self._calls = []  # (function, grid, block, args, shared memory): the kernel, then the merge
-        self._cooperative = None
         if batch * nodes * heads == 0:
             return
-        main, merge_function = _kernel_functions(plan.config_name, half)
+        main, merge = _kernel_functions(plan.config_name, half)
         a, config = arrays, plan.config
-        fused = self.merge == "fused"
-        grid = (plan.row_blocks, plan.splits, batch)
-        args = (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
-                a["partial_out"], a["partial_lse"], a["merge_counters"] if fused else np.uint64(0), np.int32(nodes),
-                np.int32(heads), np.int32(l_max), np.int32(words), np.int32(plan.chunk), np.float32(scale_log2))
-        if fused:
-            self._cooperative = cuda.CooperativeLaunch(main, grid, (config.threads,), args, config.smem_bytes)
-            return
-        self._calls.append((main, grid, (config.threads,), args, config.smem_bytes))
+        self._calls.append((main, (plan.row_blocks, plan.splits, batch), (config.threads,),
+                            (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
+                             a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
+                             np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)), config.smem_bytes))
         if plan.splits > 1:
             rows = batch * nodes * heads
-            self._calls.append((merge_function, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"],
-                                                                    a["lse"], np.int32(rows), np.int32(plan.splits)), 0))
+            self._calls.append((merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
+                                                           np.int32(rows), np.int32(plan.splits)), 0))
 
     def __call__(self, *, merge: bool = True):
-        """Enqueue the kernel and, with several splits, the merge (merge=False: the main kernel
-        alone, for timing breakdowns of the "kernel" merge; a fused launch cannot leave it out)."""
+        """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""
         from . import cuda
         stream = cuda.current_stream()
-        if self._cooperative is not None:
-            if not merge:
-                raise ValueError("merge: this launch merges its splits inside the kernel (merge='fused'); "
-                                 "prepare it with merge='kernel' to time the kernel alone")
-            self._cooperative(stream)
         for function, grid, block, args, shared_mem in self._calls[:None if merge else 1]:
             function(grid, block, args, shared_mem=shared_mem, stream=stream)
         return self.out, self.lse
 
 
 def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,
-                          out=None, lse=None, config: str | None = None, splits: int | None = None,
-                          merge: str | None = None) -> VerifyLaunch:
-    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them).
-
-    merge: how split partials are combined, "fused" or "kernel" (MERGES); by default fused
-    whenever the whole grid fits on the GPU at once (always so for the planner's own splits)."""
+                          out=None, lse=None, config: str | None = None, splits: int | None = None) -> VerifyLaunch:
+    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them)."""
     from . import cuda
     batch, nodes, heads = _check_args(q_latent, q_rope, cache, lengths, tree, scale)
     half = _check_kernel_args(q_latent, cache, tree, nodes, out, lse)
-    if merge is not None and merge not in MERGES:
-        raise ValueError(f"merge: expected one of {MERGES} or None, got {merge!r}")
     l_max, words, rows = int(cache.shape[1]), (nodes + 31) // 32, nodes * heads
     sms, smem_per_block, smem_per_sm = _device_limits()
     plan = plan_launch(batch, rows, l_max, sms=sms, smem_per_block=smem_per_block, smem_per_sm=smem_per_sm,
                        wgmma=_runs_sm90a(), config=config, splits=splits)
-    resident = sms * _resident_blocks(plan.config_name, half)
-    fits = batch * plan.row_blocks * plan.splits <= resident
-    if merge == "fused" and not fits:
-        raise ValueError(f"merge: 'fused' needs the whole grid resident ({batch * plan.row_blocks * plan.splits} "
-                         f"CTAs, at most {resident} fit); use fewer splits or merge='kernel'")
-    merge = merge or ("fused" if fits else "kernel")
     if out is None:
         out = cuda.device_empty(q_latent, (batch, nodes, heads, LATENT_DIM), dtype_name(q_latent))
     if lse is None:
@@ -358,13 +325,10 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
         arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(
             q_latent, (plan.splits, batch, rows, LATENT_DIM), "float32"))
         arrays["partial_lse"] = cuda.as_cupy(cuda.device_empty(q_latent, (plan.splits, batch, rows), "float32"))
-        if merge == "fused":
-            import cupy
-            arrays["merge_counters"] = cupy.zeros((batch, plan.row_blocks, 2), cupy.int32)  # the kernel re-zeroes them
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]
     sizes = (batch, nodes, heads, l_max, words, float(scale) * math.log2(math.e))
-    return VerifyLaunch(plan, half, arrays, sizes, out, lse, merge=merge)
+    return VerifyLaunch(plan, half, arrays, sizes, out, lse)
 
 
 def _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale):
@@ -439,14 +403,6 @@ def _runs_sm90a() -> bool:
     """Does the current device run sm_90a code (wgmma)? Only compute capability 9.0 exactly."""
     import cupy
     return cupy.cuda.Device().compute_capability == "90"
-
-
-@functools.lru_cache(maxsize=None)
-def _resident_blocks(config_name: str, half: bool) -> int:
-    """CTAs of the variant's main kernel one SM holds at once (the driver's occupancy answer)."""
-    from . import cuda
-    config = KERNEL_CONFIGS[config_name]
-    return cuda.max_resident_blocks(_kernel_functions(config_name, half)[0], config.threads, config.smem_bytes)
 
 
 @functools.lru_cache(maxsize=None)

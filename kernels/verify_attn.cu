@@ -21,10 +21,8 @@
 //     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
 //   * Only tiles reaching the tree slots (or the split's end) evaluate the mask; prefix tiles run
 //     unmasked. Rows past N·H and keys past len + N are zero-filled, never read out of bounds.
-//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE, which are
-//     combined by LSE either in this kernel (merge_counters given: the launcher's cooperative
-//     launch; the splits of a row block wait for each other, then share its merge) or by
-//     verify_attn_merge_*; with one split the CTA writes bf16/f16 O directly.
+//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE and
+//     verify_attn_merge_* combines them by LSE; with one split the CTA writes bf16/f16 O directly.
 // Shared memory is XOR-swizzled in 16-byte chunks (chunk ^ row%8), so ldmatrix and cp.async are
 // free of bank conflicts; P rows are padded by 16 bytes instead.
 //
@@ -108,7 +106,6 @@ __device__ __forceinline__ void verify_attn_cta(
     float* __restrict__ lse,            // [B, rows]                (one split)
     float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
-    int* __restrict__ merge_counters,   // [B, row blocks, 2]: merge in this kernel; null: verify_attn_merge_*
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
   if (dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
@@ -375,9 +372,6 @@ __device__ __forceinline__ void verify_attn_cta(
                               column * kColsPerWarp + 2 * quad_col, split, (i64)batch * rows, out, lse, partial_out,
                               partial_lse);
     }
-  if (merge_counters != nullptr && gridDim.y > 1)
-    merge_splits_in_kernel<kHalf, S::kThreads>(merge_counters, partial_out, partial_lse, out, lse, (i64)b * rows + row0,
-                                               min(S::kRows, rows - row0), (i64)batch * rows);
 }
 
 }  // namespace va
@@ -385,11 +379,11 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, float* partial_out, float* partial_lse, int* merge_counters, int nodes, int heads, int l_max, \
-      int words, int chunk, float scale_log2) {                                                               \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      int chunk, float scale_log2) {                                                                          \
     va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
-        q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, merge_counters, nodes,   \
-        heads, l_max, words, chunk, scale_log2);                                                              \
+        q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
+        words, chunk, scale_log2);                                                                            \
   }
 
 #ifdef VA_KEYS

@@ -223,63 +223,6 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out,
   if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
 }
 
-// The same merge inside the main kernel, so a split call is one launch (the launcher's
-// cooperative launch guarantees every CTA is resident, so waiting on the others cannot hang).
-// The splits of one (request, row block) arrive on counters[2·(b·gridDim.x + blockIdx.x)] after
-// storing their partials, wait for all gridDim.y, then share the block's rows out in 64-column
-// units (a warp each, a float2 per lane, every split's weight recomputed from its LSE). The last
-// CTA to finish zeroes both counters for the next call (CUDA graph replays included).
-__device__ __forceinline__ int load_acquire(const int* address) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}
-
-template <bool kHalf, int kThreads>
-__device__ __forceinline__ void merge_splits_in_kernel(int* __restrict__ counters, const float* partial_out,
-                                                       const float* partial_lse, u16* __restrict__ out,
-                                                       float* __restrict__ lse, i64 first_row, int block_rows,
-                                                       i64 total_rows) {
-  constexpr int kWarps = kThreads / 32, kUnitsPerRow = kLatent / 64;
-  int* arrived = counters + 2 * ((i64)blockIdx.z * gridDim.x + blockIdx.x);
-  int* finished = arrived + 1;
-  const int splits = gridDim.y, lane = threadIdx.x & 31;
-  __threadfence();  // this thread's partial stores, visible GPU-wide before the CTA arrives
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    atomicAdd(arrived, 1);
-    while (load_acquire(arrived) < splits) __nanosleep(32);
-  }
-  __syncthreads();
-  for (int unit = blockIdx.y * kWarps + (threadIdx.x >> 5); unit < block_rows * kUnitsPerRow;
-       unit += splits * kWarps) {
-    const i64 row = first_row + unit / kUnitsPerRow;
-    const int col = (unit % kUnitsPerRow) * 64 + 2 * lane;
-    float m = neg_inf();
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(partial_lse + s * total_rows + row));
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
-    float total = 0.f, x = 0.f, y = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float w = fast_exp2((__ldcg(partial_lse + s * total_rows + row) - base) * kLog2e);
-      const float2 p = __ldcg(reinterpret_cast<const float2*>(partial_out + (s * total_rows + row) * kLatent + col));
-      total += w;
-      x = fmaf(w, p.x, x);
-      y = fmaf(w, p.y, y);
-    }
-    const float scale = total > 0.f ? 1.f / total : 0.f;
-    *reinterpret_cast<u32*>(out + row * kLatent + col) = pack2<kHalf>(x * scale, y * scale);
-    if (col == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(finished, 1) == splits - 1) {
-    *arrived = 0;
-    *finished = 0;
-  }
-}
-
 }  // namespace va
 
 // The split merge kernels, one per 16-bit type; every verify-attention module defines them.

@@ -18,8 +18,7 @@
 //     V = the tile's first 512 columns read as the MN-major B operand.
 //   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
 //     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
-//     read), split partials merged in the kernel (merge_splits_in_kernel) or by verify_attn_merge_*
-//     (VA_MERGE_KERNELS), fp32 LSE.
+//     read), split partials merged by verify_attn_merge_* (VA_MERGE_KERNELS), fp32 LSE.
 // Per tile: wait for the tile, barrier, issue the next tile's loads (into the stage the previous
 // tile's P·V has finished with; one scorer: group 1 issues them while group 0 scores), S, (two
 // scorers: row-max exchange, barrier), P, barrier, P·V.
@@ -199,7 +198,6 @@ __device__ __forceinline__ void verify_attn_cta(
     float* __restrict__ lse,            // [B, rows]                (one split)
     float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
-    int* __restrict__ merge_counters,   // [B, row blocks, 2]: merge in this kernel; null: verify_attn_merge_*
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   static_assert(kScorers == 1 || kScorers == 2, "one or two scoring warpgroups");
   constexpr int kGroupKeys = kKeys / kScorers;  // keys a scoring group scores per tile
@@ -435,9 +433,6 @@ __device__ __forceinline__ void verify_attn_cta(
                             group * 256 + 2 * quad_col, split, (i64)gridDim.z * rows, out, lse, partial_out,
                             partial_lse);
   }
-  if (merge_counters != nullptr && gridDim.y > 1)
-    merge_splits_in_kernel<kHalf, kThreads>(merge_counters, partial_out, partial_lse, out, lse, (i64)b * rows + row0,
-                                            min(kRows, rows - row0), (i64)gridDim.z * rows);
 }
 
 }  // namespace wg
@@ -446,11 +441,11 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_WGMMA_KERNEL(NAME, HALF, SCORERS)                                                                \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, float* partial_out, float* partial_lse, int* merge_counters, int nodes, int heads, int l_max, \
-      int words, int chunk, float scale_log2) {                                                               \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      int chunk, float scale_log2) {                                                                          \
     va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,            \
-                                                  partial_out, partial_lse, merge_counters, nodes, heads,      \
-                                                  l_max, words, chunk, scale_log2);                            \
+                                                  partial_out, partial_lse, nodes, heads, l_max, words, chunk, \
+                                                  scale_log2);                                                 \
   }
 
 #ifdef VA_HALF

@@ -94,7 +94,7 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
                             "partial_lse"))
     launch = verify_attn.VerifyLaunch(plan, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")
     assert launch() == ("out", "lse")
-    assert calls == [("main", (plan.row_blocks, 3, 2), (plan.config.threads,), 16, plan.config.smem_bytes),
+    assert calls == [("main", (plan.row_blocks, 3, 2), (plan.config.threads,), 15, plan.config.smem_bytes),
                      ("merge", (2 * 3 * 8, 4), (256,), 6, 0)]
     calls.clear()
     launch(merge=False)
@@ -103,33 +103,6 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     single = plan_launch(2, 24, 1000, **H200, splits=1)
     verify_attn.VerifyLaunch(single, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")()
     assert [name for name, *_ in calls] == ["main"]
-
-
-def test_a_fused_launch_is_one_cooperative_kernel_with_the_counters(monkeypatch):
-    """merge='fused': the main kernel alone, launched cooperatively, merge counters as its 10th argument."""
-    from kdtree_lib import verify_attn
-    launched = []
-
-    class StandIn:
-        def __init__(self, function, grid, block, args, shared_mem):
-            self.grid, self.args = grid, args
-
-        def __call__(self, stream):
-            launched.append((self.grid, self.args[9]))
-
-    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half: ("main", "merge"))
-    monkeypatch.setattr(cuda, "CooperativeLaunch", StandIn)
-    monkeypatch.setattr(cuda, "current_stream", lambda: None)
-    plan = plan_launch(1, 128, 4096, **H200, splits=4)
-    arrays = dict.fromkeys(("q_latent", "q_rope", "cache", "lengths", "mask", "out", "lse", "partial_out",
-                            "partial_lse"))
-    arrays["merge_counters"] = "counters"
-    launch = verify_attn.VerifyLaunch(plan, False, arrays, (1, 16, 8, 4096, 1, 0.2), "out", "lse", merge="fused")
-    assert launch() == ("out", "lse") and launched == [((plan.row_blocks, 4, 1), "counters")]
-    with pytest.raises(ValueError, match="merge"):
-        launch(merge=False)
-    with pytest.raises(ValueError, match="merge"):
-        verify_attn.VerifyLaunch(plan, False, arrays, (1, 16, 8, 4096, 1, 0.2), "out", "lse", merge="atomic")
 
 
 def test_summary_reads_the_launchers_choice_and_each_variant():
@@ -300,11 +273,10 @@ def test_kernel_matches_reference(case, config):
                                poison=True)
     ref_out, ref_lse = _reference(*inputs)
     torch_err = _bf16_torch_error(*inputs, ref_out, ref_lse)
-    for splits, merge in ((None, None), (1, None), (7, "fused"), (7, "kernel")):
-        launch = _poisoned_launch(*inputs, config=config, splits=splits, merge=merge)
+    for splits in (None, 1, 7):
+        launch = _poisoned_launch(*inputs, config=config, splits=splits)
         err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
-        print(f"seed={seed} case={case} config={launch.plan.config_name} splits={launch.plan.splits} "
-              f"merge={launch.merge}: "
+        print(f"seed={seed} case={case} config={launch.plan.config_name} splits={launch.plan.splits}: "
               f"rel_err={err['rel_err']:.2e} (bf16 torch {torch_err:.2e}) lse_err={err['lse_err']:.2e}")
         assert err["finite"], "NaN or inf in the output (poisoned output left unwritten, or cache leak)"
         assert err["rel_err"] <= REL_ERR
@@ -383,39 +355,6 @@ def test_long_context_split_merge():
             err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
             print(f"32k {launch.plan.config_name} splits={launch.plan.splits}: {err}")
             assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, "rows16_keys64_stages2"])
-def test_fused_merge_repeats_and_replays_in_a_cuda_graph(config):
-    """The in-kernel merge re-zeroes its counters, so calls and CUDA graph replays can follow each other."""
-    torch = pytest.importorskip("torch")
-    inputs = bench.make_inputs(2, 17, 8, 0, lengths=[3000, 700], seed=SEED, slack=5, poison=True)
-    ref_out, ref_lse = _reference(*inputs)
-    launch = _poisoned_launch(*inputs, config=config, splits=9, merge="fused")
-    assert launch.merge == "fused"
-
-    def check(label):
-        torch.cuda.synchronize()
-        err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
-        print(f"fused {launch.plan.config_name} {label}: {err}")
-        assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
-        assert int(launch._arrays["merge_counters"].sum()) == 0
-    check("first call")
-    for _ in range(3):
-        launch.out.fill_(float("nan"))
-        launch()
-    check("fourth call")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    launch.out.fill_(float("nan"))
-    launch.lse.fill_(float("nan"))
-    graph.replay()
-    graph.replay()
-    check("graph replays")
-    with pytest.raises(ValueError, match="resident"):
-        prepare_verify_launch(*inputs, config=config, splits=1024, merge="fused")
 
 
 @pytest.mark.gpu

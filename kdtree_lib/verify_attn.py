@@ -157,6 +157,7 @@ class KernelConfig:
     scoring: int = 4  # warps of a group computing S (2: two 32x32 warp tiles, less shared-memory traffic)
     wgmma: bool = False  # the sm_90a kernel (two warpgroups, 64 rows x 64-key tiles, two stages)
     scorers: int = 2  # wgmma: warpgroups computing S (1: group 0 alone, m64n64, P·V from its registers)
+    pipelined: bool = False  # wgmma, one scorer: group 1's P·V trails group 0's S by a tile (P in the rope block)
 
     @property
     def rows(self) -> int:
@@ -175,7 +176,7 @@ class KernelConfig:
         row_bytes = 2 * CACHE_DIM
         tiles = self.rows * row_bytes + self.stages * self.keys * row_bytes
         if self.wgmma:
-            return 1024 + tiles + self.rows * self.keys * 2 + 4 * self.rows * 4
+            return 1024 + tiles + (0 if self.pipelined else self.rows * self.keys * 2) + 4 * self.rows * 4
         return tiles + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4
 
     @property
@@ -189,14 +190,15 @@ class KernelConfig:
 
     def nvrtc_options(self, half: bool) -> tuple[str, ...]:
         if self.wgmma:
-            return (f"-DVA_HALF={int(half)}", f"-DVA_SCORERS={self.scorers}")
+            return (f"-DVA_HALF={int(half)}", f"-DVA_SCORERS={0 if self.pipelined else self.scorers}")
         return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
                 f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
     @property
     def name(self) -> str:
         if self.wgmma:
-            return f"rows{self.rows}_keys{self.keys}_wgmma" + ("_one_scorer" if self.scorers == 1 else "")
+            return f"rows{self.rows}_keys{self.keys}_wgmma" + ("_pipelined" if self.pipelined else
+                                                              "_one_scorer" if self.scorers == 1 else "")
         return f"rows{self.rows}_keys{self.keys}_stages{self.stages}" + ("_wide" if self.scoring == 2 else "")
 
 
@@ -212,6 +214,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, scorers=1),
+    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, scorers=1, pipelined=True),
 )}
 # Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
 # where the wgmma kernels run (compute capability 9.0), the one-scorer one wins ~1.5x over those at

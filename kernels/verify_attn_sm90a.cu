@@ -435,6 +435,214 @@ __device__ __forceinline__ void verify_attn_cta(
   }
 }
 
+
+__device__ __forceinline__ void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The pipelined CTA: group 0 scores, group 1 trails it by a tile. Per tile t (stage t % 2):
+//   group 0: [wait tile t] S = Q·Kᵀ, softmax, O[:, :256] rescaled, P written over the tile's rope
+//            block (dead once S is done) with the rows' rescale factors, [P ready], P·V from its
+//            registers, [stage done with, when tile t + 2 exists].
+//   group 1: [its copies of tile t + 1 landed: tile ready], [wait P ready], O[:, 256:] rescaled,
+//            P·V from shared memory, [wait stage done with] loads of tile t + 2 into the stage.
+// So group 1's P·V of tile t overlaps group 0's S and softmax of tile t + 1 on the tensor pipe.
+// Named barriers pair group 0's arrivals with group 1's waits (256 threads each); each kind
+// alternates between two ids by tile parity, so one side can never lap the other on an id.
+constexpr int kTileReady = 1, kPReady = 3, kStageFree = 5;  // ids kX + (tile & 1); 0 is __syncthreads'
+
+template <bool kHalf>
+__device__ __forceinline__ void verify_attn_cta_pipelined(
+    const u16* __restrict__ q_latent, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
+    const int* __restrict__ lengths, const u32* __restrict__ mask, u16* __restrict__ out, float* __restrict__ lse,
+    float* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
+    int chunk, float scale_log2) {
+  constexpr int kPipelinedSmem = kAlign + 3 * kTileBytes + kStatBytes;
+  if (dynamic_smem_bytes() < kPipelinedSmem) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
+  extern __shared__ unsigned char smem_raw[];
+  const u32 raw_address = smem_address(smem_raw);
+  const u32 q_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);
+  const u32 kv_smem = q_smem + kTileBytes;  // two stages
+  unsigned char* stage_bytes = smem_raw + (kv_smem - raw_address);
+  float* rescale = reinterpret_cast<float*>(stage_bytes + 2 * kTileBytes);  // [2][64] by tile parity
+  float* sums = rescale + 2 * kRows;                                        // [64] group 0's row sums
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2;  // owns O columns [256g, 256g + 256); group 0 also scores
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+  const int b = blockIdx.z, split = blockIdx.y;
+  const int rows = nodes * heads;
+  const int row0 = blockIdx.x * kRows;
+  const KeyRange range = key_range<kKeys>(lengths, b, l_max, nodes, split, chunk);
+  const int warp_row0 = (warp & 3) * 16;
+
+  // Loads: 8 threads per row, thread `load_sub` copies chunk load_sub of each 64-column block, so
+  // a warp reads four full 128-byte segments per instruction; the swizzle is a per-thread constant.
+  // Q and tile 0: all 256 threads; later tiles: group 1's 128.
+  const int load_sub = tid & 7;
+  const u16* cache_b = cache + (i64)b * l_max * kWidth;
+  auto load_rows = [&](u32 dst_tile, int first, int threads_per_pass, int row_in_pass, auto source) {
+    const u32 offset = row_in_pass * 128 + ((load_sub ^ (row_in_pass & 7)) << 4);  // row & 7 is the same in every pass
+    for (int pass = 0; pass < kKeys * 8 / threads_per_pass; ++pass) {
+      const int r = pass * (threads_per_pass / 8) + row_in_pass;
+      const u32 dst = dst_tile + pass * (threads_per_pass / 8) * 128 + offset;
+#pragma unroll
+      for (int block = 0; block < 9; ++block) source(dst + block * kBlockBytes, first + r, block);
+    }
+  };
+  auto kv_source = [&](u32 dst, int key, int block) {
+    const bool valid = key < range.kv_len;
+    cp_async16(dst, cache_b + (i64)(valid ? key : 0) * kWidth + block * 64 + load_sub * 8, valid);
+  };
+  auto load_tile = [&](int tile, int threads, int thread) {
+    load_rows(kv_smem + (tile & 1) * kTileBytes, range.begin + tile * kKeys, threads, thread >> 3, kv_source);
+  };
+  load_rows(q_smem, row0, kThreads, tid >> 3, [&](u32 dst, int row, int block) {
+    const bool valid = row < rows;
+    const i64 q_row = (i64)b * rows + (valid ? row : 0);
+    const u16* src = block < 8 ? q_latent + q_row * kLatent + block * 64 : q_rope + q_row * kRope;
+    cp_async16(dst, src + load_sub * 8, valid);
+  });
+  if (range.tiles > 0) load_tile(0, kThreads, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
+  if (group == 1 && range.tiles > 1) load_tile(1, kThreads / 2, tid - kThreads / 2);
+  cp_async_commit();
+
+  // Accumulator fragments (wgmma D layout): warp w of the group holds rows 16w + quad_row (+8);
+  // element 4j + 2h + e is column 8j + 2·quad_col + e of row half h.
+  float o[32][4];
+#pragma unroll
+  for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  auto& o_tile = *reinterpret_cast<float(*)[128]>(&o[0][0]);
+  float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};  // group 0: log2-domain max, partial sums
+  const u64 q_desc = smem_descriptor(q_smem, 16, 1024);
+  auto rescale_rows = [&](int h, float alpha) {  // O rows of half h times alpha
+    if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[j][2 * h] *= alpha;
+        o[j][2 * h + 1] *= alpha;
+      }
+    }
+  };
+
+  for (int tile = 0; tile < range.tiles; ++tile) {
+    const int parity = tile & 1;
+    const u32 stage = kv_smem + parity * kTileBytes;
+    const u32 p_smem = stage + 8 * kBlockBytes;  // the tile's rope block, free once S is done
+    const u64 v_desc = smem_descriptor(stage + group * 4 * kBlockBytes, kBlockBytes, 1024);
+    if (group == 0) {
+      if (tile > 0) group_barrier(kTileReady + parity, kThreads);
+      float s[8][4];
+      const u64 k_desc = smem_descriptor(stage, 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kWidth / 16; ++k) {
+        const u32 step = ((k >> 2) * kBlockBytes + (k & 3) * 32) >> 4;
+        wgmma_m64n64<kHalf>(*reinterpret_cast<float(*)[32]>(&s[0][0]), q_desc + step, k_desc + step, k > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers<32>(&s[0][0]);
+
+      const int tile_start = range.begin + tile * kKeys;
+      if (tile_start + kKeys > range.unmasked_end) {  // keys past the split or the tree, non-ancestors
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + warp_row0 + quad_row + 8 * h;
+          const bool real_row = row < rows;
+          const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!key_visible(tile_start + 8 * j + 2 * quad_col + e, range, real_row, mask_row)) s[j][2 * h + e] = neg_inf();
+        }
+      }
+      // P = exp2(S·scale − max), row sums, O rescaled; P packed as A fragments (k step kk: key
+      // tiles 2kk, 2kk + 1) and into the swizzled P tile (keys 8j + 2·quad_col in chunk j).
+      u32 p_own[4][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row0 + quad_row + 8 * h;
+        float m = neg_inf();
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+        const float new_max = fmaxf(row_max[h], quad_reduce<true>(m) * scale_log2);
+        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
+        const float alpha = fast_exp2(row_max[h] - base);
+        row_max[h] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], scale_log2, -base));
+          s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], scale_log2, -base));
+          sum += s[j][2 * h] + s[j][2 * h + 1];
+          p_own[j >> 1][h + 2 * (j & 1)] = pack2<kHalf>(s[j][2 * h], s[j][2 * h + 1]);
+          *reinterpret_cast<u32*>(stage_bytes + parity * kTileBytes + 8 * kBlockBytes + r * 128 +
+                                  ((j ^ (r & 7)) << 4) + quad_col * 4) = p_own[j >> 1][h + 2 * (j & 1)];
+        }
+        row_sum[h] = row_sum[h] * alpha + sum;
+        if (quad_col == 0) rescale[parity * kRows + r] = alpha;
+        rescale_rows(h, alpha);
+      }
+      fence_async_shared();
+      barrier_arrive(kPReady + parity, kThreads);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_m64n256_mn<kHalf>(o_tile, p_own[kk], v_desc + ((kk * 16 * 128) >> 4));
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers<128>(&o[0][0]);
+      if (tile + 2 < range.tiles) barrier_arrive(kStageFree + parity, kThreads);
+    } else {
+      if (tile + 1 < range.tiles) {  // tile + 1 is this group's only copy group in flight
+        cp_async_wait<0>();
+        fence_async_shared();
+        barrier_arrive(kTileReady + (parity ^ 1), kThreads);
+      }
+      group_barrier(kPReady + parity, kThreads);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) rescale_rows(h, rescale[parity * kRows + warp_row0 + quad_row + 8 * h]);
+      const u64 p_desc = smem_descriptor(p_smem, 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n256_mn<kHalf>(o_tile, p_desc + ((k * 32) >> 4), v_desc + ((k * 16 * 128) >> 4));
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers<128>(&o[0][0]);
+      if (tile + 2 < range.tiles) {
+        group_barrier(kStageFree + parity, kThreads);
+        load_tile(tile + 2, kThreads / 2, tid - kThreads / 2);
+        cp_async_commit();
+      }
+    }
+  }
+
+  // Row sums over the quad (group 0), shared with group 1; group 0 writes the LSE.
+  if (group == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) quad_reduce_store<false>(row_sum[h], sums + warp_row0 + quad_row + 8 * h, quad_col);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp_row0 + quad_row + 8 * h;
+    const int row = row0 + r;
+    const float l = sums[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float row_lse = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
+    if (row >= rows) continue;
+    store_output_row<kHalf>(o, h, inv, row_lse, group == 0 && quad_col == 0, (i64)b * rows + row,
+                            group * 256 + 2 * quad_col, split, (i64)gridDim.z * rows, out, lse, partial_out,
+                            partial_lse);
+  }
+}
+
 }  // namespace wg
 }  // namespace va
 
@@ -443,9 +651,14 @@ __device__ __forceinline__ void verify_attn_cta(
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
       float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
-    va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,            \
-                                                  partial_out, partial_lse, nodes, heads, l_max, words, chunk, \
-                                                  scale_log2);                                                 \
+    if constexpr ((SCORERS) == 0)                                                                            \
+      va::wg::verify_attn_cta_pipelined<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse,          \
+                                                     partial_out, partial_lse, nodes, heads, l_max, words,      \
+                                                     chunk, scale_log2);                                        \
+    else                                                                                                       \
+      va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,          \
+                                                    partial_out, partial_lse, nodes, heads, l_max, words, chunk, \
+                                                    scale_log2);                                               \
   }
 
 #ifdef VA_HALF
@@ -457,6 +670,8 @@ VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_bf16, 0, 2)
 VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_f16, 1, 2)
 VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_bf16, 0, 1)
 VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_f16, 1, 1)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0, 0)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1, 0)
 #endif
 
 VA_MERGE_KERNELS

@@ -439,17 +439,31 @@ __device__ __forceinline__ void verify_attn_cta(
 __device__ __forceinline__ void barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// A shared memory mbarrier that completes a phase once `count` threads' cp.async copies (issued
+// before their arrive_on_copies) have landed; consumers wait for the phase by its parity.
+__device__ __forceinline__ void mbarrier_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_on_copies(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
 
-// The pipelined CTA: group 0 scores, group 1 trails it by a tile. Per tile t (stage t % 2):
-//   group 0: [wait tile t] S = Q·Kᵀ, softmax, O[:, :256] rescaled, P written over the tile's rope
-//            block (dead once S is done) with the rows' rescale factors, [P ready], P·V from its
-//            registers, [stage done with, when tile t + 2 exists].
-//   group 1: [its copies of tile t + 1 landed: tile ready], [wait P ready], O[:, 256:] rescaled,
-//            P·V from shared memory, [wait stage done with] loads of tile t + 2 into the stage.
-// So group 1's P·V of tile t overlaps group 0's S and softmax of tile t + 1 on the tensor pipe.
+// The pipelined CTA: group 0 scores, group 1 loads and trails it. Per tile t (stage t % 2):
+//   group 0: [wait for tile t's copies: mbarrier of the stage] S = Q·Kᵀ, softmax, O[:, :256]
+//            rescaled, P written over the tile's rope block (dead once S is done) with the rows'
+//            rescale factors, [P ready], P·V from its registers, [stage free, if tile t + 2 exists].
+//   group 1: [wait P ready] O[:, 256:] rescaled, P·V from shared memory, [wait stage free] loads
+//            of tile t + 2 into the stage, whose landing completes the stage's mbarrier phase.
+// Group 1 never waits for a load, and its P·V of tile t can overlap group 0's S of tile t + 1.
 // Named barriers pair group 0's arrivals with group 1's waits (256 threads each); each kind
 // alternates between two ids by tile parity, so one side can never lap the other on an id.
-constexpr int kTileReady = 1, kPReady = 3, kStageFree = 5;  // ids kX + (tile & 1); 0 is __syncthreads'
+constexpr int kPReady = 1, kStageFree = 3;  // ids kX + (tile & 1); 0 is __syncthreads'
 
 template <bool kHalf>
 __device__ __forceinline__ void verify_attn_cta_pipelined(
@@ -466,6 +480,7 @@ __device__ __forceinline__ void verify_attn_cta_pipelined(
   unsigned char* stage_bytes = smem_raw + (kv_smem - raw_address);
   float* rescale = reinterpret_cast<float*>(stage_bytes + 2 * kTileBytes);  // [2][64] by tile parity
   float* sums = rescale + 2 * kRows;                                        // [64] group 0's row sums
+  const u32 tile_landed = smem_address(sums + kRows);                       // 2 mbarriers, one per stage
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2;  // owns O columns [256g, 256g + 256); group 0 also scores
@@ -497,19 +512,29 @@ __device__ __forceinline__ void verify_attn_cta_pipelined(
   auto load_tile = [&](int tile, int threads, int thread) {
     load_rows(kv_smem + (tile & 1) * kTileBytes, range.begin + tile * kKeys, threads, thread >> 3, kv_source);
   };
+  auto load_tile_and_signal = [&](int tile) {  // group 1
+    load_tile(tile, kThreads / 2, tid - kThreads / 2);
+    mbarrier_arrive_on_copies(tile_landed + 8 * (tile & 1));
+  };
+  if (tid == 0) {
+    mbarrier_init(tile_landed, kThreads / 2);
+    mbarrier_init(tile_landed + 8, kThreads / 2);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
   load_rows(q_smem, row0, kThreads, tid >> 3, [&](u32 dst, int row, int block) {
     const bool valid = row < rows;
     const i64 q_row = (i64)b * rows + (valid ? row : 0);
     const u16* src = block < 8 ? q_latent + q_row * kLatent + block * 64 : q_rope + q_row * kRope;
     cp_async16(dst, src + load_sub * 8, valid);
   });
-  if (range.tiles > 0) load_tile(0, kThreads, tid);
   cp_async_commit();
-  cp_async_wait<0>();
+  if (group == 1)
+    for (int tile = 0; tile < min(range.tiles, 2); ++tile) load_tile_and_signal(tile);
+  cp_async_commit();
+  cp_async_wait<1>();  // Q (tiles 0 and 1 are waited for on their mbarriers)
   fence_async_shared();
   __syncthreads();
-  if (group == 1 && range.tiles > 1) load_tile(1, kThreads / 2, tid - kThreads / 2);
-  cp_async_commit();
 
   // Accumulator fragments (wgmma D layout): warp w of the group holds rows 16w + quad_row (+8);
   // element 4j + 2h + e is column 8j + 2·quad_col + e of row half h.
@@ -535,7 +560,8 @@ __device__ __forceinline__ void verify_attn_cta_pipelined(
     const u32 p_smem = stage + 8 * kBlockBytes;  // the tile's rope block, free once S is done
     const u64 v_desc = smem_descriptor(stage + group * 4 * kBlockBytes, kBlockBytes, 1024);
     if (group == 0) {
-      if (tile > 0) group_barrier(kTileReady + parity, kThreads);
+      mbarrier_wait(tile_landed + 8 * parity, (tile >> 1) & 1);  // the stage's (tile / 2)-th phase
+      fence_async_shared();
       float s[8][4];
       const u64 k_desc = smem_descriptor(stage, 16, 1024);
       wgmma_fence();
@@ -599,11 +625,6 @@ __device__ __forceinline__ void verify_attn_cta_pipelined(
       fence_registers<128>(&o[0][0]);
       if (tile + 2 < range.tiles) barrier_arrive(kStageFree + parity, kThreads);
     } else {
-      if (tile + 1 < range.tiles) {  // tile + 1 is this group's only copy group in flight
-        cp_async_wait<0>();
-        fence_async_shared();
-        barrier_arrive(kTileReady + (parity ^ 1), kThreads);
-      }
       group_barrier(kPReady + parity, kThreads);
 #pragma unroll
       for (int h = 0; h < 2; ++h) rescale_rows(h, rescale[parity * kRows + warp_row0 + quad_row + 8 * h]);
@@ -617,8 +638,7 @@ __device__ __forceinline__ void verify_attn_cta_pipelined(
       fence_registers<128>(&o[0][0]);
       if (tile + 2 < range.tiles) {
         group_barrier(kStageFree + parity, kThreads);
-        load_tile(tile + 2, kThreads / 2, tid - kThreads / 2);
-        cp_async_commit();
+        load_tile_and_signal(tile + 2);
       }
     }
   }

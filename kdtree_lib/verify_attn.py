@@ -155,9 +155,7 @@ class KernelConfig:
     keys: int        # keys per KV tile
     stages: int      # depth of the cp.async ring
     scoring: int = 4  # warps of a group computing S (2: two 32x32 warp tiles, less shared-memory traffic)
-    wgmma: bool = False  # the sm_90a kernel (two warpgroups, 64 rows x 64-key tiles, two stages)
-    scorers: int = 2  # wgmma: warpgroups computing S (1: group 0 alone, m64n64, P·V from its registers)
-    pipelined: bool = False  # wgmma, one scorer: group 1's P·V trails group 0's S by a tile (P in the rope block)
+    wgmma: bool = False  # the sm_90a kernel (two warpgroups, 64 rows x 64-key tiles, two stages, pipelined)
 
     @property
     def rows(self) -> int:
@@ -171,12 +169,12 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Q tile + KV ring + P + the row-statistics exchange (kernels' kSmemBytes).
 
-        mma.sync: P rows padded by 16 bytes, a 4 x rows exchange. wgmma: unpadded swizzled P,
-        2 x 2 x rows statistics, and 1 KB to align the swizzle atoms."""
+        mma.sync: P rows padded by 16 bytes, a 4 x rows exchange. wgmma: P over the tile's rope
+        block, 4 x rows statistics (rescale factors, row sums, mbarriers), 1 KB to align the swizzle atoms."""
         row_bytes = 2 * CACHE_DIM
         tiles = self.rows * row_bytes + self.stages * self.keys * row_bytes
         if self.wgmma:
-            return 1024 + tiles + (0 if self.pipelined else self.rows * self.keys * 2) + 4 * self.rows * 4
+            return 1024 + tiles + 4 * self.rows * 4
         return tiles + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4
 
     @property
@@ -190,15 +188,14 @@ class KernelConfig:
 
     def nvrtc_options(self, half: bool) -> tuple[str, ...]:
         if self.wgmma:
-            return (f"-DVA_HALF={int(half)}", f"-DVA_SCORERS={0 if self.pipelined else self.scorers}")
+            return (f"-DVA_HALF={int(half)}",)
         return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
                 f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
     @property
     def name(self) -> str:
         if self.wgmma:
-            return f"rows{self.rows}_keys{self.keys}_wgmma" + ("_pipelined" if self.pipelined else
-                                                              "_one_scorer" if self.scorers == 1 else "")
+            return f"rows{self.rows}_keys{self.keys}_wgmma_pipelined"
         return f"rows{self.rows}_keys{self.keys}_stages{self.stages}" + ("_wide" if self.scoring == 2 else "")
 
 
@@ -213,14 +210,11 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
-    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, scorers=1),
-    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, scorers=1, pipelined=True),
 )}
 # Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
-# where the wgmma kernels run (compute capability 9.0), the one-scorer one wins ~1.5x over those at
-# N·H >= 128, L >= 32k, and 1.05-1.19x over two scoring warpgroups (data/results/verify_attn.csv, 48faa12).
-PREFERRED = {64: ("rows64_keys64_wgmma_one_scorer", "rows64_keys64_wgmma", "rows64_keys64_stages2_wide",
-                  "rows64_keys64_stages2"),
+# where the wgmma kernel runs (compute capability 9.0) it wins ~1.5x over those at N·H >= 128,
+# L >= 32k (data/results/verify_attn.csv; notebook 05 keeps the history of its schedules).
+PREFERRED = {64: ("rows64_keys64_wgmma_pipelined", "rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
 MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits

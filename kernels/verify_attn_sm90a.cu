@@ -8,21 +8,19 @@
 //     Every 64-row × 576 tile is stored as nine 64-column blocks of 64 rows × 128 bytes, each row
 //     128-byte swizzled (16-byte chunk c of row r at chunk c ^ r % 8), the layout a wgmma shared
 //     memory descriptor reads directly, K-major (Q, K, P) as well as MN-major (V).
-//   * S = Q·Kᵀ (Q and K from shared memory) is computed once per tile, either split by keys
-//     (two scorers: warpgroup w scores keys [32w, 32w + 32), 36 × m64n32k16, and the groups
-//     exchange row maxima through shared memory) or by warpgroup 0 alone (one scorer: 36 ×
-//     m64n64k16, half the Q re-reads per key; it publishes the rows' rescale factors instead).
-//   * Online softmax in registers (log2 domain); P goes to a 64 × 64 swizzled bf16/f16 tile.
+//   * Warpgroup 0 computes S = Q·Kᵀ once per tile (36 × m64n64k16, Q and K from shared memory)
+//     and the online softmax in registers (log2 domain); it writes P (64 × 64, bf16/f16, swizzled)
+//     over the tile's rope block, which only S reads, and the rows' rescale factors.
 //   * O += P·V: warpgroup w owns output columns [256w, 256w + 256) (64 × 256 fp32, 128 registers
-//     a thread): 4 × m64n256k16 with P (K-major, shared memory, or the scorer's registers) and
-//     V = the tile's first 512 columns read as the MN-major B operand.
+//     a thread): 4 × m64n256k16 with V = the tile's first 512 columns as the MN-major B operand,
+//     P from warpgroup 0's registers or, for warpgroup 1, from shared memory.
+//   * Warpgroup 1 also issues the KV loads; their landing completes the stage's mbarrier phase
+//     (cp.async.mbarrier.arrive), so warpgroup 1 never waits for memory and its P·V of tile t can
+//     overlap warpgroup 0's S of tile t + 1 (the "pipelined" schedule: measured 5-9% ahead of one
+//     scorer with a CTA barrier per step, which beat two warpgroups scoring 32 keys each).
 //   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
 //     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
-//     read), split partials merged by verify_attn_merge_* (VA_MERGE_KERNELS), fp32 LSE.
-// Per tile: wait for the tile, barrier, issue the next tile's loads (into the stage the previous
-// tile's P·V has finished with; one scorer: group 1 issues them while group 0 scores), S, (two
-// scorers: row-max exchange, barrier), P, barrier, P·V.
-// The launcher prefers one scorer: faster on every target shape measured (notebook 05).
+//     read), split partials merged by the merge kernels (VA_MERGE_KERNELS), fp32 LSE.
 
 #include "verify_attn_common.cuh"
 
@@ -40,10 +38,9 @@ constexpr int kKeys = 64;                        // keys per KV tile
 constexpr int kThreads = 256;                    // two warpgroups
 constexpr int kBlockBytes = 64 * 128;            // one 64-column block of a 64-row tile
 constexpr int kTileBytes = 9 * kBlockBytes;      // 64 rows × 576 (Q or one KV stage)
-constexpr int kPBytes = kRows * 128;             // P: 64 rows × 64 keys
-constexpr int kStatBytes = 2 * 2 * kRows * 4;    // row maxima and row sums of both warpgroups
+constexpr int kStatBytes = 4 * kRows * 4;        // rescale factors [2][64], row sums [64], 2 mbarriers
 constexpr int kAlign = 1024;                     // 128-byte swizzle atoms are 1024-byte aligned
-constexpr int kSmemBytes = kAlign + 3 * kTileBytes + kPBytes + kStatBytes;  // kdtree_lib KernelConfig
+constexpr int kSmemBytes = kAlign + 3 * kTileBytes + kStatBytes;  // kdtree_lib KernelConfig.smem_bytes
 static_assert(kSmemBytes <= 232448, "more than sm_90's 227 KB opt-in");
 
 // Shared memory descriptor of a 128-byte-swizzled operand: start address, leading byte offset
@@ -66,25 +63,6 @@ __device__ __forceinline__ void fence_registers(float* registers) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(registers[i])::"memory");
 }
 
-// d (64 × 32, fp32) = a·bᵀ (+ d when accumulate): a, b K-major in shared memory.
-template <bool kHalf>
-__device__ __forceinline__ void wgmma_m64n32(float (&d)[16], u64 a, u64 b, bool accumulate) {
-#define VA_WGMMA_N32(TYPE)                                                                                         \
-  asm volatile(                                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                 \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                             \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"       \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),           \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])      \
-      : "l"(a), "l"(b), "r"((int)accumulate))
-  if constexpr (kHalf) {
-    VA_WGMMA_N32("f16");
-  } else {
-    VA_WGMMA_N32("bf16");
-  }
-#undef VA_WGMMA_N32
-}
-
 // d (64 × 64, fp32) = a·bᵀ (+ d when accumulate): a, b K-major in shared memory.
 template <bool kHalf>
 __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 a, u64 b, bool accumulate) {
@@ -105,18 +83,6 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 a, u64 b, bool 
     VA_WGMMA_N64("bf16");
   }
 #undef VA_WGMMA_N64
-}
-
-// S (64 × kN) = Q·Kᵀ step of a scoring warpgroup: m64n32k16 or m64n64k16.
-template <bool kHalf, int kN>
-__device__ __forceinline__ void wgmma_scores(float (&s)[kN / 8][4], u64 a, u64 b, bool accumulate) {
-  float* flat = &s[0][0];
-  if constexpr (kN == 32) {
-    wgmma_m64n32<kHalf>(*reinterpret_cast<float(*)[16]>(flat), a, b, accumulate);
-  } else {
-    static_assert(kN == 64, "a scoring warpgroup takes 32 or 64 keys");
-    wgmma_m64n64<kHalf>(*reinterpret_cast<float(*)[32]>(flat), a, b, accumulate);
-  }
 }
 
 #define VA_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
@@ -177,265 +143,6 @@ __device__ __forceinline__ void wgmma_m64n256_mn(float (&d)[128], const u32 (&a)
 #undef VA_ACCUMULATORS_256
 #undef VA_F8
 
-template <int kValue>
-struct Count {  // a compile-time thread count passed to a generic lambda
-  static constexpr int value = kValue;
-};
-
-// One CTA: rows [blockIdx.x·64, +64) of request blockIdx.z over key split blockIdx.y.
-// kScorers = 2: each warpgroup scores 32 keys of a tile (m64n32), the groups exchange row maxima
-// and both read all of P from shared memory. kScorers = 1: group 0 scores all 64 (m64n64, half
-// the Q re-reads per key), runs the softmax alone, multiplies its P from registers and publishes
-// P and the rows' rescale factors for group 1: one barrier per tile fewer, group 1 idle meanwhile.
-template <bool kHalf, int kScorers>
-__device__ __forceinline__ void verify_attn_cta(
-    const u16* __restrict__ q_latent,   // [B, rows, 512]
-    const u16* __restrict__ q_rope,     // [B, rows, 64]
-    const u16* __restrict__ cache,      // [B, l_max, 576]
-    const int* __restrict__ lengths,    // [B]
-    const u32* __restrict__ mask,       // [B, N, words]
-    u16* __restrict__ out,              // [B, rows, 512]           (one split)
-    float* __restrict__ lse,            // [B, rows]                (one split)
-    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
-    float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
-    int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
-  static_assert(kScorers == 1 || kScorers == 2, "one or two scoring warpgroups");
-  constexpr int kGroupKeys = kKeys / kScorers;  // keys a scoring group scores per tile
-  constexpr int kKeyTiles = kGroupKeys / 8;     // n8 column tiles of its S fragment
-  if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
-  extern __shared__ unsigned char smem_raw[];
-  const u32 raw_address = smem_address(smem_raw);
-  const u32 q_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);
-  const u32 kv_smem = q_smem + kTileBytes;        // two stages
-  const u32 p_smem = kv_smem + 2 * kTileBytes;
-  unsigned char* p_bytes = smem_raw + (p_smem - raw_address);
-  // [2][64]: each group's row maxima (two scorers), or the rows' rescale factors (one scorer)
-  float* exchange_max = reinterpret_cast<float*>(p_bytes + kPBytes);
-  float* exchange_sum = exchange_max + 2 * kRows;  // [2][64]: row sums (epilogue)
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = warp >> 2;  // warpgroup: owns O columns [256g, 256g + 256); scores keys [kGroupKeys·g, +kGroupKeys)
-  const bool scores = group < kScorers;
-  const int quad_row = lane >> 2, quad_col = lane & 3;
-  const int b = blockIdx.z, split = blockIdx.y;
-  const int rows = nodes * heads;
-  const int row0 = blockIdx.x * kRows;
-  const KeyRange range = key_range<kKeys>(lengths, b, l_max, nodes, split, chunk);
-
-  // Loads: 8 threads per row, thread `load_sub` copies chunk load_sub of each 64-column block, so
-  // a warp reads four full 128-byte segments per instruction; the swizzle is a per-thread constant.
-  // Q and the first tile: every thread. Later tiles: with one scorer only group 1 (idle while
-  // group 0 scores), so the scorer starts S right after the barrier; with two, every thread.
-  constexpr int kRowsPerPass = kThreads / 8;
-  constexpr int kLoaders = kScorers == 1 ? kThreads / 2 : kThreads;
-  const int load_row = tid >> 3, load_sub = tid & 7;
-  const u32 load_offset = load_row * 128 + ((load_sub ^ (load_row & 7)) << 4);  // row & 7 is the same in every pass
-  const u16* cache_b = cache + (i64)b * l_max * kWidth;
-  auto load_tile = [&](int tile, int stage, auto loaders) {  // loaders: threads [kThreads - loaders, kThreads)
-    constexpr int kPassRows = decltype(loaders)::value / 8;
-    const int row = (tid - (kThreads - decltype(loaders)::value)) >> 3;
-    const u32 offset = row * 128 + ((load_sub ^ (row & 7)) << 4);
-    const int tile_start = range.begin + tile * kKeys;
-#pragma unroll
-    for (int pass = 0; pass < kKeys / kPassRows; ++pass) {
-      const int r = pass * kPassRows + row;
-      const bool valid = tile_start + r < range.kv_len;
-      const u16* src = cache_b + (i64)(valid ? tile_start + r : 0) * kWidth + load_sub * 8;
-      const u32 dst = kv_smem + stage * kTileBytes + pass * kPassRows * 128 + offset;
-#pragma unroll
-      for (int block = 0; block < 9; ++block) cp_async16(dst + block * kBlockBytes, src + block * 64, valid);
-    }
-  };
-  using AllThreads = Count<kThreads>;
-  using Loaders = Count<kLoaders>;
-  const bool loads = tid >= kThreads - kLoaders;
-
-  // Prologue: Q and the first tile.
-#pragma unroll
-  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const int r = pass * kRowsPerPass + load_row;
-    const bool valid = row0 + r < rows;
-    const i64 q_row = (i64)b * rows + (valid ? row0 + r : 0);
-    const u16* latent = q_latent + q_row * kLatent + load_sub * 8;
-    const u32 dst = q_smem + pass * kRowsPerPass * 128 + load_offset;
-#pragma unroll
-    for (int block = 0; block < 8; ++block) cp_async16(dst + block * kBlockBytes, latent + block * 64, valid);
-    cp_async16(dst + 8 * kBlockBytes, q_rope + q_row * kRope + load_sub * 8, valid);
-  }
-  if (range.tiles > 0) load_tile(0, 0, AllThreads{});
-  cp_async_commit();
-
-  // Accumulator fragments (wgmma D layout): warp w of the group holds rows 16w + quad_row (+8);
-  // element 4j + 2h + e is column 8j + 2·quad_col + e of row half h.
-  float o[32][4];          // O columns 256·group + 8j + ...
-  float s[kKeyTiles][4];   // S, then P: keys kGroupKeys·group + 8j + ...
-  float row_max[2], row_sum[2];  // log2-domain running max; this thread's partial sums (scoring groups)
-#pragma unroll
-  for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  row_max[0] = row_max[1] = neg_inf();
-  row_sum[0] = row_sum[1] = 0.f;
-  const int warp_row0 = (warp & 3) * 16;
-
-  const u64 q_desc = smem_descriptor(q_smem, 16, 1024);
-  const u64 p_desc = smem_descriptor(p_smem, 16, 1024);
-  auto rescale_rows = [&](int h, float alpha) {  // O rows of half h times alpha
-    if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[j][2 * h] *= alpha;
-        o[j][2 * h + 1] *= alpha;
-      }
-    }
-  };
-
-  for (int tile = 0; tile < range.tiles; ++tile) {
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();  // tile visible to both warpgroups' wgmma; both are done with tile - 1 (stage, P)
-    if (tile + 1 < range.tiles && loads) load_tile(tile + 1, (tile + 1) & 1, Loaders{});
-    cp_async_commit();
-    const u32 stage = kv_smem + (tile & 1) * kTileBytes;
-    const int tile_start = range.begin + tile * kKeys;
-    // V: rows = the tile's keys (128 bytes each), columns = blocks 4·group .. 4·group + 3.
-    const u64 v_desc = smem_descriptor(stage + group * 4 * kBlockBytes, kBlockBytes, 1024);
-    auto& o_tile = *reinterpret_cast<float(*)[128]>(&o[0][0]);
-
-    if (scores) {
-      // S = Q·Kᵀ for this group's keys over all 576 dims: block k/4, 32 bytes per k16 step.
-      const u64 k_desc = smem_descriptor(stage + group * kGroupKeys * 128, 16, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kWidth / 16; ++k) {
-        const u32 step = ((k >> 2) * kBlockBytes + (k & 3) * 32) >> 4;
-        wgmma_scores<kHalf, kGroupKeys>(s, q_desc + step, k_desc + step, k > 0);
-      }
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_registers<kGroupKeys / 2>(&s[0][0]);
-
-      // Mask: keys past the split or the tree, and tree keys that are not ancestors.
-      if (tile_start + kKeys > range.unmasked_end) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + warp_row0 + quad_row + 8 * h;
-          const bool real_row = row < rows;
-          const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
-#pragma unroll
-          for (int j = 0; j < kKeyTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int key = tile_start + group * kGroupKeys + 8 * j + 2 * quad_col + e;
-              if (!key_visible(key, range, real_row, mask_row)) s[j][2 * h + e] = neg_inf();
-            }
-        }
-      }
-    }
-
-    // Row maxima of the tile: this group's, exchanged with the other scoring group.
-    float tile_max[2];
-    if (scores) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float m = neg_inf();
-#pragma unroll
-        for (int j = 0; j < kKeyTiles; ++j) m = fmaxf(m, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-        tile_max[h] = quad_reduce<true>(m);
-        if (kScorers == 2 && quad_col == 0) exchange_max[group * kRows + warp_row0 + quad_row + 8 * h] = tile_max[h];
-      }
-    }
-    if constexpr (kScorers == 2) __syncthreads();
-
-    // P = exp2(S·scale − max) in place, row sums, O rescaled (one scorer: alpha published).
-    if (scores) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row0 + quad_row + 8 * h;
-        const float m = kScorers == 2 ? fmaxf(exchange_max[r], exchange_max[kRows + r]) : tile_max[h];
-        const float new_max = fmaxf(row_max[h], m * scale_log2);
-        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
-        const float alpha = fast_exp2(row_max[h] - base);
-        row_max[h] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kKeyTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            s[j][2 * h + e] = fast_exp2(fmaf(s[j][2 * h + e], scale_log2, -base));
-            sum += s[j][2 * h + e];
-          }
-        row_sum[h] = row_sum[h] * alpha + sum;
-        if (kScorers == 1 && quad_col == 0) exchange_max[r] = alpha;
-        rescale_rows(h, alpha);
-      }
-    }
-
-    // P as bf16/f16 into the swizzled P tile (key kGroupKeys·group + 8j + 2·quad_col sits in chunk
-    // kKeyTiles·group + j); p_own keeps it as A fragments (k step kk: key tiles 2kk, 2kk + 1).
-    u32 p_own[kKeyTiles / 2][4];
-    if (scores) {
-#pragma unroll
-      for (int j = 0; j < kKeyTiles; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = warp_row0 + quad_row + 8 * h;
-          p_own[j >> 1][h + 2 * (j & 1)] = pack2<kHalf>(s[j][2 * h], s[j][2 * h + 1]);
-          *reinterpret_cast<u32*>(p_bytes + r * 128 + (((group * kKeyTiles + j) ^ (r & 7)) << 4) + quad_col * 4) =
-              p_own[j >> 1][h + 2 * (j & 1)];
-        }
-    }
-    fence_async_shared();
-    __syncthreads();  // P complete and visible to wgmma (one scorer: and the rescale factors)
-
-    // O += P·V for this group's 256 columns (P's k step k is 32 bytes into its rows).
-    auto multiply_shared_p = [&] {
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n256_mn<kHalf>(o_tile, p_desc + ((k * 32) >> 4), v_desc + ((k * 16 * 128) >> 4));
-      wgmma_commit();
-      wgmma_wait_all();
-    };
-    if constexpr (kScorers == 2) {
-      multiply_shared_p();
-    } else if (scores) {  // the scorer: P from registers
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_m64n256_mn<kHalf>(o_tile, p_own[kk], v_desc + ((kk * 16 * 128) >> 4));
-      wgmma_commit();
-      wgmma_wait_all();
-    } else {  // group 1: the scorer's rescale factors first
-#pragma unroll
-      for (int h = 0; h < 2; ++h) rescale_rows(h, exchange_max[warp_row0 + quad_row + 8 * h]);
-      multiply_shared_p();
-    }
-    fence_registers<128>(&o[0][0]);
-  }
-  cp_async_wait<0>();
-
-  // Row sums: over the quad, then over the scoring groups (their maxima agree). Group 0 writes
-  // the LSE, so only the scorers' maxima are needed.
-  if (scores) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      quad_reduce_store<false>(row_sum[h], exchange_sum + group * kRows + warp_row0 + quad_row + 8 * h, quad_col);
-  }
-  __syncthreads();
-
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = warp_row0 + quad_row + 8 * h;
-    const int row = row0 + r;
-    const float l = kScorers == 2 ? exchange_sum[r] + exchange_sum[kRows + r] : exchange_sum[r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float row_lse = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
-    if (row >= rows) continue;
-    store_output_row<kHalf>(o, h, inv, row_lse, group == 0 && quad_col == 0, (i64)b * rows + row,
-                            group * 256 + 2 * quad_col, split, (i64)gridDim.z * rows, out, lse, partial_out,
-                            partial_lse);
-  }
-}
-
-
 __device__ __forceinline__ void barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -466,13 +173,12 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
 constexpr int kPReady = 1, kStageFree = 3;  // ids kX + (tile & 1); 0 is __syncthreads'
 
 template <bool kHalf>
-__device__ __forceinline__ void verify_attn_cta_pipelined(
+__device__ __forceinline__ void verify_attn_cta(
     const u16* __restrict__ q_latent, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
     const int* __restrict__ lengths, const u32* __restrict__ mask, u16* __restrict__ out, float* __restrict__ lse,
     float* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
     int chunk, float scale_log2) {
-  constexpr int kPipelinedSmem = kAlign + 3 * kTileBytes + kStatBytes;
-  if (dynamic_smem_bytes() < kPipelinedSmem) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
+  if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem_raw[];
   const u32 raw_address = smem_address(smem_raw);
   const u32 q_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);
@@ -666,32 +372,22 @@ __device__ __forceinline__ void verify_attn_cta_pipelined(
 }  // namespace wg
 }  // namespace va
 
-#define VA_WGMMA_KERNEL(NAME, HALF, SCORERS)                                                                \
+#define VA_WGMMA_KERNEL(NAME, HALF)                                                                         \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
       float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
-    if constexpr ((SCORERS) == 0)                                                                            \
-      va::wg::verify_attn_cta_pipelined<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse,          \
-                                                     partial_out, partial_lse, nodes, heads, l_max, words,      \
-                                                     chunk, scale_log2);                                        \
-    else                                                                                                       \
-      va::wg::verify_attn_cta<(HALF) != 0, SCORERS>(q_latent, q_rope, cache, lengths, mask, out, lse,          \
-                                                    partial_out, partial_lse, nodes, heads, l_max, words, chunk, \
-                                                    scale_log2);                                               \
+    va::wg::verify_attn_cta<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse, partial_out,        \
+                                         partial_lse, nodes, heads, l_max, words, chunk, scale_log2);          \
   }
 
 #ifdef VA_HALF
-// NVRTC: the variant the launcher chose.
-VA_WGMMA_KERNEL(verify_attn, VA_HALF, VA_SCORERS)
+// NVRTC: the type the launcher needs.
+VA_WGMMA_KERNEL(verify_attn, VA_HALF)
 #else
-// nvcc (CI's compile test, ptxas -v): every variant of kdtree_lib.verify_attn.KERNEL_CONFIGS, both types.
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_bf16, 0, 2)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_f16, 1, 2)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_bf16, 0, 1)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_one_scorer_f16, 1, 1)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0, 0)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1, 0)
+// nvcc (CI's compile test, ptxas -v): kdtree_lib.verify_attn.KERNEL_CONFIGS' wgmma variant, both types.
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1)
 #endif
 
 VA_MERGE_KERNELS

@@ -26,8 +26,7 @@ REL_ERR = 1e-2
 LSE_ERR = 1e-3
 H200 = {"sms": 132, "smem_per_block": 232448, "smem_per_sm": 233472, "wgmma": True}
 RTX_5090 = {"sms": 170, "smem_per_block": 101376, "smem_per_sm": 102400}
-WGMMA = "rows64_keys64_wgmma"
-WGMMA_ONE = "rows64_keys64_wgmma_one_scorer"
+WGMMA = "rows64_keys64_wgmma_pipelined"
 PORTABLE_CONFIGS = [name for name, c in KERNEL_CONFIGS.items() if not c.wgmma]
 
 
@@ -65,7 +64,7 @@ def test_plan_picks_the_variant_by_rows_and_shared_memory():
 
 
 def test_the_wgmma_variant_needs_sm90a():
-    assert plan_launch(1, 128, 4096, **H200).config_name == WGMMA_ONE  # preferred where it runs
+    assert plan_launch(1, 128, 4096, **H200).config_name == WGMMA  # preferred where it runs
     assert plan_launch(1, 128, 4096, **H200, config=WGMMA).config.wgmma
     with pytest.raises(ValueError, match="compute capability 9.0"):
         plan_launch(1, 128, 4096, **RTX_5090, config=WGMMA)
@@ -75,7 +74,7 @@ def test_the_wgmma_variant_needs_sm90a():
 def test_kernel_config_shared_memory_fits_its_target():
     assert KERNEL_CONFIGS["rows64_keys64_stages2"].smem_bytes <= H200["smem_per_block"]
     assert KERNEL_CONFIGS["rows16_keys32_stages2"].smem_bytes <= RTX_5090["smem_per_block"]
-    assert KERNEL_CONFIGS[WGMMA].smem_bytes == 1024 + 3 * 64 * 1152 + 64 * 64 * 2 + 4 * 64 * 4
+    assert KERNEL_CONFIGS[WGMMA].smem_bytes == 1024 + 3 * 64 * 1152 + 4 * 64 * 4
     assert all(c.smem_bytes <= H200["smem_per_block"] for c in KERNEL_CONFIGS.values())
 
 
@@ -301,15 +300,14 @@ def test_float16_cupy_in_cupy_out():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WGMMA, WGMMA_ONE])
-def test_float16_wgmma(config):
-    _skip_unless_runnable(config)
+def test_float16_wgmma():
+    _skip_unless_runnable(WGMMA)
     inputs = bench.make_inputs(2, 19, 8, 0, lengths=[700, 90], seed=SEED, dtype="float16", slack=11, poison=True)
     ref_out, ref_lse = _reference(*inputs)
     for splits in (1, 5):
-        launch = _poisoned_launch(*inputs, config=config, splits=splits)
+        launch = _poisoned_launch(*inputs, config=WGMMA, splits=splits)
         err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
-        print(f"float16 {config} splits={splits}: {err}")
+        print(f"float16 {WGMMA} splits={splits}: {err}")
         assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
 
 
@@ -329,7 +327,7 @@ def test_torch_in_torch_out_on_the_current_stream():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, WGMMA, WGMMA_ONE])
+@pytest.mark.parametrize("config", [None, WGMMA])
 def test_bad_device_lengths_are_clamped_not_out_of_bounds(config):
     """Device lengths are not checked on the host (no sync): the kernel clamps to [0, L_max - N]."""
     _skip_unless_runnable(config)
@@ -349,7 +347,7 @@ def test_long_context_split_merge():
     """32k keys through many splits (merge by LSE) and through one (a single CTA per row block)."""
     inputs = bench.make_inputs(1, 16, 8, 32768 + 5, seed=SEED)
     ref_out, ref_lse = _reference(*inputs)
-    for config in (None, *[name for name in (WGMMA, WGMMA_ONE) if name in runnable_configs()]):
+    for config in (None, *[name for name in (WGMMA,) if name in runnable_configs()]):
         for splits in (None, 1):
             launch = _poisoned_launch(*inputs, config=config, splits=splits)
             err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)

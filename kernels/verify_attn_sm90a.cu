@@ -53,18 +53,10 @@ __device__ __forceinline__ u64 smem_descriptor(u32 address, u32 leading_bytes, u
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {  // until at most kPending committed groups are in flight
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // Generic-proxy shared memory writes (threads, cp.async) made visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accumulator accesses across wgmma's issue and wait.
-template <int kCount>
-__device__ __forceinline__ void keep_registers(const u32* registers) {  // live (unmoved) up to here
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) asm volatile("" ::"r"(registers[i]) : "memory");
-}
 template <int kCount>
 __device__ __forceinline__ void fence_registers(float* registers) {
 #pragma unroll
@@ -153,10 +145,6 @@ __device__ __forceinline__ void wgmma_m64n256_mn(float (&d)[128], const u32 (&a)
 
 __device__ __forceinline__ void barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void barrier_arrive_if(bool arrive, int id, int threads) {  // predicated: no branch
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p bar.arrive %1, %2;\n}\n" ::"r"((int)arrive), "r"(id),
-               "r"(threads) : "memory");
 }
 // A shared memory mbarrier that completes a phase once `count` threads' cp.async copies (issued
 // before their arrive_on_copies) have landed; consumers wait for the phase by its parity.
@@ -272,32 +260,27 @@ __device__ __forceinline__ void verify_attn_cta(
     }
   };
 
-  auto stage_of = [&](int tile) { return kv_smem + (tile & 1) * kTileBytes; };
-  auto v_desc = [&](int tile) { return smem_descriptor(stage_of(tile) + group * 4 * kBlockBytes, kBlockBytes, 1024); };
-  if (group == 0) {
-    // Group 0 issues S of the next tile right behind its P·V of this one, so the tensor pipe gets
-    // both back to back, and waits for the P·V alone before freeing the stage. Nothing is in
-    // flight across a branch (ptxas would serialise the wgmma), hence the last tile peeled off.
-    float s[8][4];
-    u32 p_own[4][4];  // P as A fragments (k step kk: key tiles 2kk, 2kk + 1)
-    auto issue_scores = [&](int tile) {
-      const u64 k_desc = smem_descriptor(stage_of(tile), 16, 1024);
+  for (int tile = 0; tile < range.tiles; ++tile) {
+    const int parity = tile & 1;
+    const u32 stage = kv_smem + parity * kTileBytes;
+    const u32 p_smem = stage + 8 * kBlockBytes;  // the tile's rope block, free once S is done
+    const u64 v_desc = smem_descriptor(stage + group * 4 * kBlockBytes, kBlockBytes, 1024);
+    if (group == 0) {
+      mbarrier_wait(tile_landed + 8 * parity, (tile >> 1) & 1);  // the stage's (tile / 2)-th phase
+      fence_async_shared();
+      float s[8][4];
+      const u64 k_desc = smem_descriptor(stage, 16, 1024);
+      wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kWidth / 16; ++k) {
         const u32 step = ((k >> 2) * kBlockBytes + (k & 3) * 32) >> 4;
         wgmma_m64n64<kHalf>(*reinterpret_cast<float(*)[32]>(&s[0][0]), q_desc + step, k_desc + step, k > 0);
       }
       wgmma_commit();
-    };
-    auto wait_for_tile = [&](int tile) {
-      mbarrier_wait(tile_landed + 8 * (tile & 1), (tile >> 1) & 1);  // the stage's (tile / 2)-th phase
-      fence_async_shared();
-    };
-    // Mask, P = exp2(S·scale − max), row sums, O rescaled; P into p_own and the swizzled P tile
-    // over the rope block (keys 8j + 2·quad_col in chunk j), the rescale factors; then P ready.
-    auto publish_p = [&](int tile) {
+      wgmma_wait_all();
       fence_registers<32>(&s[0][0]);
-      const int parity = tile & 1, tile_start = range.begin + tile * kKeys;
+
+      const int tile_start = range.begin + tile * kKeys;
       if (tile_start + kKeys > range.unmasked_end) {  // keys past the split or the tree, non-ancestors
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -311,6 +294,9 @@ __device__ __forceinline__ void verify_attn_cta(
               if (!key_visible(tile_start + 8 * j + 2 * quad_col + e, range, real_row, mask_row)) s[j][2 * h + e] = neg_inf();
         }
       }
+      // P = exp2(S·scale − max), row sums, O rescaled; P packed as A fragments (k step kk: key
+      // tiles 2kk, 2kk + 1) and into the swizzled P tile (keys 8j + 2·quad_col in chunk j).
+      u32 p_own[4][4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + quad_row + 8 * h;
@@ -337,50 +323,24 @@ __device__ __forceinline__ void verify_attn_cta(
       }
       fence_async_shared();
       barrier_arrive(kPReady + parity, kThreads);
-    };
-    auto multiply_own_p = [&](int tile) {
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk)
-        wgmma_m64n256_mn<kHalf>(o_tile, p_own[kk], v_desc(tile) + ((kk * 16 * 128) >> 4));
+      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_m64n256_mn<kHalf>(o_tile, p_own[kk], v_desc + ((kk * 16 * 128) >> 4));
       wgmma_commit();
-    };
-    if (range.tiles > 0) {
-      wait_for_tile(0);
-      wgmma_fence();
-      issue_scores(0);
-      wgmma_wait<0>();
-    }
-    for (int tile = 0; tile + 1 < range.tiles; ++tile) {
-      publish_p(tile);
-      wait_for_tile(tile + 1);
-      multiply_own_p(tile);
-      issue_scores(tile + 1);
-      wgmma_wait<1>();  // the P·V; S may still run
-      keep_registers<16>(&p_own[0][0]);  // read by the P·V until now: not to be reused meanwhile
-      barrier_arrive_if(tile + 2 < range.tiles, kStageFree + (tile & 1), kThreads);
-      wgmma_wait<0>();
+      wgmma_wait_all();
       fence_registers<128>(&o[0][0]);
-    }
-    if (range.tiles > 0) {
-      publish_p(range.tiles - 1);
-      multiply_own_p(range.tiles - 1);
-      wgmma_wait<0>();
-      fence_registers<128>(&o[0][0]);
-    }
-  } else {
-    for (int tile = 0; tile < range.tiles; ++tile) {
-      const int parity = tile & 1;
+      if (tile + 2 < range.tiles) barrier_arrive(kStageFree + parity, kThreads);
+    } else {
       group_barrier(kPReady + parity, kThreads);
 #pragma unroll
       for (int h = 0; h < 2; ++h) rescale_rows(h, rescale[parity * kRows + warp_row0 + quad_row + 8 * h]);
-      const u64 p_desc = smem_descriptor(stage_of(tile) + 8 * kBlockBytes, 16, 1024);  // P over the rope block
+      const u64 p_desc = smem_descriptor(p_smem, 16, 1024);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n256_mn<kHalf>(o_tile, p_desc + ((k * 32) >> 4), v_desc(tile) + ((k * 16 * 128) >> 4));
+        wgmma_m64n256_mn<kHalf>(o_tile, p_desc + ((k * 32) >> 4), v_desc + ((k * 16 * 128) >> 4));
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait_all();
       fence_registers<128>(&o[0][0]);
       if (tile + 2 < range.tiles) {
         group_barrier(kStageFree + parity, kThreads);

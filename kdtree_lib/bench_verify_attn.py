@@ -358,16 +358,34 @@ PROVIDER_STYLE = {"kernel": ("C0", "o-"), "torch_fallback": ("C3", "s--"), "sdpa
                   "roofline": ("k", ":"), "roofline_mma": ("0.5", ":")}
 
 
-def latest_run(rows: list[dict]) -> list[dict]:
-    """The rows of the newest run, numbers parsed. A run is its `run` stamp (the start of
+def latest_run(rows: list[dict], **fixed) -> list[dict]:
+    """The rows of the newest run, numbers parsed; with `fixed` (column=value, as strings in the
+    file), of the newest run holding such a row. A run is its `run` stamp (the start of
     bench.run; rows from before that column existed are grouped by commit and device)."""
-    if not rows:
+    matching = [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
+    if not matching:
         return []
+    newest = _run_id(max(matching, key=lambda r: r["date"]))
+    return [{k: _number(v) for k, v in row.items()} for row in rows if _run_id(row) == newest]
 
-    def run_id(row):
-        return row.get("run") or f"{row['commit']}@{row['device']}"
-    newest = run_id(max(rows, key=lambda r: r["date"]))
-    return [{k: _number(v) for k, v in row.items()} for row in rows if run_id(row) == newest]
+
+def _run_id(row) -> str:
+    return row.get("run") or f"{row['commit']}@{row['device']}"
+
+
+def variant_ratios(rows, config: str) -> list[dict]:
+    """Per shape of one run: the launcher's kernel and variant `config` timed beside it, and the
+    variant's speed-up (kernel time / variant time)."""
+    variants = {(r["batch"], r["nodes"], r["heads"], r["length"]): r
+                for r in select(rows, provider="kernel_variant", config=config)}
+    found = []
+    for r in select(rows, provider="kernel"):
+        v = variants.get((r["batch"], r["nodes"], r["heads"], r["length"]))
+        if v:
+            found.append({"batch": r["batch"], "nodes": r["nodes"], "heads": r["heads"], "length": r["length"],
+                          "kernel": r["config"], "kernel_us": r["time_us"], "variant": config,
+                          "variant_us": v["time_us"], "speedup": round(r["time_us"] / v["time_us"], 3)})
+    return found
 
 
 def _number(text):

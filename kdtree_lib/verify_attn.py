@@ -155,8 +155,7 @@ class KernelConfig:
     keys: int        # keys per KV tile
     stages: int      # depth of the cp.async ring
     scoring: int = 4  # warps of a group computing S (2: two 32x32 warp tiles, less shared-memory traffic)
-    wgmma: bool = False  # the sm_90a kernel (64 rows x 64-key tiles, two stages)
-    schedule: str = "pipelined"  # wgmma: "pipelined" (two warpgroups) or "ws" (a scorer with Q in registers + two)
+    wgmma: bool = False  # the sm_90a kernel (two warpgroups, 64 rows x 64-key tiles, two stages, pipelined)
 
     @property
     def rows(self) -> int:
@@ -164,7 +163,7 @@ class KernelConfig:
 
     @property
     def threads(self) -> int:
-        return 384 if self.wgmma and self.schedule == "ws" else 128 * self.row_groups
+        return 128 * self.row_groups
 
     @property
     def smem_bytes(self) -> int:
@@ -175,8 +174,6 @@ class KernelConfig:
         row_bytes = 2 * CACHE_DIM
         tiles = self.rows * row_bytes + self.stages * self.keys * row_bytes
         if self.wgmma:
-            if self.schedule == "ws":  # no Q tile: its last three 64-column blocks only
-                tiles += 3 * self.rows * 128 - self.rows * row_bytes
             return 1024 + tiles + 4 * self.rows * 4
         return tiles + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4
 
@@ -191,14 +188,14 @@ class KernelConfig:
 
     def nvrtc_options(self, half: bool) -> tuple[str, ...]:
         if self.wgmma:
-            return (f"-DVA_HALF={int(half)}", f"-DVA_SCHEDULE={self.schedule}")
+            return (f"-DVA_HALF={int(half)}",)
         return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
                 f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
     @property
     def name(self) -> str:
         if self.wgmma:
-            return f"rows{self.rows}_keys{self.keys}_wgmma_{self.schedule}"
+            return f"rows{self.rows}_keys{self.keys}_wgmma_pipelined"
         return f"rows{self.rows}_keys{self.keys}_stages{self.stages}" + ("_wide" if self.scoring == 2 else "")
 
 
@@ -213,7 +210,6 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
-    KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True, schedule="ws"),
 )}
 # Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
 # where the wgmma kernel runs (compute capability 9.0) it wins ~1.5x over those at N·H >= 128,

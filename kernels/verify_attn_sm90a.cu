@@ -85,30 +85,6 @@ __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], u64 a, u64 b, bool 
 #undef VA_WGMMA_N64
 }
 
-// d (64 × 64, fp32) = a·bᵀ (+ d when accumulate): a (64 × 16) from registers (the m64k16 A
-// fragment), b K-major in shared memory.
-template <bool kHalf>
-__device__ __forceinline__ void wgmma_m64n64_rs(float (&d)[32], const u32 (&a)[4], u64 b, bool accumulate) {
-#define VA_WGMMA_N64_RS(TYPE)                                                                                      \
-  asm volatile(                                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                 \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                             \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                     \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                           \
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                                 \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),           \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),     \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),   \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])    \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"((int)accumulate))
-  if constexpr (kHalf) {
-    VA_WGMMA_N64_RS("f16");
-  } else {
-    VA_WGMMA_N64_RS("bf16");
-  }
-#undef VA_WGMMA_N64_RS
-}
-
 #define VA_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
 // The 128 fp32 accumulator operands of an m64n256 wgmma: their place-holders and registers d[0..127].
@@ -393,280 +369,25 @@ __device__ __forceinline__ void verify_attn_cta(
   }
 }
 
-
-namespace pipelined {  // the two-warpgroup kernel above, under the name the kernel macro takes
-using wg::kThreads;
-using wg::verify_attn_cta;
-}  // namespace pipelined
-
-// The warp-specialised CTA (three warpgroups, 384 threads): group 0 only scores and holds the
-// first 24 of Q's 36 k steps in registers as A fragments (96 registers), so S reads two thirds of
-// its A operand from registers instead of shared memory; groups 1 and 2 each own 256 output
-// columns, multiply P·V with P from shared memory, and load the KV tiles (two stages). Registers
-// move to the scorer with setmaxnreg (184 / 160 / 160, the 168 a thread gets at launch).
-//   group 0, tile t (stage t % 2): [wait for the stage's mbarrier phase] S, softmax, P over the
-//            tile's rope block and the rows' rescale factors, [P ready].
-//   groups 1, 2: [wait P ready] O rescaled, P·V, [both groups done: 256-thread barrier] loads of
-//            tile t + 2 into the stage, whose landing completes the stage's next mbarrier phase.
-// P-ready ids and rescale slots go by t % 2: the scorer reaches tile t + 2 only once it has landed,
-// i.e. after groups 1 and 2 finished tile t.
-namespace ws {
-constexpr int kThreads = 384, kStages = 2;
-constexpr int kQRegisterSteps = 24;  // k steps of Q held in registers (columns 0..383); the rest, 3 blocks, in shared memory
-constexpr int kQSmemBlocks = 9 - kQRegisterSteps / 4;
-constexpr int kStatBytes = 4 * kRows * 4;  // rescale factors [2][64], row sums [64], 2 mbarriers
-constexpr int kSmemBytes = kAlign + kStages * kTileBytes + kQSmemBlocks * kBlockBytes + kStatBytes;  // KernelConfig
-static_assert(kSmemBytes <= 232448, "more than sm_90's 227 KB opt-in");
-constexpr int kPReady = 1, kPVDone = 3, kQReady = 4;  // P ready: ids 1, 2 by tile % 2; 0 is __syncthreads'
-
-template <int kRegisters>
-__device__ __forceinline__ void set_max_registers() {
-  if constexpr (kRegisters > 168) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-  }
-}
-
-template <bool kHalf>
-__device__ __forceinline__ void verify_attn_cta(
-    const u16* __restrict__ q_latent, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
-    const int* __restrict__ lengths, const u32* __restrict__ mask, u16* __restrict__ out, float* __restrict__ lse,
-    float* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
-    int chunk, float scale_log2) {
-  if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
-  extern __shared__ unsigned char smem_raw[];
-  const u32 raw_address = smem_address(smem_raw);
-  const u32 kv_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);  // kStages stages
-  unsigned char* stage_bytes = smem_raw + (kv_smem - raw_address);
-  const u32 q_smem = kv_smem + kStages * kTileBytes;  // Q's last kQSmemBlocks 64-column blocks
-  float* rescale = reinterpret_cast<float*>(stage_bytes + kStages * kTileBytes + kQSmemBlocks * kBlockBytes);  // [2][64]
-  float* sums = rescale + kStages * kRows;  // [64] the scorer's row sums
-  const u32 tile_landed = smem_address(sums + kRows);                              // an mbarrier per stage
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = warp >> 2;  // 0: scores; 1, 2: own O columns [256(g - 1), +256) and load
-  const int quad_row = lane >> 2, quad_col = lane & 3;
-  const int b = blockIdx.z, split = blockIdx.y;
-  const int rows = nodes * heads;
-  const int row0 = blockIdx.x * kRows;
-  const KeyRange range = key_range<kKeys>(lengths, b, l_max, nodes, split, chunk);
-  const int warp_row0 = (warp & 3) * 16;
-  auto stage_of = [&](int tile) { return kv_smem + (tile % kStages) * kTileBytes; };
-
-  if (tid == 0) {
-    for (int stage = 0; stage < kStages; ++stage) mbarrier_init(tile_landed + 8 * stage, 256);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  if (group == 0) {
-    set_max_registers<184>();
-    // Q's last blocks into shared memory (swizzled like a tile's), read by the last k steps of S.
-    for (int r = tid >> 3; r < kRows; r += 16) {
-      const bool valid = row0 + r < rows;
-      const i64 q_row = (i64)b * rows + (valid ? row0 + r : 0);
-#pragma unroll
-      for (int block = 0; block < kQSmemBlocks; ++block) {
-        const int col = 64 * (9 - kQSmemBlocks + block) + (tid & 7) * 8;
-        const u16* src = col < kLatent ? q_latent + q_row * kLatent + col : q_rope + q_row * kRope + col - kLatent;
-        cp_async16(q_smem + block * kBlockBytes + r * 128 + (((tid & 7) ^ (r & 7)) << 4), src, valid);
-      }
-    }
-    cp_async_commit();
-    // Q's first columns as A fragments: k step k, registers (row r, cols c, c + 1), (r + 8, c..),
-    // (r, c + 8..), (r + 8, c + 8..) with r = 16·warp + quad_row, c = 16k + 2·quad_col (rows past
-    // N·H: zero).
-    u32 q[kQRegisterSteps][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row0 + warp_row0 + quad_row + 8 * h;
-      const bool valid = row < rows;
-      const i64 q_row = (i64)b * rows + (valid ? row : 0);
-#pragma unroll
-      for (int k = 0; k < kQRegisterSteps; ++k)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int col = 16 * k + 8 * half + 2 * quad_col;
-          q[k][h + 2 * half] = valid ? *reinterpret_cast<const u32*>(q_latent + q_row * kLatent + col) : 0u;
-        }
-    }
-    cp_async_wait<0>();
-    fence_async_shared();
-    group_barrier(kQReady, 128);  // Q's shared blocks, by all of group 0
-    const u64 q_desc = smem_descriptor(q_smem, 16, 1024);
-    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};  // log2-domain max, partial sums
-    for (int tile = 0; tile < range.tiles; ++tile) {
-      const int slot = tile % kStages;
-      mbarrier_wait(tile_landed + 8 * slot, (tile / kStages) & 1);  // the stage's (tile / 3)-th phase
-      fence_async_shared();
-      float s[8][4];
-      const u64 k_desc = smem_descriptor(stage_of(tile), 16, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kWidth / 16; ++k) {
-        const u32 step = ((k >> 2) * kBlockBytes + (k & 3) * 32) >> 4;
-        if (k < kQRegisterSteps) {
-          wgmma_m64n64_rs<kHalf>(*reinterpret_cast<float(*)[32]>(&s[0][0]), q[k], k_desc + step, k > 0);
-        } else {
-          const u32 q_step = (((k - kQRegisterSteps) >> 2) * kBlockBytes + (k & 3) * 32) >> 4;
-          wgmma_m64n64<kHalf>(*reinterpret_cast<float(*)[32]>(&s[0][0]), q_desc + q_step, k_desc + step, true);
-        }
-      }
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_registers<32>(&s[0][0]);
-
-      const int tile_start = range.begin + tile * kKeys;
-      if (tile_start + kKeys > range.unmasked_end) {  // keys past the split or the tree, non-ancestors
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + warp_row0 + quad_row + 8 * h;
-          const bool real_row = row < rows;
-          const u32* mask_row = mask + ((i64)b * nodes + (real_row ? row / heads : 0)) * words;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (!key_visible(tile_start + 8 * j + 2 * quad_col + e, range, real_row, mask_row)) s[j][2 * h + e] = neg_inf();
-        }
-      }
-      // P = exp2(S·scale − max) into the swizzled P tile over the rope block (keys 8j + 2·quad_col
-      // in chunk j), row sums, the rows' rescale factors.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row0 + quad_row + 8 * h;
-        float m = neg_inf();
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-        const float new_max = fmaxf(row_max[h], quad_reduce<true>(m) * scale_log2);
-        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
-        const float alpha = fast_exp2(row_max[h] - base);
-        row_max[h] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(fmaf(s[j][2 * h], scale_log2, -base));
-          const float p1 = fast_exp2(fmaf(s[j][2 * h + 1], scale_log2, -base));
-          sum += p0 + p1;
-          *reinterpret_cast<u32*>(stage_bytes + slot * kTileBytes + 8 * kBlockBytes + r * 128 +
-                                  ((j ^ (r & 7)) << 4) + quad_col * 4) = pack2<kHalf>(p0, p1);
-        }
-        row_sum[h] = row_sum[h] * alpha + sum;
-        if (quad_col == 0) rescale[slot * kRows + r] = alpha;
-      }
-      fence_async_shared();
-      barrier_arrive(kPReady + slot, kThreads);
-    }
-    // Row sums over the quad for groups 1 and 2; the LSE from here.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp_row0 + quad_row + 8 * h;
-      const float l = quad_reduce<false>(row_sum[h]);
-      if (quad_col == 0) sums[r] = l;
-      const int row = row0 + r;
-      if (row < rows && quad_col == 0) {
-        const float row_lse = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
-        const i64 out_row = (i64)b * rows + row;
-        if (gridDim.y == 1) {
-          lse[out_row] = row_lse;
-        } else {
-          partial_lse[(i64)split * gridDim.z * rows + out_row] = row_lse;
-        }
-      }
-    }
-    __syncthreads();
-  } else {
-    set_max_registers<160>();
-    const int owner = group - 1;  // O columns [256·owner, +256)
-    // Loads: both groups (256 threads), 8 threads per row, thread `load_sub` copies chunk load_sub
-    // of each 64-column block (a warp reads four full 128-byte segments per instruction).
-    const int loader = tid - 128, load_sub = loader & 7, load_row = loader >> 3;  // rows load_row + 32·pass
-    const u32 load_offset = load_row * 128 + ((load_sub ^ (load_row & 7)) << 4);
-    const u16* cache_b = cache + (i64)b * l_max * kWidth;
-    auto load_tile_and_signal = [&](int tile) {
-      const int first = range.begin + tile * kKeys;
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        const int key = first + 32 * pass + load_row;
-        const bool valid = key < range.kv_len;
-        const u16* src = cache_b + (i64)(valid ? key : 0) * kWidth + load_sub * 8;
-        const u32 dst = stage_of(tile) + pass * 32 * 128 + load_offset;
-#pragma unroll
-        for (int block = 0; block < 9; ++block) cp_async16(dst + block * kBlockBytes, src + block * 64, valid);
-      }
-      mbarrier_arrive_on_copies(tile_landed + 8 * (tile % kStages));
-    };
-    for (int tile = 0; tile < min(range.tiles, kStages); ++tile) load_tile_and_signal(tile);
-
-    float o[32][4];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    auto& o_tile = *reinterpret_cast<float(*)[128]>(&o[0][0]);
-    for (int tile = 0; tile < range.tiles; ++tile) {
-      const int slot = tile % kStages;
-      group_barrier(kPReady + slot, kThreads);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float alpha = rescale[slot * kRows + warp_row0 + quad_row + 8 * h];
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
-#pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            o[j][2 * h] *= alpha;
-            o[j][2 * h + 1] *= alpha;
-          }
-        }
-      }
-      const u32 stage = stage_of(tile);
-      const u64 p_desc = smem_descriptor(stage + 8 * kBlockBytes, 16, 1024);  // P over the rope block
-      const u64 v_desc = smem_descriptor(stage + owner * 4 * kBlockBytes, kBlockBytes, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n256_mn<kHalf>(o_tile, p_desc + ((k * 32) >> 4), v_desc + ((k * 16 * 128) >> 4));
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_registers<128>(&o[0][0]);
-      if (tile + kStages < range.tiles) {
-        group_barrier(kPVDone, 256);  // both groups are done with the stage
-        load_tile_and_signal(tile + kStages);
-      }
-    }
-    __syncthreads();  // the scorer's row sums
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp_row0 + quad_row + 8 * h;
-      const int row = row0 + r;
-      const float l = sums[r];
-      if (row >= rows) continue;
-      store_output_row<kHalf>(o, h, l > 0.f ? 1.f / l : 0.f, 0.f, false, (i64)b * rows + row, owner * 256 + 2 * quad_col,
-                              split, (i64)gridDim.z * rows, out, lse, partial_out, partial_lse);
-    }
-  }
-}
-}  // namespace ws
-
 }  // namespace wg
 }  // namespace va
 
-#define VA_WGMMA_KERNEL(NAME, HALF, NS)                                                                     \
-  extern "C" __global__ void __launch_bounds__(va::wg::NS::kThreads, 1) NAME(                                  \
+#define VA_WGMMA_KERNEL(NAME, HALF)                                                                         \
+  extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
       float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
-    va::wg::NS::verify_attn_cta<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse, partial_out,    \
-                                             partial_lse, nodes, heads, l_max, words, chunk, scale_log2);      \
+    va::wg::verify_attn_cta<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse, partial_out,        \
+                                         partial_lse, nodes, heads, l_max, words, chunk, scale_log2);          \
   }
 
 #ifdef VA_HALF
 // NVRTC: the type the launcher needs.
-VA_WGMMA_KERNEL(verify_attn, VA_HALF, VA_SCHEDULE)
+VA_WGMMA_KERNEL(verify_attn, VA_HALF)
 #else
 // nvcc (CI's compile test, ptxas -v): kdtree_lib.verify_attn.KERNEL_CONFIGS' wgmma variant, both types.
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0, pipelined)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1, pipelined)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_ws_bf16, 0, ws)
-VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_ws_f16, 1, ws)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0)
+VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1)
 #endif
 
 VA_MERGE_KERNELS

@@ -280,7 +280,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
         plan = launch.plan
         variant_times = {}
         for name in variants:
-            variant = prepare_variant_launch(name, q_latent, q_rope, cache, lengths, tree)
+            variant = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, config=name)
             variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits)
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
@@ -320,15 +320,6 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
         del q_latent, q_rope, cache, lengths, tree, launch
         torch.cuda.empty_cache()
     return rows
-
-
-def prepare_variant_launch(spec: str, *inputs):
-    """The launch a variant names: "CONFIG", or "CONFIG:plain-merge" (the split merge as a plain
-    launch after the kernel instead of a programmatic dependent launch)."""
-    config, _, option = spec.partition(":")
-    if option not in ("", "plain-merge"):
-        raise ValueError(f"variant: expected CONFIG or CONFIG:plain-merge, got {spec!r}")
-    return prepare_verify_launch(*inputs, config=config, dependent_merge=option != "plain-merge")
 
 
 def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dict:
@@ -581,9 +572,8 @@ def main():
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--targets", action="store_true", help="the issue's target shapes only (N·H >= 128, L >= 32k)")
-    parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG[:plain-merge]",
-                        help="kernel configs also timed on every shape (provider kernel_variant); "
-                             ":plain-merge launches the split merge plainly instead of as a dependent launch")
+    parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG",
+                        help="kernel configs also timed on every shape (provider kernel_variant)")
     parser.add_argument("--no-baselines", action="store_true", help="time the kernels only")
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")

@@ -10,13 +10,9 @@
   sm_120 this way, sm_90a for the wgmma kernel, and reads registers and spills from ptxas).
 - An architecture-specific build (sm_90a) goes through NVRTC directly: CuPy always targets the
   device's plain architecture.
-- `DependentLaunch` calls the driver's cuLaunchKernelEx (ctypes) with the programmatic stream
-  serialization attribute, which CuPy does not expose: the kernel (verify_attn's split merge) is
-  launched while the one before it still runs and waits for it on the device.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -188,72 +184,3 @@ def to_device_like(like, values: np.ndarray):
     import cupy
     with cupy.cuda.Device(device_index(like)), current_stream():
         return cupy.asarray(values)
-
-
-# ----------------------------------------------------------------------------------------------
-# programmatic dependent launches through the driver API (CuPy has none)
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _check_driver(status: int, what: str) -> None:
-    if status != 0:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(status, ctypes.byref(name))
-        raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error %d' % status).decode()}")
-
-
-def _function_handle(function) -> ctypes.c_void_p:
-    """The CUfunction of a CuPy RawKernel (its compiled `kernel`) or cupy.cuda.Function."""
-    compiled = getattr(function, "kernel", function)
-    return ctypes.c_void_p(compiled.ptr)
-
-
-def _ctypes_argument(value):
-    """A kernel argument as the ctypes value whose address cuLaunchKernelEx reads."""
-    if isinstance(value, np.int32):
-        return ctypes.c_int32(int(value))
-    if isinstance(value, np.float32):
-        return ctypes.c_float(float(value))
-    if hasattr(value, "data") and hasattr(value.data, "ptr"):  # a CuPy array: its device pointer
-        return ctypes.c_void_p(value.data.ptr)
-    raise TypeError(f"kernel argument: expected a CuPy array, np.int32 or np.float32, got {type(value).__name__}")
-
-
-class DependentLaunch:
-    """One kernel launch with fixed grid, block, shared memory and arguments, enqueued as a
-    programmatic dependent launch: it may start while the previous kernel on the stream still
-    runs, and waits for it (all of its memory included) at its `griddepcontrol.wait`.
-
-    The arguments are marshalled once; `__call__(stream)` costs one driver call. The arrays must
-    outlive the launch (the caller keeps them)."""
-
-    def __init__(self, function, grid: tuple, block: tuple, args: tuple, shared_mem: int):
-        self._function = _function_handle(function)
-        self._values = [_ctypes_argument(a) for a in args]
-        self._params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
-                                                        for v in self._values))
-        self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self._attribute.value[0] = 1
-        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        self._config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block),
-                                     shared_mem=shared_mem, attrs=ctypes.pointer(self._attribute), num_attrs=1)
-
-    def __call__(self, stream) -> None:
-        self._config.stream = ctypes.c_void_p(stream.ptr)
-        _check_driver(_driver().cuLaunchKernelEx(ctypes.byref(self._config), self._function, self._params, None),
-                      "cuLaunchKernelEx (programmatic dependent launch)")

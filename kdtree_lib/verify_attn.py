@@ -270,55 +270,40 @@ class VerifyLaunch:
     """One prepared verify-attention call: device views, outputs, workspace, plan and the kernel
     arguments, built once so a call costs only the launches (decode loops, benchmarks).
 
-    Calling it enqueues the kernel and, with several splits, the LSE merge on torch's current
-    stream; the merge goes as a programmatic dependent launch (scheduled while the kernel runs,
-    waiting for it on the device) unless dependent_merge is False. Nothing here synchronises, so
-    it can run back to back in a benchmark or inside a CUDA graph.
+    Calling it enqueues the kernel (and the split merge) on torch's current stream; nothing here
+    synchronises, so it can run back to back in a benchmark or inside a CUDA graph.
     """
 
-    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse, *,
-                 dependent_merge: bool = True):
-        from . import cuda
+    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse):
         self.plan, self.out, self.lse = plan, out, lse
-        self.dependent_merge = dependent_merge
         self._arrays = arrays  # keeps the converted inputs and the workspace alive
         batch, nodes, heads, l_max, words, scale_log2 = sizes
-        self._launches = []  # callables taking the stream: the kernel, then the merge
+        self._calls = []  # (function, grid, block, args, shared memory): the kernel, then the merge
         if batch * nodes * heads == 0:
             return
         main, merge = _kernel_functions(plan.config_name, half)
         a, config = arrays, plan.config
-        self._launches.append(_plain_launch(
-            main, (plan.row_blocks, plan.splits, batch), (config.threads,),
-            (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"], a["partial_out"],
-             a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max), np.int32(words), np.int32(plan.chunk),
-             np.float32(scale_log2)), config.smem_bytes))
+        self._calls.append((main, (plan.row_blocks, plan.splits, batch), (config.threads,),
+                            (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
+                             a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
+                             np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)), config.smem_bytes))
         if plan.splits > 1:
             rows = batch * nodes * heads
-            merge_launch = cuda.DependentLaunch if dependent_merge else _plain_launch
-            self._launches.append(merge_launch(merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"],
-                                                                          a["lse"], np.int32(rows), np.int32(plan.splits)), 0))
+            self._calls.append((merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
+                                                           np.int32(rows), np.int32(plan.splits)), 0))
 
     def __call__(self, *, merge: bool = True):
         """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""
         from . import cuda
         stream = cuda.current_stream()
-        for launch in self._launches[:None if merge else 1]:
-            launch(stream)
+        for function, grid, block, args, shared_mem in self._calls[:None if merge else 1]:
+            function(grid, block, args, shared_mem=shared_mem, stream=stream)
         return self.out, self.lse
 
 
-def _plain_launch(function, grid: tuple, block: tuple, args: tuple, shared_mem: int):
-    """A CuPy kernel launch with fixed arguments, as a callable taking the stream."""
-    return lambda stream: function(grid, block, args, shared_mem=shared_mem, stream=stream)
-
-
 def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,
-                          out=None, lse=None, config: str | None = None, splits: int | None = None,
-                          dependent_merge: bool = True) -> VerifyLaunch:
-    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them).
-    dependent_merge: launch the split merge as a programmatic dependent launch (False: a plain
-    launch after the kernel, for comparison)."""
+                          out=None, lse=None, config: str | None = None, splits: int | None = None) -> VerifyLaunch:
+    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them)."""
     from . import cuda
     batch, nodes, heads = _check_args(q_latent, q_rope, cache, lengths, tree, scale)
     half = _check_kernel_args(q_latent, cache, tree, nodes, out, lse)
@@ -340,7 +325,7 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]
     sizes = (batch, nodes, heads, l_max, words, float(scale) * math.log2(math.e))
-    return VerifyLaunch(plan, half, arrays, sizes, out, lse, dependent_merge=dependent_merge)
+    return VerifyLaunch(plan, half, arrays, sizes, out, lse)
 
 
 def _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale):

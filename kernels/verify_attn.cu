@@ -109,7 +109,6 @@ __device__ __forceinline__ void verify_attn_cta(
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
   if (dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
-  allow_dependent_launch();  // the split merge may be scheduled now; it waits for this grid
   extern __shared__ unsigned char smem[];  // 16-byte aligned is all cp.async and ldmatrix need
   const u32 q_smem = smem_address(smem);
   const u32 kv_smem = q_smem + S::kQBytes;

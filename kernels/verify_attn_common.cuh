@@ -39,13 +39,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Programmatic dependent launch (sm_90+): the main kernel lets the split merge, launched with the
-// programmatic stream serialization attribute, start early; the merge then waits on the device
-// until the main kernel has finished and its partials are visible. Without the attribute both
-// are no-ops.
-__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_for_primary_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
 __device__ __forceinline__ u32 dynamic_smem_bytes() {
   u32 bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
@@ -188,7 +181,6 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out,
   __shared__ float weight[kMaxSplits];
   __shared__ float4 warp_sum[kMergeThreads / 32][32];
   __shared__ float scratch[kMergeThreads / 32];
-  wait_for_primary_grid();
   const i64 row = blockIdx.x;  // b * rows + row
   const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 

@@ -179,7 +179,6 @@ __device__ __forceinline__ void verify_attn_cta(
     float* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
     int chunk, float scale_log2) {
   if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
-  allow_dependent_launch();  // the split merge may be scheduled now; it waits for this grid
   extern __shared__ unsigned char smem_raw[];
   const u32 raw_address = smem_address(smem_raw);
   const u32 q_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);

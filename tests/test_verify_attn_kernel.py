@@ -91,8 +91,7 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     plan = plan_launch(2, 3 * 8, 1000, **H200, splits=3)
     arrays = dict.fromkeys(("q_latent", "q_rope", "cache", "lengths", "mask", "out", "lse", "partial_out",
                             "partial_lse"))
-    launch = verify_attn.VerifyLaunch(plan, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse",
-                                      dependent_merge=False)
+    launch = verify_attn.VerifyLaunch(plan, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")
     assert launch() == ("out", "lse")
     assert calls == [("main", (plan.row_blocks, 3, 2), (plan.config.threads,), 15, plan.config.smem_bytes),
                      ("merge", (2 * 3 * 8, 4), (256,), 6, 0)]
@@ -103,18 +102,6 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     single = plan_launch(2, 24, 1000, **H200, splits=1)
     verify_attn.VerifyLaunch(single, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")()
     assert [name for name, *_ in calls] == ["main"]
-    calls.clear()
-
-    class Dependent:  # the programmatic dependent launch of the merge (the default)
-        def __init__(self, function, grid, block, args, shared_mem):
-            self.launch = lambda stream: function(grid, block, args, shared_mem=shared_mem, stream=stream)
-
-        def __call__(self, stream):
-            calls.append(("dependent",))
-            self.launch(stream)
-    monkeypatch.setattr(cuda, "DependentLaunch", Dependent)
-    verify_attn.VerifyLaunch(plan, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")()
-    assert [name for name, *_ in calls] == ["main", "dependent", "merge"]
 
 
 def test_summary_reads_the_launchers_choice_and_each_variant():
@@ -379,27 +366,6 @@ def test_long_context_split_merge():
             err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
             print(f"32k {launch.plan.config_name} splits={launch.plan.splits}: {err}")
             assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, "rows16_keys64_stages2"])
-def test_the_dependent_merge_equals_the_plain_one_and_replays_in_a_cuda_graph(config):
-    """The split merge as a programmatic dependent launch waits for the kernel: same bits as a plain
-    launch, eagerly and inside a captured CUDA graph."""
-    torch = pytest.importorskip("torch")
-    inputs = bench.make_inputs(2, 17, 8, 0, lengths=[3000, 700], seed=SEED, slack=5, poison=True)
-    plain = _poisoned_launch(*inputs, config=config, splits=9, dependent_merge=False)
-    dependent = _poisoned_launch(*inputs, config=config, splits=9)
-    torch.cuda.synchronize()
-    assert torch.equal(plain.out, dependent.out) and torch.equal(plain.lse, dependent.lse)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dependent()
-    dependent.out.fill_(float("nan"))
-    dependent.lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(plain.out, dependent.out) and torch.equal(plain.lse, dependent.lse)
 
 
 @pytest.mark.gpu

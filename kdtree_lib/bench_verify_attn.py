@@ -283,7 +283,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
             variant = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, config=name)
             variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits)
         if baselines:
-            times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=max(3, reps // 3)))
+            times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=reps))
         sdpa_backend = times.pop("sdpa_backend", None)
 
         def timed(provider, seconds):

@@ -280,7 +280,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
         plan = launch.plan
         variant_times = {}
         for name in variants:
-            variant = prepare_variant_launch(name, q_latent, q_rope, cache, lengths, tree)
+            variant = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, config=name)
             variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits)
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=reps))
@@ -320,15 +320,6 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
         del q_latent, q_rope, cache, lengths, tree, launch
         torch.cuda.empty_cache()
     return rows
-
-
-def prepare_variant_launch(spec: str, *inputs):
-    """The launch a variant names: "CONFIG", or "CONFIG:16-bit-partials" (split partials in the
-    inputs' 16-bit type instead of fp32)."""
-    config, _, option = spec.partition(":")
-    if option not in ("", "16-bit-partials"):
-        raise ValueError(f"variant: expected CONFIG or CONFIG:16-bit-partials, got {spec!r}")
-    return prepare_verify_launch(*inputs, config=config, half_partials=option == "16-bit-partials")
 
 
 def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dict:

@@ -186,12 +186,11 @@ class KernelConfig:
         """An architecture-specific NVRTC target, or None for the current device's own."""
         return "sm_90a" if self.wgmma else None
 
-    def nvrtc_options(self, half: bool, half_partials: bool = False) -> tuple[str, ...]:
-        types = (f"-DVA_HALF={int(half)}", f"-DVA_PARTIAL16={int(half_partials)}")
+    def nvrtc_options(self, half: bool) -> tuple[str, ...]:
         if self.wgmma:
-            return types
-        return types + (f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
-                        f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
+            return (f"-DVA_HALF={int(half)}",)
+        return (f"-DVA_HALF={int(half)}", f"-DVA_ROW_TILES={self.row_tiles}", f"-DVA_ROW_GROUPS={self.row_groups}",
+                f"-DVA_KEYS={self.keys}", f"-DVA_STAGES={self.stages}", f"-DVA_SCORING={self.scoring}")
 
     @property
     def name(self) -> str:
@@ -275,15 +274,14 @@ class VerifyLaunch:
     synchronises, so it can run back to back in a benchmark or inside a CUDA graph.
     """
 
-    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse, *,
-                 half_partials: bool = False):
-        self.plan, self.out, self.lse, self.half_partials = plan, out, lse, half_partials
+    def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse):
+        self.plan, self.out, self.lse = plan, out, lse
         self._arrays = arrays  # keeps the converted inputs and the workspace alive
         batch, nodes, heads, l_max, words, scale_log2 = sizes
         self._calls = []  # (function, grid, block, args, shared memory): the kernel, then the merge
         if batch * nodes * heads == 0:
             return
-        main, merge = _kernel_functions(plan.config_name, half, half_partials)
+        main, merge = _kernel_functions(plan.config_name, half)
         a, config = arrays, plan.config
         self._calls.append((main, (plan.row_blocks, plan.splits, batch), (config.threads,),
                             (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
@@ -304,10 +302,8 @@ class VerifyLaunch:
 
 
 def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,
-                          out=None, lse=None, config: str | None = None, splits: int | None = None,
-                          half_partials: bool = False) -> VerifyLaunch:
-    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them).
-    half_partials: split partials in the inputs' 16-bit type instead of fp32 (half the bytes)."""
+                          out=None, lse=None, config: str | None = None, splits: int | None = None) -> VerifyLaunch:
+    """Check, convert and allocate for the CuPy kernel; `out`/`lse` may be given (tests poison them)."""
     from . import cuda
     batch, nodes, heads = _check_args(q_latent, q_rope, cache, lengths, tree, scale)
     half = _check_kernel_args(q_latent, cache, tree, nodes, out, lse)
@@ -324,12 +320,12 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
               "mask": _device_int32(tree.mask), "out": cuda.as_cupy(out), "lse": cuda.as_cupy(lse)}
     if plan.splits > 1:
         arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(
-            q_latent, (plan.splits, batch, rows, LATENT_DIM), dtype_name(q_latent) if half_partials else "float32"))
+            q_latent, (plan.splits, batch, rows, LATENT_DIM), "float32"))
         arrays["partial_lse"] = cuda.as_cupy(cuda.device_empty(q_latent, (plan.splits, batch, rows), "float32"))
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]
     sizes = (batch, nodes, heads, l_max, words, float(scale) * math.log2(math.e))
-    return VerifyLaunch(plan, half, arrays, sizes, out, lse, half_partials=half_partials)
+    return VerifyLaunch(plan, half, arrays, sizes, out, lse)
 
 
 def _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale):
@@ -407,11 +403,11 @@ def _runs_sm90a() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_functions(config_name: str, half: bool, half_partials: bool = False):
+def _kernel_functions(config_name: str, half: bool):
     """(main, merge) CuPy functions of one variant, compiled once by NVRTC."""
     from . import cuda
     config = KERNEL_CONFIGS[config_name]
-    options = config.nvrtc_options(half, half_partials)
+    options = config.nvrtc_options(half)
     main = cuda.get_function(config.kernel_file, "verify_attn", options, config.arch)
     main.max_dynamic_shared_size_bytes = config.smem_bytes
     merge = cuda.get_function(config.kernel_file, "verify_attn_merge_f16" if half else "verify_attn_merge_bf16",

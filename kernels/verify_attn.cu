@@ -104,7 +104,7 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32* __restrict__ mask,       // [B, N, words]
     u16* __restrict__ out,              // [B, rows, 512]           (one split)
     float* __restrict__ lse,            // [B, rows]                (one split)
-    partial_t* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
+    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
@@ -379,7 +379,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, partial_t* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
     va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
         q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \

@@ -10,15 +10,6 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-#ifndef VA_PARTIAL16
-#define VA_PARTIAL16 0  // 1: split partials in the output's 16-bit type (half the bytes), else fp32
-#endif
-#if VA_PARTIAL16
-typedef u16 partial_t;
-#else
-typedef float partial_t;
-#endif
-
 namespace va {
 
 constexpr int kLatent = 512;          // value width (c_kv)
@@ -148,7 +139,7 @@ __device__ __forceinline__ bool key_visible(int key, const KeyRange& range, bool
 template <bool kHalf, int kTiles>
 __device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], int h, float inv, float row_lse,
                                                  bool writes_lse, i64 out_row, int col0, int split, i64 total_rows,
-                                                 u16* out, float* lse, partial_t* partial_out, float* partial_lse) {
+                                                 u16* out, float* lse, float* partial_out, float* partial_lse) {
   auto store_row = [&](auto* dst) {
 #pragma unroll
     for (int j = 0; j < kTiles; ++j) store_pair<kHalf>(dst + 8 * j, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
@@ -184,28 +175,8 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
   return x;
 }
 
-// Four consecutive partial values as floats (fp32, or bf16/f16 widened).
 template <bool kHalf>
-__device__ __forceinline__ float4 load_partial4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-template <bool kHalf>
-__device__ __forceinline__ float4 load_partial4(const u16* p) {
-  const uint2 bits = *reinterpret_cast<const uint2*>(p);
-  auto widen = [](u32 pair, float& lo, float& hi) {
-    if constexpr (kHalf) {
-      asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(pair));
-    } else {
-      lo = __uint_as_float(pair << 16);
-      hi = __uint_as_float(pair & 0xffff0000u);
-    }
-  };
-  float4 v;
-  widen(bits.x, v.x, v.y);
-  widen(bits.y, v.z, v.w);
-  return v;
-}
-
-template <bool kHalf>
-__device__ __forceinline__ void merge_row(const partial_t* __restrict__ partial_out, const float* __restrict__ partial_lse,
+__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
   __shared__ float weight[kMaxSplits];
   __shared__ float4 warp_sum[kMergeThreads / 32][32];
@@ -228,13 +199,13 @@ __device__ __forceinline__ void merge_row(const partial_t* __restrict__ partial_
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
-  const partial_t* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
-  const i64 split_stride = (i64)total_rows * kLatent;
+  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
+  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
   float4 acc = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int s = warp; s < splits; s += kMergeThreads / 32) {
     const float w = weight[s];
-    const float4 x = load_partial4<kHalf>(src + s * split_stride);
+    const float4 x = src[s * split_stride];
     acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
   }
   warp_sum[warp][lane] = acc;
@@ -257,10 +228,10 @@ __device__ __forceinline__ void merge_row(const partial_t* __restrict__ partial_
 // The split merge kernels, one per 16-bit type; every verify-attention module defines them.
 #define VA_MERGE_KERNELS                                                                                         \
   extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(                        \
-      const partial_t* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) { \
+      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
     va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);                                \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(                         \
-      const partial_t* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) { \
+      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
     va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);                                 \
   }

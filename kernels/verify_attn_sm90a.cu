@@ -176,7 +176,7 @@ template <bool kHalf>
 __device__ __forceinline__ void verify_attn_cta(
     const u16* __restrict__ q_latent, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
     const int* __restrict__ lengths, const u32* __restrict__ mask, u16* __restrict__ out, float* __restrict__ lse,
-    partial_t* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
+    float* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
     int chunk, float scale_log2) {
   if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem_raw[];
@@ -375,7 +375,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_WGMMA_KERNEL(NAME, HALF)                                                                         \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, partial_t* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
     va::wg::verify_attn_cta<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse, partial_out,        \
                                          partial_lse, nodes, heads, l_max, words, chunk, scale_log2);          \

@@ -86,8 +86,7 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     def stand_in(name):
         return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, len(args),
                                                                                  shared_mem))
-    monkeypatch.setattr(verify_attn, "_kernel_functions",
-                        lambda config, half, half_partials: (stand_in("main"), stand_in("merge")))
+    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half: (stand_in("main"), stand_in("merge")))
     monkeypatch.setattr(cuda, "current_stream", lambda: None)
     plan = plan_launch(2, 3 * 8, 1000, **H200, splits=3)
     arrays = dict.fromkeys(("q_latent", "q_rope", "cache", "lengths", "mask", "out", "lse", "partial_out",
@@ -286,11 +285,10 @@ def test_kernel_matches_reference(case, config):
                                poison=True)
     ref_out, ref_lse = _reference(*inputs)
     torch_err = _bf16_torch_error(*inputs, ref_out, ref_lse)
-    for splits, half_partials in ((None, False), (1, False), (7, False), (7, True)):
-        launch = _poisoned_launch(*inputs, config=config, splits=splits, half_partials=half_partials)
+    for splits in (None, 1, 7):
+        launch = _poisoned_launch(*inputs, config=config, splits=splits)
         err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
-        print(f"seed={seed} case={case} config={launch.plan.config_name} splits={launch.plan.splits} "
-              f"16-bit partials={half_partials}: "
+        print(f"seed={seed} case={case} config={launch.plan.config_name} splits={launch.plan.splits}: "
               f"rel_err={err['rel_err']:.2e} (bf16 torch {torch_err:.2e}) lse_err={err['lse_err']:.2e}")
         assert err["finite"], "NaN or inf in the output (poisoned output left unwritten, or cache leak)"
         assert err["rel_err"] <= REL_ERR

@@ -47,7 +47,6 @@ import torch
 
 from . import results
 from .backend import resolve
-from .bench_verify_attn import latest_run
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
 from .model import KVCache, ModelConfig, TensorParallel, Transformer, launch, load_config
 from .model.checkpoint import empty_target, load_weights
@@ -535,8 +534,8 @@ def _log(tp: TensorParallel, text: str) -> None:
 def latest_rows(rows: list[dict]) -> list[dict]:
     """The verify-step rows (scopes layer and step) of the newest run that has them, and the draft
     rows of the newest run that has them (a --drafter-only run refreshes those alone)."""
-    return (latest_run([r for r in rows if r.get("scope") != "draft"])
-            + latest_run([r for r in rows if r.get("scope") == "draft"]))
+    return (results.latest_run([r for r in rows if r.get("scope") != "draft"])
+            + results.latest_run([r for r in rows if r.get("scope") == "draft"]))
 
 
 def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:

@@ -287,20 +287,7 @@ def latest_rows(topic: str, *, stage: str | None = None) -> list[dict]:
         return []
     newest = max(rows, key=lambda r: r["date"])
     kept = [r for r in rows if r["commit"] == newest["commit"] and r["device"] == newest["device"]]
-    return [{key: _number(value) for key, value in row.items()} for row in kept]
-
-
-def _number(text):
-    if text in ("", None):
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    return [{key: results.parse_number(value) for key, value in row.items()} for row in kept]
 
 
 def select(rows: list[dict], **where) -> list[dict]:

@@ -256,7 +256,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
     import torch
     from . import results
     started = time.monotonic()
-    run_stamp = run_stamp or results.stamp()["date"]  # every row of this run carries it (latest_run)
+    run_stamp = run_stamp or results.stamp()["date"]  # every row of this run carries it (results.latest_run)
     shapes = benchmark_shapes() if shapes is None else shapes
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, cuBLAS bf16 {ceilings['matmul_tflops']:.0f} TFLOP/s, "
@@ -358,46 +358,22 @@ PROVIDER_STYLE = {"kernel": ("C0", "o-"), "torch_fallback": ("C3", "s--"), "sdpa
                   "roofline": ("k", ":"), "roofline_mma": ("0.5", ":")}
 
 
-def latest_run(rows: list[dict], **fixed) -> list[dict]:
-    """The rows of the newest run, numbers parsed; with `fixed` (column=value, as strings in the
-    file), of the newest run holding such a row. A run is its `run` stamp (the start of
-    bench.run; rows from before that column existed are grouped by commit and device)."""
-    matching = [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
-    if not matching:
-        return []
-    newest = _run_id(max(matching, key=lambda r: r["date"]))
-    return [{k: _number(v) for k, v in row.items()} for row in rows if _run_id(row) == newest]
-
-
-def _run_id(row) -> str:
-    return row.get("run") or f"{row['commit']}@{row['device']}"
+def _shape(row) -> tuple:
+    return row["batch"], row["nodes"], row["heads"], row["length"]
 
 
 def variant_ratios(rows, config: str) -> list[dict]:
     """Per shape of one run: the launcher's kernel and variant `config` timed beside it, and the
     variant's speed-up (kernel time / variant time)."""
-    variants = {(r["batch"], r["nodes"], r["heads"], r["length"]): r
-                for r in select(rows, provider="kernel_variant", config=config)}
+    variants = {_shape(r): r for r in select(rows, provider="kernel_variant", config=config)}
     found = []
     for r in select(rows, provider="kernel"):
-        v = variants.get((r["batch"], r["nodes"], r["heads"], r["length"]))
+        v = variants.get(_shape(r))
         if v:
             found.append({"batch": r["batch"], "nodes": r["nodes"], "heads": r["heads"], "length": r["length"],
                           "kernel": r["config"], "kernel_us": r["time_us"], "variant": config,
                           "variant_us": v["time_us"], "speedup": round(r["time_us"] / v["time_us"], 3)})
     return found
-
-
-def _number(text):
-    if not isinstance(text, str) or text == "":
-        return text if text != "" else None
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
 
 
 def select(rows, **fixed) -> list[dict]:
@@ -459,9 +435,8 @@ def kernel_rows(rows, config: str | None = None) -> list[dict]:
     by_shape = {}
     for r in rows:
         if r["provider"] in ("kernel_variant", "kernel") and r.get("config") == config:
-            shape = (r["batch"], r["nodes"], r["heads"], r["length"])
-            if r["provider"] == "kernel" or shape not in by_shape:
-                by_shape[shape] = r
+            if r["provider"] == "kernel" or _shape(r) not in by_shape:
+                by_shape[_shape(r)] = r
     return list(by_shape.values())
 
 
@@ -473,14 +448,13 @@ def variant_configs(rows) -> list[str]:
 def summary(rows, config: str | None = None) -> dict:
     """The issue's targets, read from one run's rows: for the launcher's choice, or for `config`."""
     kernel = kernel_rows(rows, config)
-    shape = lambda r: (r["batch"], r["nodes"], r["heads"], r["length"])  # noqa: E731
-    fallback = {shape(r): r["time_us"] for r in select(rows, provider="torch_fallback")}
+    fallback = {_shape(r): r["time_us"] for r in select(rows, provider="torch_fallback")}
     big = [r for r in kernel if r["rows"] >= TARGET_ROWS and r["length"] >= TARGET_LENGTH]
-    speedups = [fallback[shape(r)] / r["time_us"] for r in kernel
-                if r["length"] >= TARGET_LENGTH and shape(r) in fallback]
+    speedups = [fallback[_shape(r)] / r["time_us"] for r in kernel
+                if r["length"] >= TARGET_LENGTH and _shape(r) in fallback]
     ratios = []
     for r in [r for r in kernel if r["length"] == 131072]:
-        short = [s for s in kernel if shape(s) == (r["batch"], r["nodes"], r["heads"], 32768)]
+        short = [s for s in kernel if _shape(s) == (r["batch"], r["nodes"], r["heads"], 32768)]
         if short:
             ratios.append(r["time_us"] / short[0]["time_us"])
     med = statistics.median

@@ -70,6 +70,35 @@ def read_rows(topic: str, *, results_dir: Path | None = None) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
+def parse_number(text):
+    """A CSV cell as what it holds: int, float, bool ("True"/"False"), None (empty), else the text."""
+    if text in ("", None):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def latest_run(rows: list[dict], **fixed) -> list[dict]:
+    """The rows of the newest run, numbers parsed; with `fixed` (column=value, as strings in the
+    file), of the newest run holding such a row. A run is its `run` stamp (rows from before that
+    column existed are grouped by commit and device)."""
+    matching = [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
+    if not matching:
+        return []
+    newest = _run_id(max(matching, key=lambda r: r["date"]))
+    return [{k: parse_number(v) for k, v in row.items()} for row in rows if _run_id(row) == newest]
+
+
+def _run_id(row) -> str:
+    return row.get("run") or f"{row['commit']}@{row['device']}"
+
+
 def merge_file(path, *, topic: str | None = None, results_dir: Path | None = None) -> Path:
     """Append the rows of a results CSV made elsewhere (e.g. brought back from the GPU machine) to
     the topic of the same name here, keeping their own date/commit/device stamps."""

@@ -172,7 +172,7 @@ def _launch_accept(tree: Tree, posterior, out: AcceptResult) -> None:
             np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity), np.int32(out.path.shape[1]),
             cuda.pointer(out.path), cuda.pointer(out.n_accepted), cuda.pointer(out.bonus))
     cuda.launch("tree_accept.cu", "accept_kernel", (tree.batch,), (_ACCEPT_THREADS,), args, like=tokens,
-            shared_mem=8 * tree.capacity)
+                shared_mem=8 * tree.capacity)
 
 
 def _check_tree_arrays(tree: Tree) -> None:
@@ -214,7 +214,7 @@ def _launch_compact(caches, lengths, result: AcceptResult, new_lengths) -> None:
             np.int32(path_len), cuda.pointer(n_accepted), cuda.pointer(lengths),
             np.int32(dtype_name(lengths) == "int64"), cuda.pointer(new_lengths))
     cuda.launch("tree_accept.cu", f"compact_cache_{unit}", (batch, len(caches)), (_COMPACT_THREADS,), args,
-            like=caches[0])
+                like=caches[0])
 
 
 def _compaction_layout(caches, lengths, result: AcceptResult) -> tuple[int, int, int]:

@@ -314,9 +314,9 @@ def _draft_topk_cupy(logits, k: int) -> DraftTopK:
     if batch * depth:
         vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0
         cuda.launch("tree_build.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1", (batch * depth,),
-                (_TOPK_THREADS,),
-                (cuda.pointer(logits), np.int32(vocab), np.int32(top), cuda.pointer(logp), cuda.pointer(ids)),
-                like=logits)
+                    (_TOPK_THREADS,),
+                    (cuda.pointer(logits), np.int32(vocab), np.int32(top), cuda.pointer(logp), cuda.pointer(ids)),
+                    like=logits)
     return DraftTopK(logp=logp, ids=ids)
 
 
@@ -381,7 +381,8 @@ def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, ve
              np.int32(mode == "chain"), np.int32(cached))
             + ((np.int32(slot_threads),) if version == 1 else (np.int32(staged_f64),))
             + (cuda.pointer(out.tokens), cuda.pointer(out.parents), cuda.pointer(out.depths), cuda.pointer(out.n_nodes),
-               cuda.pointer(out.mask), cuda.pointer(out.first_child), cuda.pointer(out.next_sibling), cuda.pointer(out.log_weights)))
+               cuda.pointer(out.mask), cuda.pointer(out.first_child), cuda.pointer(out.next_sibling),
+               cuda.pointer(out.log_weights)))
     kernel = f"build_tree_v{version}"
     _allow_draft_cache(cuda.device_index(logp), kernel, cache_bytes)
     cuda.launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp,

@@ -29,3 +29,20 @@ def test_merge_rejects_a_file_without_stamps(tmp_path):
     path.write_text("x\n1\n")
     with pytest.raises(ValueError, match="path"):
         results.merge_file(path, results_dir=tmp_path / "out")
+
+
+def test_latest_run_picks_the_newest_run_or_the_newest_holding_a_row():
+    def row(run, date, provider, config):
+        return {"run": run, "date": date, "commit": "c", "device": "H200", "provider": provider, "config": config,
+                "time_us": "1.5"}
+    rows = [row("r1", "d1", "kernel", "a"), row("r1", "d1", "kernel_variant", "b"),
+            row("r2", "d2", "kernel", "a"), row("r3", "d3", "kernel", "c")]
+    assert [r["run"] for r in results.latest_run(rows)] == ["r3"]
+    older = results.latest_run(rows, provider="kernel_variant", config="b")
+    assert [r["config"] for r in older] == ["a", "b"] and older[0]["time_us"] == 1.5  # numbers parsed
+    assert results.latest_run(rows, config="z") == []
+
+
+def test_parse_number_reads_cells_back():
+    assert [results.parse_number(x) for x in ("3", "2.5", "True", "False", "", "bf16")] == [3, 2.5, True, False, None,
+                                                                                         "bf16"]

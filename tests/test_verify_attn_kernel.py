@@ -121,18 +121,6 @@ def test_summary_reads_the_launchers_choice_and_each_variant():
     assert [(r["length"], r["speedup"]) for r in bench.variant_ratios(rows, "b")] == [(32768, 1.25), (131072, 1.333)]
 
 
-def test_latest_run_picks_the_newest_run_or_the_newest_holding_a_row():
-    def row(run, date, provider, config):
-        return {"run": run, "date": date, "commit": "c", "device": "H200", "provider": provider, "config": config,
-                "time_us": "1.5"}
-    rows = [row("r1", "d1", "kernel", "a"), row("r1", "d1", "kernel_variant", "b"),
-            row("r2", "d2", "kernel", "a"), row("r3", "d3", "kernel", "c")]
-    assert [r["run"] for r in bench.latest_run(rows)] == ["r3"]
-    older = bench.latest_run(rows, provider="kernel_variant", config="b")
-    assert [r["config"] for r in older] == ["a", "b"] and older[0]["time_us"] == 1.5  # numbers parsed
-    assert bench.latest_run(rows, config="z") == []
-
-
 # ----------------------------------------------------------------------------------------------
 # CPU: host checks (metadata only)
 

@@ -199,7 +199,7 @@ __device__ __forceinline__ void verify_attn_cta(
 
   // Loads: 8 threads per row, thread `load_sub` copies chunk load_sub of each 64-column block, so
   // a warp reads four full 128-byte segments per instruction; the swizzle is a per-thread constant.
-  // Q and tile 0: all 256 threads; later tiles: group 1's 128.
+  // Q: all 256 threads; every KV tile: group 1's 128, signalling the stage's mbarrier.
   const int load_sub = tid & 7;
   const u16* cache_b = cache + (i64)b * l_max * kWidth;
   auto load_rows = [&](u32 dst_tile, int first, int threads_per_pass, int row_in_pass, auto source) {
@@ -215,11 +215,9 @@ __device__ __forceinline__ void verify_attn_cta(
     const bool valid = key < range.kv_len;
     cp_async16(dst, cache_b + (i64)(valid ? key : 0) * kWidth + block * 64 + load_sub * 8, valid);
   };
-  auto load_tile = [&](int tile, int threads, int thread) {
-    load_rows(kv_smem + (tile & 1) * kTileBytes, range.begin + tile * kKeys, threads, thread >> 3, kv_source);
-  };
   auto load_tile_and_signal = [&](int tile) {  // group 1
-    load_tile(tile, kThreads / 2, tid - kThreads / 2);
+    load_rows(kv_smem + (tile & 1) * kTileBytes, range.begin + tile * kKeys, kThreads / 2, (tid - kThreads / 2) >> 3,
+              kv_source);
     mbarrier_arrive_on_copies(tile_landed + 8 * (tile & 1));
   };
   if (tid == 0) {
@@ -263,7 +261,8 @@ __device__ __forceinline__ void verify_attn_cta(
   for (int tile = 0; tile < range.tiles; ++tile) {
     const int parity = tile & 1;
     const u32 stage = kv_smem + parity * kTileBytes;
-    const u32 p_smem = stage + 8 * kBlockBytes;  // the tile's rope block, free once S is done
+    const u32 p_smem = stage + 8 * kBlockBytes;  // the tile's rope block, free once S is done: P
+    unsigned char* p_bytes = stage_bytes + parity * kTileBytes + 8 * kBlockBytes;  // the same, for stores
     const u64 v_desc = smem_descriptor(stage + group * 4 * kBlockBytes, kBlockBytes, 1024);
     if (group == 0) {
       mbarrier_wait(tile_landed + 8 * parity, (tile >> 1) & 1);  // the stage's (tile / 2)-th phase
@@ -314,8 +313,8 @@ __device__ __forceinline__ void verify_attn_cta(
           s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], scale_log2, -base));
           sum += s[j][2 * h] + s[j][2 * h + 1];
           p_own[j >> 1][h + 2 * (j & 1)] = pack2<kHalf>(s[j][2 * h], s[j][2 * h + 1]);
-          *reinterpret_cast<u32*>(stage_bytes + parity * kTileBytes + 8 * kBlockBytes + r * 128 +
-                                  ((j ^ (r & 7)) << 4) + quad_col * 4) = p_own[j >> 1][h + 2 * (j & 1)];
+          *reinterpret_cast<u32*>(p_bytes + r * 128 + ((j ^ (r & 7)) << 4) + quad_col * 4) =
+              p_own[j >> 1][h + 2 * (j & 1)];
         }
         row_sum[h] = row_sum[h] * alpha + sum;
         if (quad_col == 0) rescale[parity * kRows + r] = alpha;

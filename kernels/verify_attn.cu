@@ -400,7 +400,7 @@ VA_KERNEL(verify_attn_rows16_keys32_stages4, 0, 1, 1, 32, 4, 4)
 VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)
 #endif
 
-VA_MERGE_KERNELS
+VA_MERGE_KERNELS(float)
 
 // The mma.sync ceiling: 8 independent m16n8k16 bf16 chains per warp on register operands, no
 // memory traffic. FLOPs = blocks · warps · iters · 8 chains · 4096 (one m16n8k16).

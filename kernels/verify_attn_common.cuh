@@ -72,6 +72,31 @@ __device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
   *reinterpret_cast<float2*>(dst) = float2{lo, hi};
 }
 
+// A packed 16-bit pair back to two floats (lo from the low half).
+template <bool kHalf>
+__device__ __forceinline__ float2 unpack2(u32 packed) {
+  if constexpr (kHalf) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi) : "r"(packed));
+    return float2{lo, hi};
+  } else {
+    return float2{__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u)};
+  }
+}
+
+// Four consecutive partial values as floats: fp32 partials, or the sm_90a kernel's 16-bit ones.
+template <bool kHalf>
+__device__ __forceinline__ float4 load4(const float* src) {
+  return *reinterpret_cast<const float4*>(src);
+}
+template <bool kHalf>
+__device__ __forceinline__ float4 load4(const u16* src) {
+  const uint2 packed = *reinterpret_cast<const uint2*>(src);
+  const float2 lo = unpack2<kHalf>(packed.x), hi = unpack2<kHalf>(packed.y);
+  return float4{lo.x, lo.y, hi.x, hi.y};
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -155,8 +180,9 @@ __device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], in
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (one
-// float4 per lane, independent loads), then the warps' sums are added through shared memory.
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (four
+// values per lane, independent loads), then the warps' sums are added through shared memory.
+// Partials are fp32 (Partial = float) or, from the sm_90a kernel, the output's 16-bit type.
 constexpr int kMergeThreads = 256;
 constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
@@ -175,8 +201,8 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
   return x;
 }
 
-template <bool kHalf>
-__device__ __forceinline__ void merge_row(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
+template <bool kHalf, typename Partial>
+__device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_out, const float* __restrict__ partial_lse,
                                           u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
   __shared__ float weight[kMaxSplits];
   __shared__ float4 warp_sum[kMergeThreads / 32][32];
@@ -199,13 +225,13 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out,
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
-  const float4* src = reinterpret_cast<const float4*>(partial_out + row * kLatent + quarter * 128) + lane;
-  const i64 split_stride = (i64)total_rows * kLatent / 4;  // in float4
+  const Partial* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
+  const i64 split_stride = (i64)total_rows * kLatent;
   float4 acc = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int s = warp; s < splits; s += kMergeThreads / 32) {
     const float w = weight[s];
-    const float4 x = src[s * split_stride];
+    const float4 x = load4<kHalf>(src + s * split_stride);
     acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
   }
   warp_sum[warp][lane] = acc;
@@ -225,13 +251,13 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_out,
 
 }  // namespace va
 
-// The split merge kernels, one per 16-bit type; every verify-attention module defines them.
-#define VA_MERGE_KERNELS                                                                                         \
-  extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_bf16(                        \
-      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
-    va::merge_row<false>(partial_out, partial_lse, out, lse, total_rows, splits);                                \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(va::kMergeThreads) verify_attn_merge_f16(                         \
-      const float* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {     \
-    va::merge_row<true>(partial_out, partial_lse, out, lse, total_rows, splits);                                 \
+// The split merge kernels, one per 16-bit type, for the module's partials (PARTIAL: float, or
+// u16 for the sm_90a kernel's 16-bit ones); every verify-attention module defines them.
+#define VA_MERGE_KERNEL(NAME, HALF, PARTIAL)                                                                     \
+  extern "C" __global__ void __launch_bounds__(va::kMergeThreads) NAME(                                          \
+      const PARTIAL* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {   \
+    va::merge_row<HALF>(partial_out, partial_lse, out, lse, total_rows, splits);                                 \
   }
+#define VA_MERGE_KERNELS(PARTIAL)                         \
+  VA_MERGE_KERNEL(verify_attn_merge_bf16, false, PARTIAL) \
+  VA_MERGE_KERNEL(verify_attn_merge_f16, true, PARTIAL)

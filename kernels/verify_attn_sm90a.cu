@@ -20,7 +20,7 @@
 //     scorer with a CTA barrier per step, which beat two warpgroups scoring 32 keys each).
 //   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
 //     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
-//     read), split partials merged by the merge kernels (VA_MERGE_KERNELS), fp32 LSE.
+//     read), split partials (16-bit, fp32 LSE) merged by the merge kernels (VA_MERGE_KERNELS(u16)).
 
 #include "verify_attn_common.cuh"
 
@@ -39,6 +39,7 @@ constexpr int kThreads = 256;                    // two warpgroups
 constexpr int kBlockBytes = 64 * 128;            // one 64-column block of a 64-row tile
 constexpr int kTileBytes = 9 * kBlockBytes;      // 64 rows × 576 (Q or one KV stage)
 constexpr int kStatBytes = 4 * kRows * 4;        // rescale factors [2][64], row sums [64], 2 mbarriers
+constexpr int kStagedRowBytes = kLatent * 2 + 16;  // epilogue rows in shared memory, padded: 8 rows' stores spread over the banks
 constexpr int kAlign = 1024;                     // 128-byte swizzle atoms are 1024-byte aligned
 constexpr int kSmemBytes = kAlign + 3 * kTileBytes + kStatBytes;  // kdtree_lib KernelConfig.smem_bytes
 static_assert(kSmemBytes <= 232448, "more than sm_90's 227 KB opt-in");
@@ -176,7 +177,7 @@ template <bool kHalf>
 __device__ __forceinline__ void verify_attn_cta(
     const u16* __restrict__ q_latent, const u16* __restrict__ q_rope, const u16* __restrict__ cache,
     const int* __restrict__ lengths, const u32* __restrict__ mask, u16* __restrict__ out, float* __restrict__ lse,
-    float* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
+    u16* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
     int chunk, float scale_log2) {
   if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem_raw[];
@@ -233,12 +234,14 @@ __device__ __forceinline__ void verify_attn_cta(
     cp_async16(dst, src + load_sub * 8, valid);
   });
   cp_async_commit();
-  if (group == 1)
-    for (int tile = 0; tile < min(range.tiles, 2); ++tile) load_tile_and_signal(tile);
+  if (group == 1 && range.tiles > 0) load_tile_and_signal(0);
   cp_async_commit();
-  cp_async_wait<1>();  // Q (tiles 0 and 1 are waited for on their mbarriers)
+  cp_async_wait<1>();  // Q (tiles are waited for on their mbarriers)
   fence_async_shared();
   __syncthreads();
+  // Tile 1 only once Q is in: at the start every CTA loads at once, and the first S waits for
+  // Q and tile 0 alone (tile 1 still lands before tile 0's P·V is done).
+  if (group == 1 && range.tiles > 1) load_tile_and_signal(1);
 
   // Accumulator fragments (wgmma D layout): warp w of the group holds rows 16w + quad_row (+8);
   // element 4j + 2h + e is column 8j + 2·quad_col + e of row half h.
@@ -353,18 +356,33 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
     for (int h = 0; h < 2; ++h) quad_reduce_store<false>(row_sum[h], sums + warp_row0 + quad_row + 8 * h, quad_col);
   }
-  __syncthreads();
+  __syncthreads();  // also: every wgmma is done, so the Q tile and both stages are free
+  // The normalised rows, in the output's 16-bit type (a split's partial too: the merge adds them in
+  // fp32), go through shared memory and out in 16-byte pieces, a warp writing 512 contiguous bytes.
+  // Stored straight from the fragments, each quad would write 16 bytes of eight rows per
+  // instruction: half sectors, and twice the bytes with fp32 partials.
+  const i64 out_row0 = (i64)b * rows + row0;
+  u16* dst = (gridDim.y == 1 ? out : partial_out + (i64)split * gridDim.z * rows * kLatent) + out_row0 * kLatent;
+  float* dst_lse = (gridDim.y == 1 ? lse : partial_lse + (i64)split * gridDim.z * rows) + out_row0;
+  unsigned char* staging = smem_raw + (q_smem - raw_address);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_row0 + quad_row + 8 * h;
-    const int row = row0 + r;
     const float l = sums[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float row_lse = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
-    if (row >= rows) continue;
-    store_output_row<kHalf>(o, h, inv, row_lse, group == 0 && quad_col == 0, (i64)b * rows + row,
-                            group * 256 + 2 * quad_col, split, (i64)gridDim.z * rows, out, lse, partial_out,
-                            partial_lse);
+    if (group == 0 && quad_col == 0 && row0 + r < rows)
+      dst_lse[r] = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<u32*>(staging + r * kStagedRowBytes + (group * 256 + 8 * j + 2 * quad_col) * 2) =
+          pack2<kHalf>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+  }
+  __syncthreads();
+  constexpr int kPieces = kLatent * 2 / 16;  // 16-byte pieces of a row
+  for (int i = tid; i < min(kRows, rows - row0) * kPieces; i += kThreads) {
+    const int r = i / kPieces, piece = i % kPieces;
+    reinterpret_cast<uint4*>(dst + (i64)r * kLatent)[piece] =
+        *reinterpret_cast<const uint4*>(staging + r * kStagedRowBytes + piece * 16);
   }
 }
 
@@ -374,7 +392,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_WGMMA_KERNEL(NAME, HALF)                                                                         \
   extern "C" __global__ void __launch_bounds__(va::wg::kThreads, 1) NAME(                                      \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      float* lse, u16* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
       int chunk, float scale_log2) {                                                                          \
     va::wg::verify_attn_cta<(HALF) != 0>(q_latent, q_rope, cache, lengths, mask, out, lse, partial_out,        \
                                          partial_lse, nodes, heads, l_max, words, chunk, scale_log2);          \
@@ -389,4 +407,4 @@ VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0)
 VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1)
 #endif
 
-VA_MERGE_KERNELS
+VA_MERGE_KERNELS(u16)

@@ -209,19 +209,6 @@ __device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_ou
   __shared__ float scratch[kMergeThreads / 32];
   const i64 row = blockIdx.x;  // b * rows + row
   const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int kWarps = kMergeThreads / 32;
-
-  // A warp's first kEarly splits are loaded before their weights exist: those loads then wait
-  // out the LSE reductions instead of following them (kEarly = 8 keeps four blocks per SM).
-  constexpr int kEarly = 8;
-  const Partial* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
-  const i64 split_stride = (i64)total_rows * kLatent;
-  float4 early[kEarly];
-#pragma unroll
-  for (int i = 0; i < kEarly; ++i) {
-    const int s = warp + i * kWarps;
-    early[i] = s < splits ? load4<kHalf>(src + s * split_stride) : float4{0.f, 0.f, 0.f, 0.f};
-  }
 
   float m = neg_inf();
   for (int s = tid; s < splits; s += kMergeThreads) {
@@ -238,23 +225,22 @@ __device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_ou
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
+  const Partial* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
+  const i64 split_stride = (i64)total_rows * kLatent;
   float4 acc = {0.f, 0.f, 0.f, 0.f};
-  auto add = [&](int s, const float4& x) {
-    const float w = weight[s];
-    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
-  };
-#pragma unroll
-  for (int i = 0; i < kEarly; ++i)
-    if (warp + i * kWarps < splits) add(warp + i * kWarps, early[i]);
 #pragma unroll 4
-  for (int s = warp + kEarly * kWarps; s < splits; s += kWarps) add(s, load4<kHalf>(src + s * split_stride));
+  for (int s = warp; s < splits; s += kMergeThreads / 32) {
+    const float w = weight[s];
+    const float4 x = load4<kHalf>(src + s * split_stride);
+    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+  }
   warp_sum[warp][lane] = acc;
   __syncthreads();
   if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
     const float* sums = reinterpret_cast<const float*>(warp_sum);
     float x = 0.f, y = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < kMergeThreads / 32; ++w) {
       x += sums[w * 128 + 2 * tid];
       y += sums[w * 128 + 2 * tid + 1];
     }

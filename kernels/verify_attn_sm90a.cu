@@ -172,6 +172,7 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
 // Named barriers pair group 0's arrivals with group 1's waits (256 threads each); each kind
 // alternates between two ids by tile parity, so one side can never lap the other on an id.
 constexpr int kPReady = 1, kStageFree = 3;  // ids kX + (tile & 1); 0 is __syncthreads'
+constexpr int kStaged = 5;                  // + group: the group's epilogue rows are in shared memory
 
 template <bool kHalf>
 __device__ __forceinline__ void verify_attn_cta(
@@ -358,13 +359,13 @@ __device__ __forceinline__ void verify_attn_cta(
   }
   __syncthreads();  // also: every wgmma is done, so the Q tile and both stages are free
   // The normalised rows, in the output's 16-bit type (a split's partial too: the merge adds them in
-  // fp32), go through shared memory and out in 16-byte pieces, a warp writing 512 contiguous bytes.
-  // Stored straight from the fragments, each quad would write 16 bytes of eight rows per
-  // instruction: half sectors, and twice the bytes with fp32 partials.
+  // fp32), go through shared memory and out in 16-byte pieces, each group its own 256 columns, a
+  // warp writing 512 contiguous bytes. Stored straight from the fragments, each quad would write
+  // 16 bytes of eight rows per instruction: half sectors, and twice the bytes with fp32 partials.
   const i64 out_row0 = (i64)b * rows + row0;
   u16* dst = (gridDim.y == 1 ? out : partial_out + (i64)split * gridDim.z * rows * kLatent) + out_row0 * kLatent;
   float* dst_lse = (gridDim.y == 1 ? lse : partial_lse + (i64)split * gridDim.z * rows) + out_row0;
-  unsigned char* staging = smem_raw + (q_smem - raw_address);
+  unsigned char* staging = smem_raw + (q_smem - raw_address) + group * 512;  // the group's half of each row
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_row0 + quad_row + 8 * h;
@@ -374,14 +375,14 @@ __device__ __forceinline__ void verify_attn_cta(
       dst_lse[r] = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<u32*>(staging + r * kStagedRowBytes + (group * 256 + 8 * j + 2 * quad_col) * 2) =
+      *reinterpret_cast<u32*>(staging + r * kStagedRowBytes + (8 * j + 2 * quad_col) * 2) =
           pack2<kHalf>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
   }
-  __syncthreads();
-  constexpr int kPieces = kLatent * 2 / 16;  // 16-byte pieces of a row
-  for (int i = tid; i < min(kRows, rows - row0) * kPieces; i += kThreads) {
+  group_barrier(kStaged + group, kThreads / 2);
+  constexpr int kPieces = 256 * 2 / 16;  // 16-byte pieces of a group's half row
+  for (int i = tid & 127; i < min(kRows, rows - row0) * kPieces; i += kThreads / 2) {
     const int r = i / kPieces, piece = i % kPieces;
-    reinterpret_cast<uint4*>(dst + (i64)r * kLatent)[piece] =
+    reinterpret_cast<uint4*>(dst + (i64)r * kLatent + group * 256)[piece] =
         *reinterpret_cast<const uint4*>(staging + r * kStagedRowBytes + piece * 16);
   }
 }

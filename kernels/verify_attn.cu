@@ -34,6 +34,37 @@
 
 namespace va {
 
+// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
+template <bool kHalf>
+__device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
+  *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
+}
+template <bool kHalf>
+__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
+  *reinterpret_cast<float2*>(dst) = float2{lo, hi};
+}
+
+// Epilogue for one accumulator row half h (rows quad_row, quad_row + 8 of an m16n8 fragment):
+// kTiles column pairs at stride 8, normalised by inv, to the bf16/f16 output (one split) or the
+// split's fp32 partial; `writes_lse` threads also write the row's LSE.
+template <bool kHalf, int kTiles>
+__device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], int h, float inv, float row_lse,
+                                                 bool writes_lse, i64 out_row, int col0, int split, i64 total_rows,
+                                                 u16* out, float* lse, float* partial_out, float* partial_lse) {
+  auto store_row = [&](auto* dst) {
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) store_pair<kHalf>(dst + 8 * j, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+  };
+  if (gridDim.y == 1) {
+    store_row(out + out_row * kLatent + col0);
+    if (writes_lse) lse[out_row] = row_lse;
+  } else {
+    const i64 part_row = (i64)split * total_rows + out_row;
+    store_row(partial_out + part_row * kLatent + col0);
+    if (writes_lse) partial_lse[part_row] = row_lse;
+  }
+}
+
 constexpr int kColsPerWarp = kLatent / 4;  // output columns owned by one warp of a group (128)
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {

@@ -2,8 +2,7 @@
 // (verify_attn.cu, sm_90 and sm_120) and the wgmma one (verify_attn_sm90a.cu, sm_90a only).
 //
 // Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2), the
-// key range one CTA covers, the tree-mask test, the epilogue's row store (bf16/f16 output or a
-// split's fp32 partial) and the kernel that merges split partials by LSE.
+// key range one CTA covers, the tree-mask test and the kernel that merges split partials by LSE.
 #pragma once
 
 typedef unsigned short u16;
@@ -60,16 +59,6 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
   }
   return packed;
-}
-
-// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
-template <bool kHalf>
-__device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
-  *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
-}
-template <bool kHalf>
-__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
-  *reinterpret_cast<float2*>(dst) = float2{lo, hi};
 }
 
 // A packed 16-bit pair back to two floats (lo from the low half).
@@ -156,27 +145,6 @@ __device__ __forceinline__ bool key_visible(int key, const KeyRange& range, bool
   if (key < range.length) return true;
   const int j = key - range.length;  // tree slot, < nodes since key < kv_len
   return real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
-}
-
-// Epilogue for one accumulator row half h (rows quad_row, quad_row + 8 of an m16n8 / wgmma
-// fragment): kTiles column pairs at stride 8, normalised by inv, to the bf16/f16 output (one
-// split) or the split's fp32 partial; `writes_lse` threads also write the row's LSE.
-template <bool kHalf, int kTiles>
-__device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], int h, float inv, float row_lse,
-                                                 bool writes_lse, i64 out_row, int col0, int split, i64 total_rows,
-                                                 u16* out, float* lse, float* partial_out, float* partial_lse) {
-  auto store_row = [&](auto* dst) {
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) store_pair<kHalf>(dst + 8 * j, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-  };
-  if (gridDim.y == 1) {
-    store_row(out + out_row * kLatent + col0);
-    if (writes_lse) lse[out_row] = row_lse;
-  } else {
-    const i64 part_row = (i64)split * total_rows + out_row;
-    store_row(partial_out + part_row * kLatent + col0);
-    if (writes_lse) partial_lse[part_row] = row_lse;
-  }
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.

@@ -170,8 +170,9 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
 }
 
 template <bool kHalf, typename Partial>
-__device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_out, const float* __restrict__ partial_lse,
-                                          u16* __restrict__ out, float* __restrict__ lse, int total_rows, int splits) {
+__device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_out,
+                                          const float* __restrict__ partial_lse, u16* __restrict__ out,
+                                          float* __restrict__ lse, int total_rows, int splits) {
   __shared__ float weight[kMaxSplits];
   __shared__ float4 warp_sum[kMergeThreads / 32][32];
   __shared__ float scratch[kMergeThreads / 32];

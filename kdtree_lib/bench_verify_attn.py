@@ -376,6 +376,24 @@ def variant_ratios(rows, config: str) -> list[dict]:
     return found
 
 
+def grid_runs(all_rows, count: int = 2) -> list[list[dict]]:
+    """The `count` newest runs that timed the launcher's kernel on the whole grid, newest first
+    (runs of a few A/B shapes are skipped)."""
+    from . import results
+    grid = len(benchmark_shapes())
+    return [run for run in results.recent_runs(all_rows) if len(select(run, provider="kernel")) >= grid][:count]
+
+
+def run_over_run(new, old, **fixed) -> list[dict]:
+    """The launcher's kernel per shape in two runs (`fixed` narrows the shapes): time before and
+    after and the speed-up (old time / new time). Across runs, so run-to-run noise is in it."""
+    before = {_shape(r): r for r in select(old, provider="kernel", **fixed)}
+    return [{"batch": r["batch"], "nodes": r["nodes"], "heads": r["heads"], "length": r["length"], "rows": r["rows"],
+             "old_us": before[_shape(r)]["time_us"], "new_us": r["time_us"],
+             "speedup": round(before[_shape(r)]["time_us"] / r["time_us"], 3)}
+            for r in select(new, provider="kernel", **fixed) if _shape(r) in before]
+
+
 def select(rows, **fixed) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
 

@@ -88,11 +88,24 @@ def latest_run(rows: list[dict], **fixed) -> list[dict]:
     """The rows of the newest run, numbers parsed; with `fixed` (column=value, as strings in the
     file), of the newest run holding such a row. A run is its `run` stamp (rows from before that
     column existed are grouped by commit and device)."""
-    matching = [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
-    if not matching:
-        return []
-    newest = _run_id(max(matching, key=lambda r: r["date"]))
-    return [{k: parse_number(v) for k, v in row.items()} for row in rows if _run_id(row) == newest]
+    runs = recent_runs(rows, 1, **fixed)
+    return runs[0] if runs else []
+
+
+def recent_runs(rows: list[dict], count: int | None = None, **fixed) -> list[list[dict]]:
+    """The rows of the `count` newest runs (all runs if None), newest first, numbers parsed;
+    `fixed` as in latest_run. A run's age is its newest row's date."""
+    newest = {}
+    for row in rows:
+        if all(row.get(k) == v for k, v in fixed.items()):
+            run = _run_id(row)
+            newest[run] = max(newest.get(run, ""), row["date"])
+    order = sorted(newest, key=newest.get, reverse=True)[:count]
+    by_run = {run: [] for run in order}
+    for row in rows:
+        if _run_id(row) in by_run:
+            by_run[_run_id(row)].append({k: parse_number(v) for k, v in row.items()})
+    return [by_run[run] for run in order]
 
 
 def _run_id(row) -> str:

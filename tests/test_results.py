@@ -43,6 +43,14 @@ def test_latest_run_picks_the_newest_run_or_the_newest_holding_a_row():
     assert results.latest_run(rows, config="z") == []
 
 
+def test_recent_runs_newest_first_by_their_newest_row():
+    rows = [{"run": run, "date": date, "commit": "c", "device": "H200", "provider": "kernel"}
+            for run, date in (("r1", "d1"), ("r2", "d2"), ("r1", "d3"), ("r3", "d0"))]
+    assert [[r["date"] for r in run] for run in results.recent_runs(rows)] == [["d1", "d3"], ["d2"], ["d0"]]
+    assert [run[0]["run"] for run in results.recent_runs(rows, 2)] == ["r1", "r2"]
+    assert results.recent_runs(rows, provider="sdpa") == []
+
+
 def test_parse_number_reads_cells_back():
     assert [results.parse_number(x) for x in ("3", "2.5", "True", "False", "", "bf16")] == [3, 2.5, True, False, None,
                                                                                          "bf16"]

@@ -128,6 +128,20 @@ def test_summary_reads_the_launchers_choice_and_each_variant():
     assert [(r["length"], r["speedup"]) for r in bench.variant_ratios(rows, "b")] == [(32768, 1.25), (131072, 1.333)]
 
 
+def test_run_over_run_compares_the_shapes_both_grid_runs_timed(monkeypatch):
+    def row(run, date, nodes, time_us, provider="kernel"):
+        return {"run": run, "date": date, "commit": run, "device": "H200", "provider": provider, "batch": "1",
+                "nodes": str(nodes), "heads": "8", "length": "32768", "rows": str(8 * nodes), "time_us": str(time_us)}
+    monkeypatch.setattr(bench, "benchmark_shapes", lambda: [None, None])  # a grid of two shapes
+    rows = [row("old", "d1", 16, 36.0), row("old", "d1", 32, 48.0), row("ab", "d2", 16, 30.0),
+            row("new", "d3", 16, 32.0), row("new", "d3", 64, 70.0), row("new", "d3", 16, 99.0, "sdpa")]
+    assert [run[0]["run"] for run in bench.grid_runs(rows)] == ["new", "old"]  # the one-shape A/B run skipped
+    new, old = bench.grid_runs(rows)
+    assert [(r["nodes"], r["old_us"], r["new_us"], r["speedup"]) for r in bench.run_over_run(new, old)] == [
+        (16, 36.0, 32.0, 1.125)]
+    assert bench.run_over_run(new, old, nodes=64) == []
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: host checks (metadata only)
 

@@ -177,11 +177,6 @@ class KernelConfig:
             return 1024 + tiles + 4 * self.rows * 4
         return tiles + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4
 
-    def partial_dtype(self, dtype: str) -> str:
-        """Element type of a split's partial O: the sm_90a kernel stores the output's 16-bit type
-        (half the epilogue's and the merge's traffic), the portable one fp32; the merge adds in fp32."""
-        return dtype if self.wgmma else "float32"
-
     @property
     def kernel_file(self) -> str:
         return KERNEL_FILE_SM90A if self.wgmma else KERNEL_FILE
@@ -324,8 +319,9 @@ def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale
               "cache": _device_contiguous(cache), "lengths": _device_int32(lengths),
               "mask": _device_int32(tree.mask), "out": cuda.as_cupy(out), "lse": cuda.as_cupy(lse)}
     if plan.splits > 1:
+        # a split's partial O in the output's 16-bit type (the merge adds in fp32), its LSE in fp32
         arrays["partial_out"] = cuda.as_cupy(cuda.device_empty(
-            q_latent, (plan.splits, batch, rows, LATENT_DIM), plan.config.partial_dtype(dtype_name(q_latent))))
+            q_latent, (plan.splits, batch, rows, LATENT_DIM), dtype_name(q_latent)))
         arrays["partial_lse"] = cuda.as_cupy(cuda.device_empty(q_latent, (plan.splits, batch, rows), "float32"))
     else:  # unused by the kernel with one split
         arrays["partial_out"] = arrays["partial_lse"] = arrays["lse"]

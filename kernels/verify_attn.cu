@@ -34,39 +34,6 @@
 
 namespace va {
 
-// Two adjacent output values: a 16-bit pair (the output) or an fp32 pair (a split's partial).
-template <bool kHalf>
-__device__ __forceinline__ void store_pair(u16* dst, float lo, float hi) {
-  *reinterpret_cast<u32*>(dst) = pack2<kHalf>(lo, hi);
-}
-template <bool kHalf>
-__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) {
-  *reinterpret_cast<float2*>(dst) = float2{lo, hi};
-}
-
-// Epilogue for one accumulator row half h (rows quad_row, quad_row + 8 of an m16n8 fragment):
-// kTiles column pairs at stride 8, normalised by inv, to the bf16/f16 output (one split) or the
-// split's fp32 partial; `writes_lse` threads also write the row's LSE.
-template <bool kHalf, int kTiles>
-__device__ __forceinline__ void store_output_row(const float (&o)[kTiles][4], int h, float inv, float row_lse,
-                                                 bool writes_lse, i64 out_row, int col0, int split, i64 total_rows,
-                                                 u16* out, float* lse, float* partial_out, float* partial_lse) {
-  auto store_row = [&](auto* dst) {
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) store_pair<kHalf>(dst + 8 * j, o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-  };
-  if (gridDim.y == 1) {
-    store_row(out + out_row * kLatent + col0);
-    if (writes_lse) lse[out_row] = row_lse;
-  } else {
-    const i64 part_row = (i64)split * total_rows + out_row;
-    store_row(partial_out + part_row * kLatent + col0);
-    if (writes_lse) partial_lse[part_row] = row_lse;
-  }
-}
-
-constexpr int kColsPerWarp = kLatent / 4;  // output columns owned by one warp of a group (128)
-
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -135,7 +102,7 @@ __device__ __forceinline__ void verify_attn_cta(
     const u32* __restrict__ mask,       // [B, N, words]
     u16* __restrict__ out,              // [B, rows, 512]           (one split)
     float* __restrict__ lse,            // [B, rows]                (one split)
-    float* __restrict__ partial_out,    // [splits, B, rows, 512]   (several splits)
+    u16* __restrict__ partial_out,      // [splits, B, rows, 512]   (several splits; 16-bit, added in fp32)
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
@@ -389,20 +356,37 @@ __device__ __forceinline__ void verify_attn_cta(
                                quad_col);
   group_barrier(barrier_id, group_threads);
 
+  // The normalised rows, in the output's 16-bit type (a split's partial too: the merge adds them in
+  // fp32), go out through the group's Q rows (dead: every warp of the group is past its last S) in
+  // 16-byte pieces, a warp writing 512 contiguous bytes; stored straight from the fragments, each
+  // quad would write 16 bytes of eight rows per instruction (half sectors). Row r is staged 16·(r % 8)
+  // bytes into its Q row, so that eight rows' fragment stores fall in different banks.
+  const i64 out_row0 = (i64)b * rows + row0;
+  u16* dst = (gridDim.y == 1 ? out : partial_out + (i64)split * batch * rows * kLatent) + out_row0 * kLatent;
+  float* dst_lse = (gridDim.y == 1 ? lse : partial_lse + (i64)split * batch * rows) + out_row0;
+  auto staged_row = [&](int r) { return smem + r * kRowBytes + (r & 7) * 16; };
 #pragma unroll
   for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp_row0 + mt * 16 + quad_row + 8 * h;
-      const int row = row0 + r;
       const float l = exchange[r] + exchange[S::kRows + r] + exchange[2 * S::kRows + r] + exchange[3 * S::kRows + r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float row_lse = l > 0.f ? (row_max[mt][h] + fast_log2(l)) * kLn2 : neg_inf();
-      if (row >= rows) continue;
-      store_output_row<kHalf>(o[mt], h, inv, row_lse, column == 0 && quad_col == 0, (i64)b * rows + row,
-                              column * kColsPerWarp + 2 * quad_col, split, (i64)batch * rows, out, lse, partial_out,
-                              partial_lse);
+      if (column == 0 && quad_col == 0 && row0 + r < rows)
+        dst_lse[r] = l > 0.f ? (row_max[mt][h] + fast_log2(l)) * kLn2 : neg_inf();
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<u32*>(staged_row(r) + (column * 128 + 8 * j + 2 * quad_col) * 2) =
+            pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
     }
+  group_barrier(barrier_id, group_threads);
+  constexpr int kPieces = kLatent * 2 / 16;  // 16-byte pieces of a row
+  const int group_pieces = min(S::kWarpRows, rows - row0 - warp_row0) * kPieces;  // the group's real rows
+  for (int i = tid & (group_threads - 1); i < group_pieces; i += group_threads) {
+    const int r = warp_row0 + i / kPieces, piece = i % kPieces;
+    reinterpret_cast<uint4*>(dst + (i64)r * kLatent)[piece] =
+        *reinterpret_cast<const uint4*>(staged_row(r) + piece * 16);
+  }
 }
 
 }  // namespace va
@@ -410,7 +394,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #define VA_KERNEL(NAME, HALF, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING)                                     \
   extern "C" __global__ void __launch_bounds__(128 * (ROW_GROUPS), 1) NAME(                                    \
       const u16* q_latent, const u16* q_rope, const u16* cache, const int* lengths, const u32* mask, u16* out, \
-      float* lse, float* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,         \
+      float* lse, u16* partial_out, float* partial_lse, int nodes, int heads, int l_max, int words,           \
       int chunk, float scale_log2) {                                                                          \
     va::verify_attn_cta<(HALF) != 0, ROW_TILES, ROW_GROUPS, KEYS, STAGES, SCORING>(                           \
         q_latent, q_rope, cache, lengths, mask, out, lse, partial_out, partial_lse, nodes, heads, l_max,     \
@@ -431,7 +415,7 @@ VA_KERNEL(verify_attn_rows16_keys32_stages4, 0, 1, 1, 32, 4, 4)
 VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)
 #endif
 
-VA_MERGE_KERNELS(float)
+VA_MERGE_KERNELS
 
 // The mma.sync ceiling: 8 independent m16n8k16 bf16 chains per warp on register operands, no
 // memory traffic. FLOPs = blocks · warps · iters · 8 chains · 4096 (one m16n8k16).

@@ -74,11 +74,7 @@ __device__ __forceinline__ float2 unpack2(u32 packed) {
   }
 }
 
-// Four consecutive partial values as floats: fp32 partials, or the sm_90a kernel's 16-bit ones.
-template <bool kHalf>
-__device__ __forceinline__ float4 load4(const float* src) {
-  return *reinterpret_cast<const float4*>(src);
-}
+// Four consecutive 16-bit partial values as floats.
 template <bool kHalf>
 __device__ __forceinline__ float4 load4(const u16* src) {
   const uint2 packed = *reinterpret_cast<const uint2*>(src);
@@ -150,7 +146,7 @@ __device__ __forceinline__ bool key_visible(int key, const KeyRange& range, bool
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
 // Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (four
 // values per lane, independent loads), then the warps' sums are added through shared memory.
-// Partials are fp32 (Partial = float) or, from the sm_90a kernel, the output's 16-bit type.
+// Partials are in the output's 16-bit type; the LSEs are fp32.
 constexpr int kMergeThreads = 256;
 constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
@@ -169,8 +165,8 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
   return x;
 }
 
-template <bool kHalf, typename Partial>
-__device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_out,
+template <bool kHalf>
+__device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
                                           const float* __restrict__ partial_lse, u16* __restrict__ out,
                                           float* __restrict__ lse, int total_rows, int splits) {
   __shared__ float weight[kMaxSplits];
@@ -194,7 +190,7 @@ __device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_ou
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
-  const Partial* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
+  const u16* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;
   const i64 split_stride = (i64)total_rows * kLatent;
   float4 acc = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
@@ -220,13 +216,12 @@ __device__ __forceinline__ void merge_row(const Partial* __restrict__ partial_ou
 
 }  // namespace va
 
-// The split merge kernels, one per 16-bit type, for the module's partials (PARTIAL: float, or
-// u16 for the sm_90a kernel's 16-bit ones); every verify-attention module defines them.
-#define VA_MERGE_KERNEL(NAME, HALF, PARTIAL)                                                                     \
+// The split merge kernels, one per 16-bit type; every verify-attention module defines them.
+#define VA_MERGE_KERNEL(NAME, HALF)                                                                              \
   extern "C" __global__ void __launch_bounds__(va::kMergeThreads) NAME(                                          \
-      const PARTIAL* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {   \
+      const u16* partial_out, const float* partial_lse, u16* out, float* lse, int total_rows, int splits) {       \
     va::merge_row<HALF>(partial_out, partial_lse, out, lse, total_rows, splits);                                 \
   }
-#define VA_MERGE_KERNELS(PARTIAL)                         \
-  VA_MERGE_KERNEL(verify_attn_merge_bf16, false, PARTIAL) \
-  VA_MERGE_KERNEL(verify_attn_merge_f16, true, PARTIAL)
+#define VA_MERGE_KERNELS                         \
+  VA_MERGE_KERNEL(verify_attn_merge_bf16, false) \
+  VA_MERGE_KERNEL(verify_attn_merge_f16, true)

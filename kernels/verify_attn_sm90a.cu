@@ -20,7 +20,7 @@
 //     scorer with a CTA barrier per step, which beat two warpgroups scoring 32 keys each).
 //   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
 //     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
-//     read), split partials (16-bit, fp32 LSE) merged by the merge kernels (VA_MERGE_KERNELS(u16)).
+//     read), split partials (16-bit, fp32 LSE) merged by the merge kernels (VA_MERGE_KERNELS).
 
 #include "verify_attn_common.cuh"
 
@@ -408,4 +408,4 @@ VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_bf16, 0)
 VA_WGMMA_KERNEL(verify_attn_rows64_keys64_wgmma_pipelined_f16, 1)
 #endif
 
-VA_MERGE_KERNELS(u16)
+VA_MERGE_KERNELS

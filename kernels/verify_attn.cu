@@ -121,7 +121,7 @@ __device__ __forceinline__ void verify_attn_cta(
   const int slice = S::kScoringWarps == 4 ? column : group == 0 ? column : column - 2;
   const bool scores = slice >= 0 && slice < S::kScoringWarps;
   const int quad_row = lane >> 2, quad_col = lane & 3;
-  const int batch = gridDim.z, b = blockIdx.z, split = blockIdx.y;
+  const int b = blockIdx.z, split = blockIdx.y;
   const int rows = nodes * heads;
   const int row0 = blockIdx.x * S::kRows;
 
@@ -356,14 +356,10 @@ __device__ __forceinline__ void verify_attn_cta(
                                quad_col);
   group_barrier(barrier_id, group_threads);
 
-  // The normalised rows, in the output's 16-bit type (a split's partial too: the merge adds them in
-  // fp32), go out through the group's Q rows (dead: every warp of the group is past its last S) in
-  // 16-byte pieces, a warp writing 512 contiguous bytes; stored straight from the fragments, each
-  // quad would write 16 bytes of eight rows per instruction (half sectors). Row r is staged 16·(r % 8)
-  // bytes into its Q row, so that eight rows' fragment stores fall in different banks.
-  const i64 out_row0 = (i64)b * rows + row0;
-  u16* dst = (gridDim.y == 1 ? out : partial_out + (i64)split * batch * rows * kLatent) + out_row0 * kLatent;
-  float* dst_lse = (gridDim.y == 1 ? lse : partial_lse + (i64)split * batch * rows) + out_row0;
+  // The normalised rows, in the output's 16-bit type, staged in the group's Q rows (dead: every
+  // warp of the group is past its last S) and stored by store_staged_rows. Row r is staged
+  // 16·(r % 8) bytes into its Q row, so that eight rows' fragment stores fall in different banks.
+  const RowDestination dst = row_destination(out, lse, partial_out, partial_lse, b, rows, row0);
   auto staged_row = [&](int r) { return smem + r * kRowBytes + (r & 7) * 16; };
 #pragma unroll
   for (int mt = 0; mt < kRowTiles; ++mt)
@@ -372,21 +368,15 @@ __device__ __forceinline__ void verify_attn_cta(
       const int r = warp_row0 + mt * 16 + quad_row + 8 * h;
       const float l = exchange[r] + exchange[S::kRows + r] + exchange[2 * S::kRows + r] + exchange[3 * S::kRows + r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      if (column == 0 && quad_col == 0 && row0 + r < rows)
-        dst_lse[r] = l > 0.f ? (row_max[mt][h] + fast_log2(l)) * kLn2 : neg_inf();
+      if (column == 0 && quad_col == 0 && row0 + r < rows) dst.lse[r] = row_lse(row_max[mt][h], l);
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<u32*>(staged_row(r) + (column * 128 + 8 * j + 2 * quad_col) * 2) =
             pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
     }
   group_barrier(barrier_id, group_threads);
-  constexpr int kPieces = kLatent * 2 / 16;  // 16-byte pieces of a row
-  const int group_pieces = min(S::kWarpRows, rows - row0 - warp_row0) * kPieces;  // the group's real rows
-  for (int i = tid & (group_threads - 1); i < group_pieces; i += group_threads) {
-    const int r = warp_row0 + i / kPieces, piece = i % kPieces;
-    reinterpret_cast<uint4*>(dst + (i64)r * kLatent)[piece] =
-        *reinterpret_cast<const uint4*>(staged_row(r) + piece * 16);
-  }
+  store_staged_rows(dst.o + (i64)warp_row0 * kLatent, min(S::kWarpRows, rows - row0 - warp_row0), kLatent * 2,
+                    tid & (group_threads - 1), group_threads, [&](int r) { return staged_row(warp_row0 + r); });
 }
 
 }  // namespace va

@@ -2,7 +2,8 @@
 // (verify_attn.cu, sm_90 and sm_120) and the wgmma one (verify_attn_sm90a.cu, sm_90a only).
 //
 // Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2), the
-// key range one CTA covers, the tree-mask test and the kernel that merges split partials by LSE.
+// key range one CTA covers, the tree-mask test, the epilogue's row destination and staged row
+// store, and the kernel that merges split partials by LSE.
 #pragma once
 
 typedef unsigned short u16;
@@ -141,6 +142,39 @@ __device__ __forceinline__ bool key_visible(int key, const KeyRange& range, bool
   if (key < range.length) return true;
   const int j = key - range.length;  // tree slot, < nodes since key < kv_len
   return real_row && ((mask_row[j >> 5] >> (j & 31)) & 1u);
+}
+
+// Where a CTA's rows [row0, ...) of request b go: the output and its LSE with one split, else split
+// blockIdx.y's 16-bit partial and its LSE (the merge adds them in fp32).
+struct RowDestination {
+  u16* o;      // row r's 512 values at o + r·kLatent
+  float* lse;  // row r's LSE at lse[r]
+};
+__device__ __forceinline__ RowDestination row_destination(u16* out, float* lse, u16* partial_out, float* partial_lse,
+                                                          int b, int rows, int row0) {
+  const i64 first = (i64)b * rows + row0;
+  if (gridDim.y == 1) return {out + first * kLatent, lse + first};
+  const i64 split_first = (i64)blockIdx.y * gridDim.z * rows + first;
+  return {partial_out + split_first * kLatent, partial_lse + split_first};
+}
+
+// A row's LSE (natural log) from its log2-domain maximum and its sum; −inf for a row with no key.
+__device__ __forceinline__ float row_lse(float max_log2, float sum) {
+  return sum > 0.f ? (max_log2 + fast_log2(sum)) * kLn2 : neg_inf();
+}
+
+// Rows staged in shared memory as 16-bit values go out in 16-byte pieces, a warp writing 512
+// contiguous bytes (stored straight from MMA fragments, a quad writes 16 bytes of each of eight
+// rows per instruction: half sectors). `threads` threads, this one `thread`, copy `bytes` bytes
+// of rows [0, count) from staged(r) to dst + r·kLatent.
+template <typename Staged>
+__device__ __forceinline__ void store_staged_rows(u16* dst, int count, int bytes, int thread, int threads,
+                                                  Staged staged) {
+  const int pieces = bytes / 16;
+  for (int i = thread; i < count * pieces; i += threads) {
+    const int r = i / pieces, piece = i % pieces;
+    reinterpret_cast<uint4*>(dst + (i64)r * kLatent)[piece] = *reinterpret_cast<const uint4*>(staged(r) + piece * 16);
+  }
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.

@@ -358,33 +358,24 @@ __device__ __forceinline__ void verify_attn_cta(
     for (int h = 0; h < 2; ++h) quad_reduce_store<false>(row_sum[h], sums + warp_row0 + quad_row + 8 * h, quad_col);
   }
   __syncthreads();  // also: every wgmma is done, so the Q tile and both stages are free
-  // The normalised rows, in the output's 16-bit type (a split's partial too: the merge adds them in
-  // fp32), go through shared memory and out in 16-byte pieces, each group its own 256 columns, a
-  // warp writing 512 contiguous bytes. Stored straight from the fragments, each quad would write
-  // 16 bytes of eight rows per instruction: half sectors, and twice the bytes with fp32 partials.
-  const i64 out_row0 = (i64)b * rows + row0;
-  u16* dst = (gridDim.y == 1 ? out : partial_out + (i64)split * gridDim.z * rows * kLatent) + out_row0 * kLatent;
-  float* dst_lse = (gridDim.y == 1 ? lse : partial_lse + (i64)split * gridDim.z * rows) + out_row0;
+  // The normalised rows, in the output's 16-bit type, staged in the dead Q tile (each group its
+  // own 256 columns) and stored by store_staged_rows.
+  const RowDestination dst = row_destination(out, lse, partial_out, partial_lse, b, rows, row0);
   unsigned char* staging = smem_raw + (q_smem - raw_address) + group * 512;  // the group's half of each row
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_row0 + quad_row + 8 * h;
     const float l = sums[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (group == 0 && quad_col == 0 && row0 + r < rows)
-      dst_lse[r] = l > 0.f ? (row_max[h] + fast_log2(l)) * kLn2 : neg_inf();
+    if (group == 0 && quad_col == 0 && row0 + r < rows) dst.lse[r] = row_lse(row_max[h], l);
 #pragma unroll
     for (int j = 0; j < 32; ++j)
       *reinterpret_cast<u32*>(staging + r * kStagedRowBytes + (8 * j + 2 * quad_col) * 2) =
           pack2<kHalf>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
   }
   group_barrier(kStaged + group, kThreads / 2);
-  constexpr int kPieces = 256 * 2 / 16;  // 16-byte pieces of a group's half row
-  for (int i = tid & 127; i < min(kRows, rows - row0) * kPieces; i += kThreads / 2) {
-    const int r = i / kPieces, piece = i % kPieces;
-    reinterpret_cast<uint4*>(dst + (i64)r * kLatent + group * 256)[piece] =
-        *reinterpret_cast<const uint4*>(staging + r * kStagedRowBytes + piece * 16);
-  }
+  store_staged_rows(dst.o + group * 256, min(kRows, rows - row0), 256 * 2, tid & 127, kThreads / 2,
+                    [&](int r) { return staging + r * kStagedRowBytes; });
 }
 
 }  // namespace wg

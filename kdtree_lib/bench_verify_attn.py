@@ -210,14 +210,15 @@ def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20, flush: str = "write
 
 
 def measure_ceilings() -> dict:
-    """Copy bandwidth (bytes read + written), bf16 matmul rate (cuBLAS), mma.sync rate (ours)."""
+    """Copy bandwidth (bytes read + written), bf16 matmul rate (cuBLAS), mma.sync rate (ours), and
+    the time of an empty launch timed like every call here."""
     import torch
     copy_s = _copy_seconds(2 * GIB)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_s = time_gpu(lambda: torch.mm(a, b), reps=10, flush_bytes=1 << 20)
     return {"copy_tbps": 2 * 2 * GIB / copy_s / 1e12, "matmul_tflops": 2 * 8192 ** 3 / mm_s / 1e12,
-            "mma_sync_tflops": mma_sync_rate() / 1e12}
+            "mma_sync_tflops": mma_sync_rate() / 1e12, "launch_floor_us": launch_floor_seconds() * 1e6}
 
 
 def _copy_seconds(n_bytes: int) -> float:
@@ -227,13 +228,27 @@ def _copy_seconds(n_bytes: int) -> float:
     return time_gpu(lambda: target.copy_(source), reps=10, flush_bytes=1 << 20)
 
 
+def _portable_module_function(name: str):
+    """A helper kernel of kernels/verify_attn.cu, from the module the portable kernel already uses."""
+    from . import cuda
+    from .verify_attn import KERNEL_CONFIGS, KERNEL_FILE
+    return cuda.get_function(KERNEL_FILE, name, KERNEL_CONFIGS["rows64_keys64_stages2"].nvrtc_options(half=False))
+
+
+def launch_floor_seconds() -> float:
+    """Median time of an empty kernel under time_gpu (events around the call, L2 flushed first): the
+    fixed cost of one launch, which every kernel here pays (a split call pays it for its merge too)."""
+    from . import cuda
+    kernel = _portable_module_function("launch_floor")
+    return time_gpu(lambda: kernel((1,), (32,), (), stream=cuda.current_stream()), reps=30)
+
+
 def mma_sync_rate(iters: int = 8192) -> float:
     """FLOP/s of kernels/verify_attn.cu's mma_sync_ceiling (8 warps x 8 chains, 2 blocks per SM)."""
     import cupy
     from . import cuda
-    from .verify_attn import KERNEL_CONFIGS, KERNEL_FILE, _device_limits
-    options = KERNEL_CONFIGS["rows64_keys64_stages2"].nvrtc_options(half=False)  # the module the kernel already uses
-    kernel = cuda.get_function(KERNEL_FILE, "mma_sync_ceiling", options)
+    from .verify_attn import _device_limits
+    kernel = _portable_module_function("mma_sync_ceiling")
     sms = _device_limits()[0]
     sink = cupy.zeros(1, cupy.float32)
     blocks = 2 * sms
@@ -260,7 +275,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
     shapes = benchmark_shapes() if shapes is None else shapes
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_tbps']:.2f} TB/s, cuBLAS bf16 {ceilings['matmul_tflops']:.0f} TFLOP/s, "
-        f"mma.sync {ceilings['mma_sync_tflops']:.0f} TFLOP/s")
+        f"mma.sync {ceilings['mma_sync_tflops']:.0f} TFLOP/s, empty launch {ceilings['launch_floor_us']:.1f} us")
     bandwidth, rate = ceilings["copy_tbps"] * 1e12, ceilings["matmul_tflops"] * 1e12
     mma_rate = ceilings["mma_sync_tflops"] * 1e12
     rows = []
@@ -488,6 +503,35 @@ def summary(rows, config: str | None = None) -> dict:
     if ratios:
         out.update({"time_128k_over_32k_median": med(ratios), "ideal_ratio": 131072 / 32768})
     return out
+
+
+def fixed_cost(rows, config: str | None = None) -> list[dict]:
+    """Where batch-1 target shapes (N·H >= TARGET_ROWS, L >= TARGET_LENGTH) lose to the roofline.
+
+    The same call at the run's shortest length does about one KV tile per CTA; its time beyond its
+    own roofline time estimates the call's fixed cost (launches, the first loads, the epilogue, the
+    split merge). Per shape: that fixed cost, the rate of the work past the short call (marginal
+    TFLOP/s), the best % of roofline a call with this fixed cost could reach if all of its work ran
+    at the roofline (bound_pct), and the empty launch of the same run (launch_floor_us; None in runs
+    from before it was measured).
+    """
+    kernel = kernel_rows(rows, config)
+    roofline = {_shape(r): r["time_us"] for r in select(rows, provider="roofline")}
+    table = []
+    for r in kernel:
+        if r["batch"] != 1 or r["rows"] < TARGET_ROWS or r["length"] < TARGET_LENGTH:
+            continue
+        short = min((s for s in kernel if _shape(s)[:3] == _shape(r)[:3]), key=lambda s: s["length"])
+        if short["length"] >= r["length"]:
+            continue
+        roof = roofline[_shape(r)]
+        fixed = short["time_us"] - roofline[_shape(short)]
+        table.append({"nodes": r["nodes"], "heads": r["heads"], "length": r["length"], "time_us": r["time_us"],
+                      "pct_roofline": r["pct_roofline"], "short_length": short["length"], "fixed_us": round(fixed, 2),
+                      "marginal_tflops": round((r["flops"] - short["flops"]) / (r["time_us"] - short["time_us"]) / 1e6, 1),
+                      "bound_pct": round(100 * roof / (fixed + roof), 1),
+                      "launch_floor_us": r.get("launch_floor_us")})
+    return sorted(table, key=lambda t: (t["length"], t["nodes"] * t["heads"], t["nodes"]))
 
 
 def smoke(log=print) -> bool:

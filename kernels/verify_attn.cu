@@ -422,3 +422,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_sync_ceiling(float* sink, 
   for (int c = 0; c < 8; ++c) total += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
   if (total == 1234.5f) sink[0] = total;  // never true; keeps the chains live
 }
+
+// An empty kernel: what one launch costs under the benchmark's timing (CUDA events around one call
+// after an L2 flush), a floor under every call's time however little work it does.
+extern "C" __global__ void launch_floor() {}

@@ -135,6 +135,21 @@ def test_run_over_run_compares_the_shapes_both_grid_runs_timed(monkeypatch):
     assert bench.run_over_run(new, old, nodes=64) == []
 
 
+def test_fixed_cost_reads_the_short_call_of_the_same_shape():
+    def row(provider, nodes, length, time_us, flops=None):
+        return {"provider": provider, "batch": 1, "nodes": nodes, "heads": 8, "rows": 8 * nodes, "length": length,
+                "time_us": time_us, "flops": flops, "pct_roofline": None, "launch_floor_us": 4.0}
+    rows = [row("kernel", 16, 1024, 17.0, 2e8), row("roofline", 16, 1024, 1.0),
+            row("kernel", 16, 32768, 32.0, 92e8), row("roofline", 16, 32768, 12.0),
+            row("kernel", 8, 32768, 30.0, 46e8), row("roofline", 8, 32768, 6.0)]  # N·H = 64: not a target
+    [entry] = bench.fixed_cost(rows)
+    assert (entry["nodes"], entry["short_length"], entry["fixed_us"]) == (16, 1024, 16.0)
+    assert entry["marginal_tflops"] == 600.0  # 9e9 FLOP in 15 us
+    assert entry["bound_pct"] == 42.9  # 12 / (16 + 12)
+    assert entry["launch_floor_us"] == 4.0
+    assert bench.fixed_cost([r for r in rows if r["length"] == 32768]) == []  # no shorter call to read
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: host checks (metadata only)
 
@@ -355,6 +370,12 @@ def test_bad_device_lengths_are_clamped_not_out_of_bounds(config):
     ref_out, ref_lse = _reference(q_latent, q_rope, cache, clamped, tree)
     err = bench.errors(launch.out, launch.lse, ref_out, ref_lse)
     assert err["finite"] and err["rel_err"] <= REL_ERR and err["lse_err"] <= LSE_ERR
+
+
+@pytest.mark.gpu
+def test_launch_floor_is_a_few_microseconds():
+    floor = bench.launch_floor_seconds()
+    assert 0 < floor < 100e-6
 
 
 @pytest.mark.gpu

@@ -289,9 +289,8 @@ class VerifyLaunch:
                              np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)), config.smem_bytes))
         if plan.splits > 1:
             rows = batch * nodes * heads
-            self._calls.append((merge, (rows, 4), (merge_threads(plan.splits),),
-                                (a["partial_out"], a["partial_lse"], a["out"], a["lse"], np.int32(rows),
-                                 np.int32(plan.splits)), 0))
+            self._calls.append((merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
+                                                           np.int32(rows), np.int32(plan.splits)), 0))
 
     def __call__(self, *, merge: bool = True):
         """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""
@@ -300,12 +299,6 @@ class VerifyLaunch:
         for function, grid, block, args, shared_mem in self._calls[:None if merge else 1]:
             function(grid, block, args, shared_mem=shared_mem, stream=stream)
         return self.out, self.lse
-
-
-def merge_threads(splits: int) -> int:
-    """Threads of a merge block: a warp per split, at most 32 (kernels/verify_attn_common.cuh
-    kMergeThreads), so all of a row's partials are in flight at once."""
-    return 32 * min(32, splits)
 
 
 def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,

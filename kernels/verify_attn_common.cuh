@@ -178,13 +178,11 @@ __device__ __forceinline__ void store_staged_rows(u16* dst, int count, int bytes
 }
 
 // Combine the splits of one output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse)·O_s.
-// Block (row, quarter), one warp per split up to 32 (the launcher's block size): warp w sums every
-// warps-th split from w over the quarter's 128 columns (four values per lane, independent loads),
-// then the warps' sums are added through shared memory. With as many warps as splits (up to 32)
-// every partial of the block is in flight at once: a batch-1 call's many splits cost one memory
-// latency, not one per split a warp handles. Partials are in the output's 16-bit type; LSEs fp32.
-constexpr int kMergeThreads = 1024;  // the most a merge block has: kdtree_lib.verify_attn.merge_threads
-constexpr int kMaxSplits = 1024;     // kdtree_lib.verify_attn.MAX_SPLITS
+// Block (row, quarter): 8 warps each sum every 8th split over the quarter's 128 columns (four
+// values per lane, independent loads), then the warps' sums are added through shared memory.
+// Partials are in the output's 16-bit type; the LSEs are fp32.
+constexpr int kMergeThreads = 256;
+constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
 __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
 #pragma unroll
@@ -196,7 +194,8 @@ __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scr
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
   __syncthreads();
   x = scratch[0];
-  for (int w = 1; w < (int)(blockDim.x >> 5); ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
   return x;
 }
 
@@ -209,17 +208,16 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
   __shared__ float scratch[kMergeThreads / 32];
   const i64 row = blockIdx.x;  // b * rows + row
   const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int threads = blockDim.x, warps = threads >> 5;
 
   float m = neg_inf();
-  for (int s = tid; s < splits; s += threads) {
+  for (int s = tid; s < splits; s += kMergeThreads) {
     weight[s] = partial_lse[(i64)s * total_rows + row];
     m = fmaxf(m, weight[s]);
   }
   m = block_reduce(m, true, scratch);
   const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
   float total = 0.f;
-  for (int s = tid; s < splits; s += threads) {
+  for (int s = tid; s < splits; s += kMergeThreads) {
     weight[s] = fast_exp2((weight[s] - base) * kLog2e);
     total += weight[s];
   }
@@ -230,7 +228,7 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
   const i64 split_stride = (i64)total_rows * kLatent;
   float4 acc = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-  for (int s = warp; s < splits; s += warps) {
+  for (int s = warp; s < splits; s += kMergeThreads / 32) {
     const float w = weight[s];
     const float4 x = load4<kHalf>(src + s * split_stride);
     acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
@@ -240,7 +238,8 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
   if (tid < 64) {  // thread t: columns quarter·128 + 2t, +1
     const float* sums = reinterpret_cast<const float*>(warp_sum);
     float x = 0.f, y = 0.f;
-    for (int w = 0; w < warps; ++w) {
+#pragma unroll
+    for (int w = 0; w < kMergeThreads / 32; ++w) {
       x += sums[w * 128 + 2 * tid];
       y += sums[w * 128 + 2 * tid + 1];
     }

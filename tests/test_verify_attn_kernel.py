@@ -94,7 +94,7 @@ def test_launch_enqueues_kernel_then_merge(monkeypatch):
     launch = verify_attn.VerifyLaunch(plan, False, arrays, (2, 3, 8, 1000, 1, 0.2), "out", "lse")
     assert launch() == ("out", "lse")
     assert calls == [("main", (plan.row_blocks, 3, 2), (plan.config.threads,), 15, plan.config.smem_bytes),
-                     ("merge", (2 * 3 * 8, 4), (3 * 32,), 6, 0)]  # a warp per split
+                     ("merge", (2 * 3 * 8, 4), (256,), 6, 0)]
     calls.clear()
     launch(merge=False)
     assert [name for name, *_ in calls] == ["main"]

@@ -7,8 +7,9 @@
 // every key < len and tree key len + j iff bit j of mask[b, i] is set.
 //
 // Kernel (one CTA = ROWS query rows × one split of the key range):
-//   * Q (ROWS × 576) is loaded once into shared memory; KV tiles of KEYS rows stream through a
-//     STAGES-deep cp.async ring, each tile read from global once per CTA for all heads and nodes.
+//   * Q (ROWS × 576) is loaded once into shared memory (warps of 16 rows then hold their Q
+//     fragments in registers); KV tiles of KEYS rows stream through a STAGES-deep cp.async ring,
+//     each tile read from global once per CTA for all heads and nodes.
 //   * Warps form ROW_GROUPS groups of 4. In a group every warp owns 16·ROW_TILES rows and output
 //     columns [128c, 128c+128) of O (warp c), so the 128 KB fp32 accumulator of a 64-row CTA is
 //     spread over 8 warps. S = Q·Kᵀ is cut by keys among SCORING warps of the group: 4 (16×32
@@ -197,6 +198,18 @@ __device__ __forceinline__ void verify_attn_cta(
   }
   const u32 p_lane = p_smem + (warp_row0 + (lane & 15)) * S::kPStride + (lane >> 4) * 16;
 
+  // 16-row warps keep their Q fragments (36 × 4 registers) across tiles: S then reads only K from
+  // shared memory, a third of its ldmatrix traffic (measured 1.3-1.4x on the H200 for the sm_120
+  // configuration). 32-row warps would need twice the registers.
+  constexpr bool kQInRegisters = kRowTiles == 1;
+  u32 q_frag[kQInRegisters ? kWidth / 16 : 1][4];
+  if constexpr (kQInRegisters) {
+    cp_async_wait<kStages - 2>();  // Q (and tile 0)
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kWidth / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lane[kk & 3] + (kk >> 2) * 128);
+  }
+
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // tile visible to all; everyone is done with tile - 1 (its stage and P)
@@ -224,8 +237,14 @@ __device__ __forceinline__ void verify_attn_cta(
       for (int kk = 0; kk < kWidth / 16; ++kk) {
         u32 a[kRowTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kRowTiles; ++mt)
-          ldmatrix_x4(a[mt], q_lane[kk & 3] + mt * 16 * kRowBytes + (kk >> 2) * 128);
+        for (int mt = 0; mt < kRowTiles; ++mt) {
+          if constexpr (kQInRegisters) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[kk][i];
+          } else {
+            ldmatrix_x4(a[mt], q_lane[kk & 3] + mt * 16 * kRowBytes + (kk >> 2) * 128);
+          }
+        }
         u32 bk[S::kKeyTiles][2];
         if constexpr (S::kKeyTiles == 1) {
           u32 r[2];

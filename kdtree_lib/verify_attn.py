@@ -169,13 +169,20 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Q tile + KV ring + P + the row-statistics exchange (kernels' kSmemBytes).
 
-        mma.sync: P rows padded by 16 bytes, a 4 x rows exchange. wgmma: P over the tile's rope
+        mma.sync: P rows padded by 16 bytes, a 4 x rows exchange; warps of 16 rows hold Q in
+        registers and stage it in the ring's last stage (no Q tile). wgmma: P over the tile's rope
         block, 4 x rows statistics (rescale factors, row sums, mbarriers), 1 KB to align the swizzle atoms."""
         row_bytes = 2 * CACHE_DIM
-        tiles = self.rows * row_bytes + self.stages * self.keys * row_bytes
+        q_tile = 0 if self.q_in_registers else self.rows * row_bytes
+        tiles = q_tile + self.stages * self.keys * row_bytes
         if self.wgmma:
             return 1024 + tiles + 4 * self.rows * 4
         return tiles + self.rows * (self.keys + 8) * 2 + 4 * self.rows * 4
+
+    @property
+    def q_in_registers(self) -> bool:
+        """mma.sync warps of 16 rows keep their Q fragments in registers (kernels/verify_attn.cu)."""
+        return not self.wgmma and self.row_tiles == 1
 
     @property
     def kernel_file(self) -> str:
@@ -206,6 +213,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, scoring=2),
     KernelConfig(row_tiles=2, row_groups=1, keys=64, stages=2),
     KernelConfig(row_tiles=2, row_groups=1, keys=32, stages=3),
+    KernelConfig(row_tiles=1, row_groups=2, keys=32, stages=2),  # two groups of 16-row warps: fits 99 KB
     KernelConfig(row_tiles=1, row_groups=1, keys=64, stages=2),
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=4),  # few rows: deepest ring
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
@@ -215,9 +223,12 @@ KERNEL_CONFIGS = {c.name: c for c in (
 # where the wgmma kernel runs (compute capability 9.0) it wins ~1.5x over those at N·H >= 128,
 # L >= 32k (data/results/verify_attn.csv; notebook 05 keeps the history of its schedules).
 PREFERRED = {64: ("rows64_keys64_wgmma_pipelined", "rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
-             32: ("rows32_keys64_stages2", "rows32_keys32_stages3"),
+             32: ("rows32_keys64_stages2", "rows32_keys32_stages3", "rows32_keys32_stages2"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}
 MAX_SPLITS = 1024  # kernels/verify_attn.cu kMaxSplits
+# 32-bit registers per SM on sm_90 and sm_120; every variant uses close to 255 a thread (ptxas -v),
+# so a CTA of T threads takes 256·T of them and register files, not shared memory, can cap residency.
+REGISTERS_PER_SM = 65536
 
 
 @dataclass(frozen=True)
@@ -257,7 +268,7 @@ def plan_launch(batch: int, rows: int, slots: int, *, sms: int, smem_per_block: 
     row_blocks = -(-rows // chosen.rows)
     tiles = -(-slots // chosen.keys)
     if splits is None:
-        resident = max(1, smem_per_sm // (chosen.smem_bytes + 1024))
+        resident = max(1, min(smem_per_sm // (chosen.smem_bytes + 1024), REGISTERS_PER_SM // (256 * chosen.threads)))
         wanted = max(1, (sms * resident) // max(1, batch * row_blocks))
         splits = max(1, min(wanted, tiles // max(1, MIN_SPLIT_KEYS // chosen.keys), MAX_SPLITS))
     elif not (isinstance(splits, int) and 1 <= splits <= MAX_SPLITS):

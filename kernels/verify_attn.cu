@@ -7,9 +7,10 @@
 // every key < len and tree key len + j iff bit j of mask[b, i] is set.
 //
 // Kernel (one CTA = ROWS query rows × one split of the key range):
-//   * Q (ROWS × 576) is loaded once into shared memory (warps of 16 rows then hold their Q
-//     fragments in registers); KV tiles of KEYS rows stream through a STAGES-deep cp.async ring,
-//     each tile read from global once per CTA for all heads and nodes.
+//   * Q (ROWS × 576) is loaded once into shared memory; warps of 16 rows then hold their Q
+//     fragments in registers, so their Q needs no tile of its own (it lands in the ring's last
+//     stage). KV tiles of KEYS rows stream through a STAGES-deep cp.async ring, each tile read
+//     from global once per CTA for all heads and nodes.
 //   * Warps form ROW_GROUPS groups of 4. In a group every warp owns 16·ROW_TILES rows and output
 //     columns [128c, 128c+128) of O (warp c), so the 128 KB fp32 accumulator of a 64-row CTA is
 //     spread over 8 warps. S = Q·Kᵀ is cut by keys among SCORING warps of the group: 4 (16×32
@@ -82,7 +83,10 @@ struct Shape {
   static constexpr int kKeyTiles = kWarpKeys / 8;                // n8 tiles of S per warp
   static constexpr int kChains = 4 / (kRowTiles * kKeyTiles) > 1 ? 4 / (kRowTiles * kKeyTiles) : 1;
   static constexpr int kPStride = (kKeys + 8) * 2;               // bytes per P row (padded)
-  static constexpr int kQBytes = kRows * kRowBytes;
+  // Warps of 16 rows hold their Q fragments in registers across tiles (32-row warps would need
+  // twice the registers); their Q lands in the ring's last stage, free until the first step loads it.
+  static constexpr bool kQInRegisters = kRowTiles == 1;
+  static constexpr int kQBytes = kQInRegisters ? 0 : kRows * kRowBytes;
   static constexpr int kStageBytes = kKeys * kRowBytes;
   static constexpr int kPBytes = kRows * kPStride;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kPBytes + 4 * kRows * 4;
@@ -91,6 +95,7 @@ struct Shape {
   static_assert(kRowTiles == 1 || kRowTiles == 2, "ROW_TILES must be 1 or 2");
   static_assert(kScoring == 4 || (kScoring == 2 && kRowGroups == 2), "two scoring warps need two groups");
   static_assert(kKeys % (kThreads / 8) == 0 && kRows % (kThreads / 8) == 0, "whole load passes");
+  static_assert(!kQInRegisters || kRows <= kKeys, "Q is staged in one KV stage");
 };
 
 // One CTA: rows [blockIdx.x·ROWS, +ROWS) of request blockIdx.z over key split blockIdx.y.
@@ -109,8 +114,8 @@ __device__ __forceinline__ void verify_attn_cta(
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
   if (dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem[];  // 16-byte aligned is all cp.async and ldmatrix need
-  const u32 q_smem = smem_address(smem);
-  const u32 kv_smem = q_smem + S::kQBytes;
+  const u32 kv_smem = smem_address(smem) + S::kQBytes;
+  const u32 q_smem = S::kQInRegisters ? kv_smem + (kStages - 1) * S::kStageBytes : smem_address(smem);
   const u32 p_smem = kv_smem + kStages * S::kStageBytes;
   unsigned char* p_bytes = smem + S::kQBytes + kStages * S::kStageBytes;
   float* exchange = reinterpret_cast<float*>(p_bytes + S::kPBytes);  // [4][ROWS]: row max, then row sum
@@ -200,8 +205,8 @@ __device__ __forceinline__ void verify_attn_cta(
 
   // 16-row warps keep their Q fragments (36 × 4 registers) across tiles: S then reads only K from
   // shared memory, a third of its ldmatrix traffic (measured 1.3-1.4x on the H200 for the sm_120
-  // configuration). 32-row warps would need twice the registers.
-  constexpr bool kQInRegisters = kRowTiles == 1;
+  // configuration). The first step's barrier orders these reads before the ring reuses the stage.
+  constexpr bool kQInRegisters = S::kQInRegisters;
   u32 q_frag[kQInRegisters ? kWidth / 16 : 1][4];
   if constexpr (kQInRegisters) {
     cp_async_wait<kStages - 2>();  // Q (and tile 0)
@@ -375,9 +380,12 @@ __device__ __forceinline__ void verify_attn_cta(
                                quad_col);
   group_barrier(barrier_id, group_threads);
 
-  // The normalised rows, in the output's 16-bit type, staged in the group's Q rows (dead: every
-  // warp of the group is past its last S) and stored by store_staged_rows. Row r is staged
-  // 16·(r % 8) bytes into its Q row, so that eight rows' fragment stores fall in different banks.
+  // The normalised rows, in the output's 16-bit type, staged at the start of shared memory: the
+  // group's Q rows (dead: every warp of the group is past its last S) or, with Q in registers, KV
+  // stage 0 (dead once every group is past its last P·V), and stored by store_staged_rows. Row r
+  // is staged 16·(r % 8) bytes into its row, so that eight rows' fragment stores fall in
+  // different banks.
+  if constexpr (kQInRegisters && kRowGroups > 1) __syncthreads();
   const RowDestination dst = row_destination(out, lse, partial_out, partial_lse, b, rows, row0);
   auto staged_row = [&](int r) { return smem + r * kRowBytes + (r & 7) * 16; };
 #pragma unroll
@@ -419,6 +427,7 @@ VA_KERNEL(verify_attn_rows64_keys64_stages2, 0, 2, 2, 64, 2, 4)
 VA_KERNEL(verify_attn_rows64_keys64_stages2_wide, 0, 2, 2, 64, 2, 2)
 VA_KERNEL(verify_attn_rows32_keys64_stages2, 0, 2, 1, 64, 2, 4)
 VA_KERNEL(verify_attn_rows32_keys32_stages3, 0, 2, 1, 32, 3, 4)
+VA_KERNEL(verify_attn_rows32_keys32_stages2, 0, 1, 2, 32, 2, 4)
 VA_KERNEL(verify_attn_rows16_keys64_stages2, 0, 1, 1, 64, 2, 4)
 VA_KERNEL(verify_attn_rows16_keys32_stages4, 0, 1, 1, 32, 4, 4)
 VA_KERNEL(verify_attn_rows16_keys32_stages2, 0, 1, 1, 32, 2, 4)

@@ -53,7 +53,8 @@ def test_plan_picks_the_variant_by_rows_and_shared_memory():
     assert plan_launch(1, 8, 4096, **H200).config.rows == 16
     assert plan_launch(1, 24, 4096, **H200).config.rows == 32
     assert plan_launch(1, 128, 4096, **H200).config.rows == 64
-    assert plan_launch(1, 128, 4096, **RTX_5090).config_name == "rows16_keys32_stages2"
+    assert plan_launch(1, 128, 4096, **RTX_5090).config_name == "rows32_keys32_stages2"  # Q in registers: 77 KB
+    assert plan_launch(1, 8, 4096, **RTX_5090).config_name == "rows16_keys32_stages2"
     with pytest.raises(ValueError, match="shared memory"):
         plan_launch(1, 8, 4096, sms=1, smem_per_block=48 * 1024, smem_per_sm=48 * 1024)
     with pytest.raises(ValueError, match="config"):
@@ -69,6 +70,15 @@ def test_the_wgmma_variant_needs_sm90a():
     with pytest.raises(ValueError, match="compute capability 9.0"):
         plan_launch(1, 128, 4096, **RTX_5090, config=WGMMA)
     assert not plan_launch(1, 128, 4096, **{**H200, "wgmma": False}).config.wgmma
+
+
+def test_registers_cap_how_many_ctas_a_split_plan_counts_per_sm():
+    """rows16_keys32_stages2 needs 75 KB (three would fit an H200 SM) but 128 threads of ~255
+    registers: two per SM, so a split plan fills 2 x 132 CTAs, not a wave and a half."""
+    config = KERNEL_CONFIGS["rows16_keys32_stages2"]
+    assert H200["smem_per_sm"] // (config.smem_bytes + 1024) == 3
+    plan = plan_launch(1, 16, 131072, **H200, config="rows16_keys32_stages2")
+    assert plan.row_blocks == 1 and H200["sms"] < plan.splits <= 2 * H200["sms"]
 
 
 def test_kernel_config_shared_memory_fits_its_target():

@@ -38,7 +38,8 @@ from .decode import STAGES, DecodeResult, generate, stand_in_paths
 from .dflash import hf_features, load_drafter
 from .sweep import PairWithPrompts, pair_with_prompts
 from .tree_accept import accept
-from .tree_build import DraftTopK, build_tree, unpack_mask
+from .contracts import DraftTopK, unpack_mask
+from .tree_build import build_tree
 
 TOPIC = "decode"
 BATCHES = (1, 8)

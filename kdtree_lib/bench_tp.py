@@ -54,7 +54,8 @@ from .model.model import MoE
 from .projection import (CT200, Efficiency, Hardware, _roofline, allreduce_time, calibrate,
                          expected_distinct_experts, projected_speedup, step_costs)
 from .synthetic import zipf_draft_logits
-from .tree_build import DraftTopK, Tree, build_tree, draft_topk, tree_from_parents
+from .contracts import DraftTopK, Tree, tree_from_parents
+from .tree_build import build_tree, draft_topk
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 K26_CONFIG = REPO_ROOT / "data" / "configs" / "kimi-k2.6.json"

@@ -29,8 +29,8 @@ import numpy as np
 
 from . import results
 from .tree_accept import _empty_accept_result, _launch_accept, _launch_compact, accept, compact_cache
-from .tree_build import (BUILD_VERSIONS, DraftTopK, _best_first_pops, _build_version, _draft_topk_cupy, _empty_tree,
-                         _launch_build_tree, build_tree)
+from .contracts import DraftTopK
+from .tree_build import (BUILD_VERSIONS, _best_first_pops, _build_version, _draft_topk_cupy, _empty_tree, _launch_build_tree, build_tree)
 
 BUILD_BATCHES = (1, 8, 64, 256)
 BUILD_DEPTHS = (7, 15)

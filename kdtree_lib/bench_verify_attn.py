@@ -23,7 +23,7 @@ import statistics
 
 import numpy as np
 
-from .tree_build import tree_from_parents
+from .contracts import tree_from_parents
 from .verify_attn import CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch
 
 TOPIC = "verify_attn"

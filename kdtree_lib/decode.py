@@ -51,7 +51,8 @@ from .checks import check_positive_int, to_numpy
 from .dflash import DFlashConfig, DFlashDrafter, load_drafter
 from .model import ModelConfig, Transformer, load_config, load_target
 from .tree_accept import accept, compact_cache
-from .tree_build import MAX_BUDGET, DraftTopK, Tree, build_tree, draft_topk, tree_from_parents
+from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
+from .tree_build import build_tree, draft_topk
 from .verify_attn import LATENT_DIM, ROPE_DIM
 
 METHODS = ("ar", "chain", "ddtree")

@@ -96,7 +96,7 @@ def draw_tree(ax, tree, b: int = 0, *, highlight=(), labels=None, max_labels: in
 
 def draw_mask(ax, tree, b: int = 0, *, title: str = "ancestor mask"):
     """Request b's ancestor mask as an image: row i (query node), column j (key node) dark iff j ≤ i on i's path."""
-    from .tree_build import unpack_mask
+    from .contracts import unpack_mask
 
     tree = tree.to_numpy()
     n = int(tree.n_nodes[b])

@@ -41,7 +41,8 @@ from .checks import check_array, check_positive_int, framework, to_numpy
 from .decode import (Decoder, check_pair, decoder_capacity, generate, load_pair, prompt_list, random_pair,
                      resolve_backend, stand_in_paths)
 from .tree_accept import accept
-from .tree_build import DraftTopK, build_tree
+from .contracts import DraftTopK
+from .tree_build import build_tree
 
 TOPIC = "acceptance"
 BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import check_positive_int, to_numpy
-from .tree_build import DraftTopK, Tree, build_tree, draft_topk
+from .contracts import DraftTopK, Tree
+from .tree_build import build_tree, draft_topk
 
 
 def zipf_draft_logits(batch: int, depth: int, vocab: int, *, sharpness: float = 2.5, decay: float = 0.85,

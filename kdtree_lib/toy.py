@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .checks import check_positive_int, to_numpy
-from .tree_accept import AcceptResult, accept, compact_cache, posterior_tokens
-from .tree_build import Tree, build_tree, draft_topk, root_to_node_paths, tree_from_parents
+from .contracts import AcceptResult, root_to_node_paths, Tree, tree_from_parents
+from .tree_accept import accept, compact_cache, posterior_tokens
+from .tree_build import build_tree, draft_topk
 from .verify_attn import DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, absorb_query, verify_attention
 
 METHODS = ("ar", "chain", "tree", "unverified")

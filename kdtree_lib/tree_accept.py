@@ -13,21 +13,13 @@ indices from the root, -1 padded), n_accepted int32 [B] (>= 1, the root counts),
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
 from . import backend as _backend
 from . import cuda
 from .checks import check_array, check_finite, check_same_device, dtype_name, framework, to_numpy
-from .tree_build import MAX_BUDGET, Tree
-
-
-@dataclass
-class AcceptResult:
-    path: object        # int32 [B, D+1]
-    n_accepted: object  # int32 [B]
-    bonus: object       # int32 [B]
+from .contracts import MAX_BUDGET, AcceptResult, Tree
 
 
 def posterior_tokens(target_logits, *, temperature: float = 0.0, generator=None):

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import backend as _backend
 from .checks import check_array, check_same_device, dtype_name, framework, to_numpy
-from .tree_build import Tree, unpack_mask
+from .contracts import Tree, unpack_mask
 
 LATENT_DIM = 512
 ROPE_DIM = 64

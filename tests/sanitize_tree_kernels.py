@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy  # noqa: E402
 
-from kdtree_lib.tree_accept import AcceptResult, accept, compact_cache  # noqa: E402
-from kdtree_lib.tree_build import DraftTopK, build_tree, draft_topk  # noqa: E402
+from kdtree_lib.contracts import AcceptResult, DraftTopK
+from kdtree_lib.tree_accept import accept, compact_cache  # noqa: E402
+from kdtree_lib.tree_build import build_tree, draft_topk  # noqa: E402
 from test_tree_kernels import (assert_same_tree, assert_topk_matches, random_accept_result,  # noqa: E402
                                random_posterior, sorted_draft)
 

@@ -16,7 +16,7 @@ from kdtree_lib.model.reference import (prefill_logits, random_model, save_kimi_
                                         tree_logits)
 from kdtree_lib.plots import REPO_ROOT
 from kdtree_lib.tree_accept import accept, posterior_tokens
-from kdtree_lib.tree_build import tree_from_parents
+from kdtree_lib.contracts import tree_from_parents
 
 ATOL = 5e-5  # fp32, logits of magnitude ~3
 VARIANTS = {"k26": {}, "v3-groups": {"n_group": 4, "topk_group": 2, "first_k_dense_replace": 2}}

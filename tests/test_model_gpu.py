@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from kdtree_lib.model import load_target
 from kdtree_lib.model.reference import prefill_logits, random_model, tiny_config, to_bfloat16, tree_logits
 from kdtree_lib.model.sharded import tp_logits
-from kdtree_lib.tree_build import tree_from_parents
+from kdtree_lib.contracts import tree_from_parents
 
 PARENTS = np.array([[-1, 0, 0, 1, 1, 2, 3, 6, -1], [-1, 0, 1, 2, 0, 4, -1, -1, -1]])
 

@@ -10,7 +10,7 @@ from kdtree_lib.model import CheckpointReader, TensorParallel, load_config
 from kdtree_lib.model.model import Experts
 from kdtree_lib.model.reference import random_model, save_kimi_checkpoint, tiny_config
 from kdtree_lib.model.sharded import tp_logits
-from kdtree_lib.tree_build import tree_from_parents
+from kdtree_lib.contracts import tree_from_parents
 
 PARENTS = np.array([[-1, 0, 0, 1, 2, 2, -1], [-1, 0, 1, 1, 3, -1, -1]])
 

@@ -4,7 +4,8 @@ import pytest
 
 from kdtree_lib.sweep import OracleRecord, accepted_at_every_position, mean_acceptance, round_lengths
 from kdtree_lib.tree_accept import accept
-from kdtree_lib.tree_build import DraftTopK, build_tree, draft_topk, root_to_node_paths
+from kdtree_lib.contracts import DraftTopK, root_to_node_paths
+from kdtree_lib.tree_build import build_tree, draft_topk
 
 VOCAB, DEPTH, TOPK = 16, 5, 6
 

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib.tree_accept import AcceptResult, accept, compact_cache, compaction_plan, posterior_tokens
-from kdtree_lib.tree_build import build_tree, draft_topk, root_to_node_paths, tree_from_parents
+from kdtree_lib.contracts import AcceptResult, root_to_node_paths, tree_from_parents
+from kdtree_lib.tree_accept import accept, compact_cache, compaction_plan, posterior_tokens
+from kdtree_lib.tree_build import build_tree, draft_topk
 
 VOCAB = 12
 

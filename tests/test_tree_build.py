@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kdtree_lib.tree_build import (DraftTopK, build_tree, draft_topk, pack_mask, root_to_node_paths,
-                                   tree_from_parents, unpack_mask)
+from kdtree_lib.contracts import DraftTopK, pack_mask, root_to_node_paths, tree_from_parents, unpack_mask
+from kdtree_lib.tree_build import build_tree, draft_topk
 
 # Dyadic log-probabilities: float64 sums and differences of these are exact, so the heap's
 # subtract-then-add arithmetic equals the plain path sum and ties are real ties.

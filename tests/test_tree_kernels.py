@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 
 from kdtree_lib import cuda
-from kdtree_lib.tree_accept import (AcceptResult, _check_tree_arrays, _compaction_layout, _empty_accept_result,
-                                    _launch_accept, _launch_compact, accept, compact_cache)
-from kdtree_lib.tree_build import (_BUILD_DRAFT_CACHE_BYTES, BUILD_VERSIONS, MAX_BUDGET, DraftTopK, Tree,
-                                   _draft_topk_cupy, _empty_tree, _launch_build_tree, build_tree, draft_topk,
-                                   tree_from_parents)
+from kdtree_lib.contracts import MAX_BUDGET, AcceptResult, DraftTopK, Tree, tree_from_parents
+from kdtree_lib.tree_accept import (_check_tree_arrays, _compaction_layout, _empty_accept_result, _launch_accept, _launch_compact, accept, compact_cache)
+from kdtree_lib.tree_build import (_BUILD_DRAFT_CACHE_BYTES, BUILD_VERSIONS, _draft_topk_cupy, _empty_tree, _launch_build_tree, build_tree, draft_topk)
 
 KERNEL_FILES = ("tree_build.cu", "tree_accept.cu")
 SMEM_LIMIT = 99 * 1024

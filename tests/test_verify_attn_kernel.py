@@ -18,7 +18,7 @@ import pytest
 
 from kdtree_lib import bench_verify_attn as bench
 from kdtree_lib import cuda
-from kdtree_lib.tree_build import tree_from_parents
+from kdtree_lib.contracts import tree_from_parents
 from kdtree_lib.verify_attn import (KERNEL_CONFIGS, KERNEL_FILE, KERNEL_FILE_SM90A, MIN_SPLIT_KEYS, _check_kernel_args,
                                     plan_launch, prepare_verify_launch, runnable_configs, verify_attention)
 

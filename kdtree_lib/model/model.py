@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tree_accept import compact_cache
-from ..tree_build import Tree, tree_from_parents
+from ..contracts import Tree, tree_from_parents
 from ..verify_attn import absorb_query, key_mask, project_output, verify_attention
 from .config import ModelConfig
 from .tp import TensorParallel

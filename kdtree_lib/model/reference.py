@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..checks import to_numpy
 from .checkpoint import save_checkpoint
-from ..tree_build import Tree, unpack_mask
+from ..contracts import Tree, unpack_mask
 
 
 def tiny_config(**overrides) -> dict:

@@ -189,7 +189,7 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
 
 def profile_rows(runs, *, pair: str, block_size: int, prompt_tokens: int, new_tokens: int) -> list[dict]:
     """Rows in decode.csv's layout from generate results with stage times (profile_stages=True, no
-    warm-up call): what notebook 09 draws from its own CPU runs."""
+    warm-up call): what notebook 10 draws from its own CPU runs."""
     return [row(run, run.tokens_per_second, impl="kdtree", pair=pair, block_size=block_size, new_tokens=new_tokens,
                 prompt_tokens=prompt_tokens, stages=run.stage_seconds) for run in runs]
 

@@ -1,5 +1,5 @@
 """A tensor-parallel DDTree verify step of K2.6 at its real shapes, timed per layer and component
-(notebook 11); the router-overlap model; and the CT200 projection calibrated on it (notebook 12).
+(notebook 12); the router-overlap model; and the CT200 projection calibrated on it (notebook 13).
 
 Each rank (launched by kdtree_lib.model.tp.launch, or by torchrun) builds `layers` K2.6 layers with
 kdtree_lib.model from the config, with random weights generated on its own device: a weight's full
@@ -627,7 +627,7 @@ def fit_correlation(rows: list[dict], n_experts: int, experts_per_token: int) ->
 
 
 # ----------------------------------------------------------------------------------------------
-# the CT200 projection (notebook 12), calibrated on the rows above
+# the CT200 projection (notebook 13), calibrated on the rows above
 
 def select_rows(rows: list[dict], scope: str, *, tp: int | None = None, graph: bool | None = None) -> list[dict]:
     """Rows of one scope; of TP degree `tp` (default: the largest present) and graph flag."""

@@ -133,7 +133,7 @@ def calibrate(measured: list[dict], config, hardware: Hardware, **layer_options)
     """Efficiencies that make the model reproduce measured per-layer times (median over rows).
 
     Each row holds batch, nodes, context, moe_layer and measured attention_seconds and
-    moe_seconds of one layer on `hardware` (e.g. the H200 runs of notebook 11).
+    moe_seconds of one layer on `hardware` (e.g. the H200 runs of notebook 12).
     """
     if not measured:
         raise ValueError("measured: expected at least one row of per-layer timings")

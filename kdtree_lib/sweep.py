@@ -447,7 +447,7 @@ def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenize
 
 @dataclass
 class PairWithPrompts:
-    """A target, its drafter, and held-out prompts in their vocabulary (what notebooks 09 and 10 run)."""
+    """A target, its drafter, and held-out prompts in their vocabulary (what notebooks 10 and 11 run)."""
     target: object
     drafter: object
     description: str                       # what the notebooks print: which pair, and why

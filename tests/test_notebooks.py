@@ -68,7 +68,7 @@ def check_standin_pair(values, figures):
     # the committed GPU measurement of the committed pair: DDTree, block 8, budget 32 on held-out code
     assert values["meets_quality_bar"] and values["ddtree_b8_budget32"] >= 3.0
     assert values["pair_mb"] <= 48
-    assert "08_standin_pair-acceptance.png" in figures
+    assert "09_standin_pair-acceptance.png" in figures
 
 
 def check_k26_model(values, figures):
@@ -85,14 +85,14 @@ def check_ddtree_decode(values, figures):
     assert acceptance["ar/1"] == 1.0 and all(a >= 1.0 for a in acceptance.values())
     if values["stand_in"]:  # the trained drafter's guesses are accepted
         assert max(a for key, a in acceptance.items() if key.startswith("ddtree/")) > 1.5, acceptance
-    assert {"09_ddtree_decode-acceptance.png", "09_ddtree_decode-this-run-stages.png"} <= figures
+    assert {"10_ddtree_decode-acceptance.png", "10_ddtree_decode-this-run-stages.png"} <= figures
 
 
 def check_acceptance_vs_budget(values, figures):
     assert values["oracle_equals_live"] and values["cases"] >= 4
     assert all(replay >= 1.0 and live >= 1.0 for replay, live, _ in values["monte_carlo_vs_live"].values())
-    assert {f"10_acceptance_vs_budget-this-run-{p}.png" for p in values["packages"]} <= figures
-    assert "10_acceptance_vs_budget-this-run-sampled.png" in figures
+    assert {f"11_acceptance_vs_budget-this-run-{p}.png" for p in values["packages"]} <= figures
+    assert "11_acceptance_vs_budget-this-run-sampled.png" in figures
 
 
 def check_tp_decode(values, figures):
@@ -109,12 +109,12 @@ EXPECTATIONS = {
     "00_environment": check_environment,
     "01_tree_build": check_tree_build,
     "02_verify_attention": check_verify_attention,
-    "07_k26_model": check_k26_model,
-    "08_standin_pair": check_standin_pair,
-    "09_ddtree_decode": check_ddtree_decode,
-    "10_acceptance_vs_budget": check_acceptance_vs_budget,
-    "11_tp_k26_decode": check_tp_decode,
-    "12_ct200_projection": check_projection,
+    "08_k26_model": check_k26_model,
+    "09_standin_pair": check_standin_pair,
+    "10_ddtree_decode": check_ddtree_decode,
+    "11_acceptance_vs_budget": check_acceptance_vs_budget,
+    "12_tp_verify_step": check_tp_decode,
+    "13_ct200_projection": check_projection,
     "03_tree_accept": check_tree_accept,
 }
 

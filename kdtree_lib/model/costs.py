@@ -1,5 +1,5 @@
 """Napkin math at the real shapes: parameters and bytes per component, KV bytes per token, and the
-cost of one verify step's attention in the absorbed and the naive MLA forms (notebook 07)."""
+cost of one verify step's attention in the absorbed and the naive MLA forms (notebook 08)."""
 from __future__ import annotations
 
 from .config import ModelConfig

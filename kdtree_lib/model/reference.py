@@ -1,4 +1,4 @@
-"""transformers' DeepseekV3ForCausalLM as the reference the target must equal (tests, notebook 07).
+"""transformers' DeepseekV3ForCausalLM as the reference the target must equal (tests, notebook 08).
 
 Builds a tiny random DeepseekV3 with the K2.6 switches (sigmoid noaux_tc routing, YaRN,
 interleaved rope, one dense layer first; the MLA latent keeps K2.6's 512 + 64 widths, the verify

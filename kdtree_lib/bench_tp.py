@@ -56,14 +56,12 @@ from .projection import (CT200, Efficiency, Hardware, _roofline, allreduce_time,
 from .synthetic import zipf_draft_logits
 from .contracts import DraftTopK, Tree, tree_from_parents
 from .tree_build import build_tree, draft_topk
+from .paths import BF16_BYTES, K26_CONFIG
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-K26_CONFIG = REPO_ROOT / "data" / "configs" / "kimi-k2.6.json"
 TOPIC = "tp_verify_step"
 COMPONENTS = ("attention", "moe", "allreduce", "rest")
 MOE_PARTS = ("router", "experts", "shared")
 TREE_KERNEL_COLUMNS = ("draft_topk_seconds", "tree_build_seconds", "accept_compact_seconds")
-BF16 = 2
 
 
 @dataclass(frozen=True)
@@ -679,14 +677,14 @@ def drafter_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, con
     body = c.num_hidden_layers * per_layer + c.feature_size * c.hidden_size
     head = c.vocab_size * c.hidden_size
     tokens = batch * (c.block_size + new_tokens)
-    cache_bytes = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * BF16 / shards
+    cache_bytes = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * BF16_BYTES / shards
     attention_flops = 4 * batch * c.block_size * c.num_attention_heads * c.head_dim * context * c.num_hidden_layers
-    weight_bytes = (body / shards + head / head_shards) * BF16
+    weight_bytes = (body / shards + head / head_shards) * BF16_BYTES
     flops = 2 * tokens * body / shards + 2 * batch * (c.block_size - 1) * head / head_shards + attention_flops / shards
     seconds = _roofline(weight_bytes + cache_bytes, flops, hardware) / efficiency
     if shards > 1:
         group = replace(hardware, gpus=shards)
-        seconds += (2 * c.num_hidden_layers + 1) * allreduce_time(tokens * c.hidden_size * BF16, group)
+        seconds += (2 * c.num_hidden_layers + 1) * allreduce_time(tokens * c.hidden_size * BF16_BYTES, group)
     return seconds
 
 

@@ -32,10 +32,10 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path, PurePosixPath
+from .paths import CORPUS_DIR
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MANIFEST_PATH = REPO_ROOT / "data" / "corpus" / "manifest.json"
-PROMPTS_PATH = REPO_ROOT / "data" / "corpus" / "heldout_prompts.jsonl"
+MANIFEST_PATH = CORPUS_DIR / "manifest.json"
+PROMPTS_PATH = CORPUS_DIR / "heldout_prompts.jsonl"
 SPLITS = ("train", "heldout")
 HASH_SCHEME = "sha256 over packages in manifest order, files in sorted path order, each path + '\\n' + text + '\\0'"
 # pure-python wheels install anywhere; these flags only stop pip from choosing by the local interpreter

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .checks import dtype_name, framework
+from .paths import KERNEL_DIR
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 ARCHITECTURES = ("sm_90", "sm_120")
 NVRTC_OPTIONS = ("-std=c++17",)
 

@@ -54,6 +54,7 @@ from .tree_accept import accept, compact_cache
 from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
 from .tree_build import build_tree, draft_topk
 from .verify_attn import LATENT_DIM, ROPE_DIM
+from .paths import MODELS_DIR
 
 METHODS = ("ar", "chain", "ddtree")
 STAGES = ("draft", "tree", "verify", "accept")
@@ -62,8 +63,6 @@ MAX_STOP_TOKENS = 16
 CAPACITY_ROUND = 64     # cache capacities are rounded up so prompts of similar length share a graph
 WARMUP_STEPS = 2        # eager steps before a capture (kernel compilation, lazy library init)
 CACHED_DECODERS = 4     # decoders (and their graphs) kept for reuse across generate calls
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODELS_DIR = REPO_ROOT / "data" / "models"
 
 
 @dataclass

@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .plots import FIGURES_DIR_ENV
+from .paths import NOTEBOOKS_DIR, REPO_ROOT, RUNS_DIR
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-RUNS_DIR = REPO_ROOT / "runs"
 RUN_DIR_ENV = "KDTREE_RUN_DIR"
 KERNEL_NAME = "python3"
 NOTEBOOK_NAME = re.compile(r"^(?P<number>\d{2})_[A-Za-z0-9_-]+$")

@@ -10,9 +10,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+from .paths import FIGURES_DIR
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-FIGURES_DIR = REPO_ROOT / "data" / "figures"
 FIGURES_DIR_ENV = "KDTREE_FIGURES_DIR"
 STATUS_COLORS = {"ok": "#4c9a2a", "n/a": "#d9d9d9", "no GPU": "#f2c14e", "error": "#d1495b"}
 

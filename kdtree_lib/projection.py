@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-BF16_BYTES = 2
+from .paths import BF16_BYTES
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,8 @@ import tempfile
 from pathlib import Path
 
 from .backend import device_name
+from .paths import REPO_ROOT, RESULTS_DIR  # $KDTREE_RESULTS_DIR overrides RESULTS_DIR (tests write elsewhere)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "data" / "results"  # $KDTREE_RESULTS_DIR overrides it (tests write elsewhere)
 STAMP_COLUMNS = ("date", "commit", "device")
 
 

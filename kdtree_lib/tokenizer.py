@@ -22,9 +22,9 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .corpus import SPLITS, read_documents
+from .paths import MODELS_DIR
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_PATH = REPO_ROOT / "data" / "models" / "k26-mini" / "tokenizer.json"
+TOKENIZER_PATH = MODELS_DIR / "k26-mini" / "tokenizer.json"
 VOCAB_SIZE = 8192
 EOT = "<|endoftext|>"
 MASK = "<|mask|>"

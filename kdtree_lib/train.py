@@ -47,9 +47,9 @@ import torch.nn.functional as F
 
 from .corpus import PROMPTS_PATH
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, save_drafter
+from .paths import CORPUS_DIR, MODELS_DIR
 from .tokenizer import TOKENIZER_PATH, corpus_tokens, load_tokenizer, special_ids
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_DIR = "k26-mini"
 SHARD_SIZE = "16MB"
 LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
@@ -553,8 +553,8 @@ def parse_args(argv) -> tuple[str, Settings, dict]:
     parser = argparse.ArgumentParser(prog="python -m kdtree_lib.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=("target", "drafter", "all", "acceptance"))
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "models")
-    parser.add_argument("--corpus", type=Path, default=REPO_ROOT / "data" / "corpus" / "build",
+    parser.add_argument("--out", type=Path, default=MODELS_DIR)
+    parser.add_argument("--corpus", type=Path, default=CORPUS_DIR / "build",
                         help="corpus build folder (corpus-*.jsonl, or cached tokens-*.npy)")
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_PATH)
     parser.add_argument("--tiny", action="store_true", help="tiny models and batches: a CPU smoke run")

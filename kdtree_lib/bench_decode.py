@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from . import results
-from .decode import STAGES, DecodeResult, generate, stand_in_paths
+from .pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
+from .decode import STAGES, DecodeResult, generate
 from .dflash import hf_features, load_drafter
-from .sweep import PairWithPrompts, pair_with_prompts
 from .tree_accept import accept
 from .contracts import DraftTopK, unpack_mask
 from .tree_build import build_tree

@@ -38,23 +38,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import backend as _backend
 from .checks import check_positive_int, to_numpy
-from .dflash import DFlashConfig, DFlashDrafter, load_drafter
-from .model import ModelConfig, Transformer, load_config, load_target
+from .dflash import DFlashDrafter
 from .tree_accept import accept, compact_cache
 from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
 from .tree_build import build_tree, draft_topk
-from .verify_attn import LATENT_DIM, ROPE_DIM
-from .paths import MODELS_DIR
 
 METHODS = ("ar", "chain", "ddtree")
 STAGES = ("draft", "tree", "verify", "accept")
@@ -550,74 +545,3 @@ def _now(device) -> float:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-# ----------------------------------------------------------------------------------------------
-# pairs: the stand-in pair from data/models, or a tiny random one (tests; sweep.pair_with_prompts
-# picks one for the notebooks, with prompts in its vocabulary)
-
-# K2.6's switches at toy size; the MLA latent keeps the verify contract's 512 + 64 widths
-TINY_TARGET = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-                   num_attention_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
-                   v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-                   topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
-                   rope_theta=50000.0, rope_factor=4.0, rope_original_max_position=256, rope_mscale=1.0,
-                   rope_mscale_all_dim=1.0)
-TINY_DRAFTER = dict(intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                    head_dim=32, target_layer_ids=(1,), rope_theta=50000.0)
-
-
-def random_pair(*, vocab: int = 64, block_size: int = 8, seed: int = 0, device="cpu", dtype=torch.float32,
-                weight_std: float = 0.35, logit_scale: float = 1.0, draft_sharpness: float = 1.0):
-    """A tiny random target (kdtree_lib.model) and DFlash drafter bound to it; no files, no transformers.
-
-    weight_std: the target's weights are normal(0, weight_std) (smaller values make a target that
-    repeats one token); logit_scale multiplies its LM head (larger: more peaked distributions);
-    draft_sharpness scales the drafter's final norm, hence its logits (small values give flat
-    drafts: a tree of budget >= vocabulary then holds every next token, so rounds accept >= 2).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    config = ModelConfig(vocab_size=vocab, **TINY_TARGET)
-    target = Transformer(config)
-    with torch.no_grad():
-        for name, tensor in [*target.named_parameters(), *target.named_buffers()]:
-            if name.endswith("norm.weight"):
-                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
-            elif name.endswith("e_score_correction_bias"):
-                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
-            else:
-                scale = weight_std * (logit_scale if name == "lm_head.weight" else 1.0)
-                tensor.copy_(scale * torch.randn(tensor.shape, generator=generator))
-    target = target.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    drafter = DFlashDrafter(DFlashConfig(hidden_size=config.hidden_size, vocab_size=vocab, block_size=block_size,
-                                         mask_token_id=vocab - 1, num_target_layers=config.num_hidden_layers,
-                                         **TINY_DRAFTER))
-    with torch.no_grad():
-        for name, tensor in drafter.named_parameters():
-            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator) if name.endswith("norm.weight")
-                         else 0.2 * torch.randn(tensor.shape, generator=generator))
-        drafter.norm.weight.mul_(draft_sharpness)
-    drafter = drafter.bind(target).to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return target, drafter
-
-
-def stand_in_paths(block_size: int = 8, models_dir=None) -> tuple[Path, Path]:
-    """(target, drafter) folders of the trained stand-in pair (block size 8 or 16)."""
-    models_dir = Path(models_dir) if models_dir is not None else MODELS_DIR
-    drafter = "k26-mini-dflash" if block_size == 8 else f"k26-mini-dflash-b{block_size}"
-    return models_dir / "k26-mini", models_dir / drafter
-
-
-def load_pair(target_path, drafter_path, *, device="cpu", dtype=torch.float32):
-    """The target and its drafter from checkpoint folders. The target runs absorbed attention (the
-    verify kernel on a GPU) when its MLA widths are the verify contract's 512 + 64, else the naive
-    per-head path (slower, and a step that cannot be captured in a CUDA graph)."""
-    config = load_config(target_path)
-    absorbable = (config.kv_lora_rank, config.qk_rope_head_dim) == (LATENT_DIM, ROPE_DIM)
-    if not absorbable:
-        warnings.warn(f"{target_path}: kv_lora_rank {config.kv_lora_rank} + qk_rope_head_dim "
-                      f"{config.qk_rope_head_dim} are not the verify kernel's {LATENT_DIM} + {ROPE_DIM}: "
-                      "running the naive attention path", stacklevel=2)
-    target = load_target(target_path, device=device, dtype=dtype, attention="absorbed" if absorbable else "naive",
-                         attention_backend="auto")
-    return target, load_drafter(drafter_path, target, device=device, dtype=dtype)

@@ -20,7 +20,7 @@ with train_log.csv (one row per logged step) and eval.json (held-out metrics, th
     python -m kdtree_lib.train all --tiny --steps 5 --out /tmp/models --corpus ...   # CPU smoke run
     python -m kdtree_lib.train acceptance --prompts 64 --new-tokens 256              # the quality bar
 
-`acceptance` measures the pair as DDTree decodes it: the T = 0 oracle of kdtree_lib.sweep (exactly a
+`acceptance` measures the pair as DDTree decodes it: the T = 0 oracle of kdtree_lib.acceptance (exactly a
 live decode's rounds) of the DFlash chain and of DDTree trees at budgets 8, 32 and 128, on the
 committed held-out prompts (data/corpus/heldout_prompts.jsonl); rows go to data/results/acceptance.csv.
 
@@ -45,12 +45,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .corpus import PROMPTS_PATH
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, save_drafter
+from .pairs import TARGET_DIR, TINY_DRAFTER, load_pair, load_prompts, stand_in_paths, tiny_config
 from .paths import CORPUS_DIR, MODELS_DIR
 from .tokenizer import TOKENIZER_PATH, corpus_tokens, load_tokenizer, special_ids
 
-TARGET_DIR = "k26-mini"
 SHARD_SIZE = "16MB"
 LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
 ACCEPTANCE_BUDGETS = (8, 32, 128)
@@ -71,16 +70,10 @@ K26_MINI = dict(
     rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
                      "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                      "mscale": 1.0, "mscale_all_dim": 1.0})
-# tiny, for CPU smoke runs; the cache geometry (512 + 64) stays, so the decode path runs on it too
-TINY_TARGET = K26_MINI | dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-                              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, qk_nope_head_dim=8,
-                              v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2)
 # Qwen3-style layers, five as z-lab's released drafters (~4M parameters); hidden size and
 # vocabulary are the target's; features from target layers 1-4 (all but the dense first and the last)
 DRAFTER = dict(intermediate_size=768, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
                head_dim=64, feature_layers=4, rope_theta=50000.0, rms_norm_eps=1e-6)
-TINY_DRAFTER = DRAFTER | dict(intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=16, feature_layers=1)
 
 
 @dataclass
@@ -218,7 +211,8 @@ class RouterBalancer:
 
 def target_config(settings: Settings, vocab_size: int, eot: int):
     from transformers import DeepseekV3Config
-    shape = TINY_TARGET if settings.tiny else K26_MINI
+    tiny = {key: value for key, value in tiny_config().items() if key in K26_MINI}  # its sizes, K26_MINI's switches
+    shape = K26_MINI | tiny if settings.tiny else K26_MINI
     return DeepseekV3Config(**(shape | dict(vocab_size=vocab_size, bos_token_id=eot, eos_token_id=eot)))
 
 
@@ -362,7 +356,7 @@ def block_metrics(logits, labels, valid) -> dict:
 
 
 def drafter_config(settings: Settings, target_config, block_size: int, mask_id: int) -> DFlashConfig:
-    shape = dict(TINY_DRAFTER if settings.tiny else DRAFTER)
+    shape = dict(TINY_DRAFTER, feature_layers=1) if settings.tiny else dict(DRAFTER)
     layers = build_target_layer_ids(target_config.num_hidden_layers, shape.pop("feature_layers"))
     return DFlashConfig(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
                         block_size=block_size, mask_token_id=mask_id, target_layer_ids=layers,
@@ -453,28 +447,15 @@ def train_drafter(settings: Settings, block_size: int) -> Path:
 # ----------------------------------------------------------------------------------------------
 # acceptance on held-out prompts
 
-def load_prompts(count: int, prompt_tokens: int, *, tokenizer_path=TOKENIZER_PATH, path=PROMPTS_PATH) -> list:
-    """The first `count` committed held-out prompts, each cut to its first `prompt_tokens` tokens."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    texts = [json.loads(line)["text"] for line in Path(path).read_text().splitlines()]
-    if not 1 <= count <= len(texts):
-        raise ValueError(f"count: expected 1..{len(texts)} prompts, got {count}")
-    prompts = [np.asarray(tokenizer.encode(text).ids[:prompt_tokens], np.int64) for text in texts[:count]]
-    if min(len(p) for p in prompts) < 2:
-        raise ValueError(f"prompt_tokens: expected at least 2, got {prompt_tokens}")
-    return prompts
-
-
 def acceptance_rows(models_dir, block_size: int, *, budgets=ACCEPTANCE_BUDGETS, n_prompts: int = 64,
                     prompt_tokens: int = 128, new_tokens: int = 256, device: str = "auto") -> list[dict]:
     """Mean acceptance length of the DFlash chain and of DDTree at each budget (T = 0), one row each.
 
     The target's greedy run from each prompt is recorded once with the drafter's top-k at every
-    position (kdtree_lib.sweep.record_oracle); chain and trees are then built from it, exactly the
+    position (kdtree_lib.acceptance.record_oracle); chain and trees are then built from it, exactly the
     rounds a live decode makes.
     """
-    from .decode import load_pair, stand_in_paths
-    from .sweep import oracle_rows, record_oracle
+    from .acceptance import oracle_rows, record_oracle
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           "cpu" if device == "auto" else device)
     target_path, drafter_path = stand_in_paths(block_size, models_dir)
@@ -494,7 +475,7 @@ def acceptance_rows(models_dir, block_size: int, *, budgets=ACCEPTANCE_BUDGETS, 
 def measure_acceptance(settings: Settings, n_prompts: int, prompt_tokens: int, new_tokens: int) -> list[dict]:
     """acceptance_rows for every trained block size, appended to data/results/acceptance.csv."""
     from .results import append_rows
-    from .sweep import TOPIC
+    from .acceptance import TOPIC
     rows = []
     for block_size in settings.block_sizes:
         if not (settings.out / drafter_dir(block_size) / "config.json").is_file():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib import bench_tp
+from kdtree_lib import bench_tp, pairs
 from kdtree_lib.bench_tp import (BenchSettings, RandomWeights, acceptance_curve, best_budgets, calibrate_on_rows,
                                  ct200_projection, drafter_config, drafter_efficiency, drafter_seconds,
                                  fit_correlation, random_target, routed_experts, run_tp_bench, select_rows,
@@ -21,9 +21,8 @@ NODES = (1, 6)
 
 
 def tiny_model_config() -> ModelConfig:
-    """transformers' tiny DeepseekV3 config with K2.6's switches (the reference module needs transformers)."""
-    reference = pytest.importorskip("kdtree_lib.model.reference")
-    return ModelConfig.from_dict(reference.tiny_config())
+    """The one tiny config, with K2.6's switches."""
+    return ModelConfig.from_dict(pairs.tiny_config())
 
 
 @pytest.fixture(scope="module")

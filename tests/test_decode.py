@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kdtree_lib.backend import cuda_available
-from kdtree_lib.decode import STAGES, clear_decoders, generate, random_pair
-from kdtree_lib.sweep import pair_with_prompts
+from kdtree_lib.pairs import pair_with_prompts, random_pair
+from kdtree_lib.decode import STAGES, clear_decoders, generate
 
 VOCAB = 32
 PROMPTS = [np.array([5, 9, 2, 30, 11, 7, 1]), np.array([17]), np.array([3, 3, 8])]
@@ -368,7 +368,8 @@ def test_reference_style_baseline_equals_transformers_greedy():
     pytest.importorskip("transformers")
     from kdtree_lib.bench_decode import reference_style_generate
     from kdtree_lib.dflash import DFlashConfig, DFlashDrafter
-    from kdtree_lib.model.reference import random_model, tiny_config
+    from kdtree_lib.pairs import tiny_config
+    from kdtree_lib.model.reference import random_model
     hf = random_model(tiny_config(vocab_size=64), seed=4, std=0.3)
     drafter = DFlashDrafter(DFlashConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=64,

@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 from kdtree_lib.model import CheckpointReader, ModelConfig, Transformer, TensorParallel, load_config, load_target
 from kdtree_lib.model.checkpoint import dequantize_int4, empty_target, load_weights, quantize_int4
 from kdtree_lib.model.model import Experts
-from kdtree_lib.model.reference import (prefill_logits, random_model, save_kimi_checkpoint, tiny_config,
-                                        tree_logits)
-from kdtree_lib.plots import REPO_ROOT
+from kdtree_lib.pairs import tiny_config
+from kdtree_lib.model.reference import prefill_logits, random_model, save_kimi_checkpoint, tree_logits
+from kdtree_lib.paths import REPO_ROOT
 from kdtree_lib.tree_accept import accept, posterior_tokens
 from kdtree_lib.contracts import tree_from_parents
 

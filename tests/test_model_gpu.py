@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs torch with CUDA", allow_module_level=True)
 
 from kdtree_lib.model import load_target
-from kdtree_lib.model.reference import prefill_logits, random_model, tiny_config, to_bfloat16, tree_logits
+from kdtree_lib.pairs import tiny_config
+from kdtree_lib.model.reference import prefill_logits, random_model, to_bfloat16, tree_logits
 from kdtree_lib.model.sharded import tp_logits
 from kdtree_lib.contracts import tree_from_parents
 

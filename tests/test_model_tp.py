@@ -8,7 +8,8 @@ pytest.importorskip("transformers")
 import kdtree_lib.model.checkpoint as checkpoint
 from kdtree_lib.model import CheckpointReader, TensorParallel, load_config
 from kdtree_lib.model.model import Experts
-from kdtree_lib.model.reference import random_model, save_kimi_checkpoint, tiny_config
+from kdtree_lib.pairs import tiny_config
+from kdtree_lib.model.reference import random_model, save_kimi_checkpoint
 from kdtree_lib.model.sharded import tp_logits
 from kdtree_lib.contracts import tree_from_parents
 

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from kdtree_lib.notebooks import NOTEBOOKS_DIR, discover, read_record, run_notebook
-from kdtree_lib.results import RESULTS_DIR
+from kdtree_lib.paths import NOTEBOOKS_DIR, RESULTS_DIR
+from kdtree_lib.notebooks import discover, read_record, run_notebook
 
 NOTEBOOKS = discover(NOTEBOOKS_DIR)
 SECONDS_PER_NOTEBOOK = 60

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kdtree_lib.bench_decode import load_official
-from kdtree_lib.decode import generate, stand_in_paths
-from kdtree_lib.sweep import pair_with_prompts
+from kdtree_lib.pairs import pair_with_prompts, stand_in_paths
+from kdtree_lib.decode import generate
 
 OFFICIAL_DIR = os.environ.get("KDTREE_OFFICIAL_DIR")
 pytestmark = pytest.mark.skipif(not OFFICIAL_DIR, reason="KDTREE_OFFICIAL_DIR (a local copy of the official code) not set")

@@ -12,7 +12,8 @@ import yaml
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from kdtree_lib import notebooks
-from kdtree_lib.notebooks import NOTEBOOKS_DIR, REPO_ROOT, discover, main, output_problems, read_record
+from kdtree_lib.paths import NOTEBOOKS_DIR, REPO_ROOT
+from kdtree_lib.notebooks import discover, main, output_problems, read_record
 
 COMMITTED = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 

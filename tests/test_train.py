@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import DeepseekV3ForCausalLM
 
-from kdtree_lib import train
+from kdtree_lib import pairs, train
 from kdtree_lib.dflash import load_drafter
 from kdtree_lib.model import ModelConfig, load_target
 
@@ -170,10 +170,10 @@ def test_full_size_pair_fits_the_issue_budget():
 
 
 def test_acceptance_rows_on_committed_prompts(models, tmp_path, monkeypatch):
-    prompts = train.load_prompts(3, 20)
+    prompts = pairs.load_prompts(3, 20)
     assert len(prompts) == 3 and all(p.dtype == np.int64 and len(p) == 20 for p in prompts)
     with pytest.raises(ValueError, match="count"):
-        train.load_prompts(65, 20)
+        pairs.load_prompts(65, 20)
     monkeypatch.setenv("KDTREE_RESULTS_DIR", str(tmp_path))
     assert train.main(["acceptance", "--out", str(models), "--block-sizes", "8", "32", "--prompts", "2",
                        "--prompt-tokens", "16", "--new-tokens", "6"]) == 0

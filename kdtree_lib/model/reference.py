@@ -19,35 +19,10 @@ from .checkpoint import save_checkpoint
 from ..contracts import Tree, unpack_mask
 
 
-def tiny_config(**overrides) -> dict:
-    """A DeepseekV3 config.json dict at test size with Kimi K2.6's switches."""
-    config = dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=64,
-                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        rope_theta=50000.0, rope_interleave=True, num_nextn_predict_layers=0,
-        hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-        bos_token_id=0, eos_token_id=1,
-    )
-    config.update(overrides)
-    return config
-
-
 def random_model(config: dict, *, seed: int = 0, std: float = 0.08) -> DeepseekV3ForCausalLM:
     """DeepseekV3ForCausalLM (fp32, eager attention) with random weights and router biases."""
-    hf_config = dict(config)
-    hf_config["rope_parameters"] = dict(hf_config.pop("rope_scaling"), rope_type="yarn",
-                                        rope_theta=hf_config.pop("rope_theta"))
-    hf_config["rope_parameters"].pop("type")
-    for key in ("architectures", "model_type", "scoring_func", "topk_method"):
-        hf_config.pop(key, None)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config, attn_implementation="eager"))
+    from ..pairs import transformers_kwargs
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**transformers_kwargs(config), attn_implementation="eager"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

@@ -12,11 +12,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from kdtree_lib import results
-from kdtree_lib.decode import generate, random_pair
-from kdtree_lib.sweep import (SampledRecord, accepted_at_every_position, latest, live_rows, monte_carlo_acceptance,
-                              monte_carlo_rows, oracle_rows, pair_with_prompts, plot_acceptance_histogram,
-                              plot_acceptance_vs_budget, record_oracle, record_sampled, round_lengths,
-                              sampled_accepted)
+from kdtree_lib.pairs import pair_with_prompts, random_pair
+from kdtree_lib.decode import generate
+from kdtree_lib.acceptance import (SampledRecord, accepted_at_every_position, latest, live_rows,
+                                   monte_carlo_acceptance, monte_carlo_rows, oracle_rows, plot_acceptance_histogram,
+                                   plot_acceptance_vs_budget, record_oracle, record_sampled, round_lengths,
+                                   sampled_accepted)
 
 VOCAB, NEW_TOKENS = 32, 40
 PROMPTS = [np.array([5, 9, 2, 30, 11, 7, 1]), np.array([17]), np.array([3, 3, 8])]
@@ -154,14 +155,14 @@ def test_the_stand_in_pair_gets_the_held_out_prompts():
 
 
 def test_the_command_line_sweep_rows_carry_their_size(tmp_path):
-    """python -m kdtree_lib.sweep rows name prompt_tokens and new_tokens, so largest_measurement ranks
+    """python -m kdtree_lib.acceptance rows name prompt_tokens and new_tokens, so largest_measurement ranks
     a bigger sweep above a smaller one appended later."""
-    from kdtree_lib import results, sweep
+    from kdtree_lib import acceptance, results
     common = ["--block-sizes", "8", "--budgets", "2", "4", "--live-budgets", "2", "--prompt-tokens", "16",
               "--temperature", "0", "--results-dir", str(tmp_path)]
-    assert sweep.main(common + ["--prompts-per-package", "1", "--new-tokens", "8"]) == 0
-    assert sweep.main(common + ["--prompts-per-package", "1", "--new-tokens", "4"]) == 0
-    rows = results.read_rows(sweep.TOPIC, results_dir=tmp_path)
+    assert acceptance.main(common + ["--prompts-per-package", "1", "--new-tokens", "8"]) == 0
+    assert acceptance.main(common + ["--prompts-per-package", "1", "--new-tokens", "4"]) == 0
+    rows = results.read_rows(acceptance.TOPIC, results_dir=tmp_path)
     assert all(r["new_tokens"] in ("8", "4") and r["prompt_tokens"] == "16" for r in rows)
-    picked = sweep.largest_measurement(rows, source="oracle", mode="tree", block_size=8)
+    picked = acceptance.largest_measurement(rows, source="oracle", mode="tree", block_size=8)
     assert picked and {r["new_tokens"] for r in picked} == {"8"}

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kdtree_lib.sweep import OracleRecord, accepted_at_every_position, mean_acceptance, round_lengths
+from kdtree_lib.acceptance import OracleRecord, accepted_at_every_position, mean_acceptance, round_lengths
 from kdtree_lib.tree_accept import accept
 from kdtree_lib.contracts import DraftTopK, root_to_node_paths
 from kdtree_lib.tree_build import build_tree, draft_topk
@@ -76,7 +76,7 @@ def test_depth_and_topk_slices_and_monotone_budget():
 
 
 def test_largest_measurement_reports_the_biggest_run_not_the_newest():
-    from kdtree_lib.sweep import largest_measurement
+    from kdtree_lib.acceptance import largest_measurement
     row = dict(source="oracle", block_size="8", mode="tree", temperature="0.0", pair="p", device="d")
     gpu = [dict(row, date="2026-01-01T00:00:00Z", commit="a", package=package, budget=str(b), prompts=prompts,
                 new_tokens="256", mean_acceptance=str(a))

@@ -23,7 +23,7 @@ context, where a live round continues from the tokens it sampled itself (both ar
 target), so it is compared with live runs (`live_rows`) rather than assumed.
 
 Rows (`oracle_rows`, `live_rows`, `monte_carlo_rows`) go to data/results/acceptance.csv:
-    python -m kdtree_lib.sweep --block-sizes 8 16 --prompts-per-package 8 --new-tokens 256   # on a GPU
+    python -m kdtree_lib.acceptance --block-sizes 8 16 --prompts-per-package 8 --new-tokens 256   # on a GPU
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ import torch
 
 from . import results
 from .checks import check_array, check_positive_int, framework, to_numpy
-from .decode import (Decoder, check_pair, decoder_capacity, generate, load_pair, prompt_list, random_pair,
-                     resolve_backend, stand_in_paths)
+from .decode import Decoder, check_pair, decoder_capacity, generate, prompt_list, resolve_backend
+from .pairs import pair_with_prompts
 from .tree_accept import accept
 from .contracts import DraftTopK
 from .tree_build import build_tree
@@ -428,72 +428,10 @@ def plot_acceptance_histogram(ax, rows: list[dict], *, title: str = "") -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# held-out prompts and the command line
-
-def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenizer_path=None) -> dict[str, list]:
-    """{package: [int64 token arrays]}: the first `per_package` committed held-out prompts of each
-    package (data/corpus/heldout_prompts.jsonl), each cut to its first `prompt_tokens` tokens."""
-    from .corpus import PROMPTS_PATH
-    from .tokenizer import TOKENIZER_PATH, load_tokenizer
-    tokenizer = load_tokenizer(tokenizer_path or TOKENIZER_PATH)
-    prompts: dict[str, list] = {}
-    for line in Path(path or PROMPTS_PATH).read_text().splitlines():
-        document = json.loads(line)
-        chosen = prompts.setdefault(document["package"], [])
-        if len(chosen) < per_package:
-            chosen.append(np.asarray(tokenizer.encode(document["text"]).ids[:prompt_tokens], np.int64))
-    return prompts
-
-
-@dataclass
-class PairWithPrompts:
-    """A target, its drafter, and held-out prompts in their vocabulary (what notebooks 10 and 11 run)."""
-    target: object
-    drafter: object
-    description: str                       # what the notebooks print: which pair, and why
-    name: str                              # the rows' `pair` column
-    stand_in: bool                         # the trained stand-in pair (False: a tiny random pair)
-    packages: dict[str, list[np.ndarray]]  # {package: [int64 ids]}; "random" for a random pair
-
-    @property
-    def prompts(self) -> list[np.ndarray]:
-        """Every package's prompts, packages interleaved (the first B mix the packages)."""
-        groups = list(self.packages.values())
-        return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
-
-
-def pair_with_prompts(block_size: int = 8, *, prompts_per_package: int = 1, prompt_tokens: int = 32, models_dir=None,
-                      device="cpu", dtype=torch.float32, vocab: int = 64, seed: int = 0) -> PairWithPrompts:
-    """The pair and its prompts, decided together so that they always agree: the trained stand-in
-    pair of this block size with the committed held-out prompts (encoded by the target folder's
-    tokenizer) when both checkpoints exist, else a tiny random pair (`vocab`) with random ids under
-    the package name "random" (its acceptance numbers mean nothing, and the description says so)."""
-    prompts_per_package = check_positive_int("prompts_per_package", prompts_per_package)
-    prompt_tokens = check_positive_int("prompt_tokens", prompt_tokens)
-    target_path, drafter_path = stand_in_paths(block_size, models_dir)
-    if (target_path / "config.json").is_file() and (drafter_path / "config.json").is_file():
-        target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
-        tokenizer = target_path / "tokenizer.json"
-        packages = package_prompts(prompts_per_package, prompt_tokens,
-                                   tokenizer_path=tokenizer if tokenizer.is_file() else None)
-        target_vocab = target.config.vocab_size
-        too_large = [name for name, group in packages.items() if any(p.max() >= target_vocab for p in group)]
-        if too_large:
-            raise ValueError(f"models_dir: the held-out prompts of {too_large} have ids >= {target_path.name}'s "
-                             f"vocabulary {target_vocab} (a tokenizer of another pair?)")
-        name = f"{target_path.name}+{drafter_path.name}"
-        return PairWithPrompts(target, drafter, f"stand-in pair {target_path.name} + {drafter_path.name}", name, True,
-                               packages)
-    target, drafter = random_pair(vocab=vocab, block_size=block_size, seed=seed, device=device, dtype=dtype)
-    rng = np.random.default_rng(seed)
-    packages = {"random": [rng.integers(0, vocab, size=prompt_tokens) for _ in range(2 * prompts_per_package)]}
-    description = (f"tiny RANDOM pair (vocab {vocab}, block {block_size}) with random prompts: {target_path} or "
-                   f"{drafter_path} has no checkpoint, so acceptance numbers mean nothing")
-    return PairWithPrompts(target, drafter, description, f"random-v{vocab}-b{block_size}", False, packages)
-
+# the command line
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.sweep", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.acceptance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])

@@ -1,0 +1,362 @@
+"""The W4A16 MoE of a verify step (kdtree_lib/moe.py, kernels/moe_int4.cu).
+
+CPU: the kernel layout is a lossless permutation of the checkpoint's (and its fragment mapping is
+the one docs/moe-int4.md and the kernel read), the reference equals dequantize-then-matmul, TP and EP
+shards sum to the whole, bad inputs are refused naming the tensor, the launch plan fits both targets,
+and nvcc builds the kernels for sm_90 and sm_120 without spills.
+GPU (`-m gpu`): the kernel against the dequantized fp32 reference at K2.6's per-rank shapes (TP=1 and
+the TP=8 slice), M from 1 to 4096 with ragged loads, outputs poisoned, error at most twice torch bf16's
+on the same dequantized weights; CUDA-graph replay equals eager bit for bit.
+"""
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kdtree_lib import cuda, moe  # noqa: E402
+from kdtree_lib.model.checkpoint import dequantize_int4, quantize_int4  # noqa: E402
+
+K26 = {"hidden": 7168, "width": 2048, "experts": 384, "top_k": 8}
+SM120_LIMITS = moe.SM120_SMEM_PER_BLOCK
+H200_SMEM_PER_BLOCK = 232448
+
+
+def checkpoint_experts(n_experts, hidden, width, *, seed=0):
+    """Stacked checkpoint-layout INT4 tensors of random experts (quantize_int4, the format's writer)."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(n_experts, 2 * width, hidden, generator=generator) / hidden ** 0.5
+    down = torch.randn(n_experts, hidden, width, generator=generator) / width ** 0.5
+    packed = [[quantize_int4(w) for w in stack] for stack in (gate_up, down)]
+    return [torch.stack([p[i] for p in stack]) for stack in packed for i in (0, 1)]
+
+
+def routing(tokens, n_experts, top_k, *, seed=0, total=None):
+    rng = np.random.default_rng(seed)
+    routes = np.stack([rng.choice(total or n_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    return routes, weights
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the layout
+
+def test_repack_is_a_lossless_permutation():
+    gate_up_packed, gate_up_scale, *_ = checkpoint_experts(3, 128, 64)
+    codes, scales = moe.repack(gate_up_packed, gate_up_scale)
+    assert codes.shape == (3, 128 // 16, 128 // 64, 32, 4) and scales.shape == (3, 8, 2, 8, 2, 2)
+    assert codes.numel() * 4 + scales.numel() * 2 == gate_up_packed.numel() * 4 + gate_up_scale.numel() * 2  # 4.5 bits
+    packed, scale = moe.unpack(codes, scales)
+    assert torch.equal(packed, gate_up_packed) and torch.equal(scale, gate_up_scale)
+    assert torch.equal(moe.dequantize(gate_up_packed, gate_up_scale)[2],
+                       dequantize_int4(gate_up_packed[2], gate_up_scale[2], moe.GROUP_SIZE))
+
+
+def test_fragment_mapping_matches_the_kernel():
+    """Emulate what lane (g, c) of kernels/moe_int4.cu reads: A register i of word b holds, low half
+    then high half, nibbles i and i + 4 = (row g + 8·(i % 2), input 16c + 4b + 2·(i // 2) + {0, 1}),
+    scaled by that row's group 2·chunk + c // 2; the B register pair of step b is activations
+    16c + 4b + {0, 1} and {2, 3}, which the same k order makes consecutive."""
+    rows, inputs = 128, 128
+    packed, scale, *_ = checkpoint_experts(1, inputs, rows // 2)
+    weight = moe.dequantize(packed, scale)[0]                                  # [rows, inputs]
+    codes, scales = moe.repack(packed, scale)
+    words = codes[0].numpy().view(np.uint32)                                   # [tiles, chunks, 32, 4]
+    pairs = scales[0].reshape(rows // 16, inputs // 64, 8, 2, 2).float().numpy()
+    for tile in range(rows // 16):
+        for chunk in range(inputs // 64):
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                for b in range(4):
+                    for i in range(4):
+                        row = 16 * tile + g + 8 * (i % 2)
+                        s = pairs[tile, chunk, g, c // 2, i % 2]
+                        for half in range(2):
+                            code = (int(words[tile, chunk, lane, b]) >> (4 * (i + 4 * half))) & 0xF
+                            column = 64 * chunk + 16 * c + 4 * b + 2 * (i // 2) + half
+                            assert (code - 8) * s == weight[row, column]
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the reference
+
+def test_reference_equals_dequantize_then_matmul():
+    hidden, width, n_experts, top_k, tokens = 128, 64, 6, 3, 11
+    tensors = checkpoint_experts(n_experts, hidden, width, seed=1)
+    experts = moe.Int4Experts.from_checkpoint(*tensors, hidden=hidden, width=width, experts_per_repack=4)
+    routes, weights = routing(tokens, n_experts, top_k, seed=2)
+    x = np.random.default_rng(3).standard_normal((tokens, hidden)).astype(np.float32)
+    out = moe.moe_forward(x, routes, weights, experts, backend="numpy")
+    gate_up = dequantize_int4(tensors[0].reshape(-1, hidden // 8), tensors[1].reshape(-1, hidden // 32), 32)
+    down = dequantize_int4(tensors[2].reshape(-1, width // 8), tensors[3].reshape(-1, width // 32), 32)
+    gate_up = gate_up.double().numpy().reshape(n_experts, 2 * width, hidden)
+    down = down.double().numpy().reshape(n_experts, hidden, width)
+    expected = np.zeros((tokens, hidden))
+    for t in range(tokens):
+        for s in range(top_k):
+            gate, up = np.split(gate_up[routes[t, s]] @ x[t].astype(np.float64), 2)
+            expected[t] += weights[t, s] * (down[routes[t, s]] @ (gate / (1 + np.exp(-gate)) * up))
+    assert out.dtype == np.float32
+    error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+    assert error < 64 * np.finfo(np.float32).eps  # fp32 sums of a few hundred terms
+    dense = moe.DenseExperts(torch.from_numpy(gate_up).float(), torch.from_numpy(down).float())
+    torch_out = moe.moe_forward(torch.from_numpy(x), torch.from_numpy(routes), torch.from_numpy(weights), dense,
+                                backend="torch")
+    assert np.linalg.norm(torch_out.numpy() - expected) / np.linalg.norm(expected) < 64 * np.finfo(np.float32).eps
+
+
+def test_tp_and_ep_shards_sum_to_the_whole():
+    hidden, width, n_experts, top_k, tokens = 64, 128, 4, 2, 9
+    tensors = checkpoint_experts(n_experts, hidden, width, seed=4)
+    whole = moe.Int4Experts.from_checkpoint(*tensors, hidden=hidden, width=width)
+    routes, weights = routing(tokens, n_experts, top_k, seed=5)
+    x = np.random.default_rng(6).standard_normal((tokens, hidden)).astype(np.float32)
+    full = moe.moe_forward(x, routes, weights, whole)
+    gate_up_packed, gate_up_scale, down_packed, down_scale = tensors
+    tp = []
+    for lo, hi in ((0, width // 2), (width // 2, width)):  # TP: a slice of every expert's width
+        rows = torch.cat([torch.arange(lo, hi), width + torch.arange(lo, hi)])
+        shard = moe.Int4Experts.from_checkpoint(gate_up_packed[:, rows], gate_up_scale[:, rows],
+                                                down_packed[:, :, lo // 8:hi // 8], down_scale[:, :, lo // 32:hi // 32],
+                                                hidden=hidden, width=hi - lo)
+        tp.append(moe.moe_forward(x, routes, weights, shard))
+    ep = []
+    for first in (0, n_experts // 2):  # EP: whole experts, half of them
+        part = slice(first, first + n_experts // 2)
+        shard = moe.Int4Experts.from_checkpoint(*(t[part] for t in tensors), hidden=hidden, width=width,
+                                                first_expert=first, total_experts=n_experts)
+        ep.append(moe.moe_forward(x, routes, weights, shard))
+    bound = 64 * np.finfo(np.float32).eps * np.linalg.norm(full)
+    assert np.linalg.norm(sum(tp) - full) < bound and np.linalg.norm(sum(ep) - full) < bound
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: bad input, refused before any launch
+
+def _small_case():
+    hidden, width, n_experts = 64, 64, 4
+    tensors = checkpoint_experts(n_experts, hidden, width)
+    experts = moe.Int4Experts.from_checkpoint(*tensors, hidden=hidden, width=width)
+    routes, weights = routing(5, n_experts, 2)
+    return tensors, experts, torch.randn(5, hidden), torch.from_numpy(routes), torch.from_numpy(weights)
+
+
+def test_packed_weights_that_disagree_with_the_config():
+    tensors, *_ = _small_case()
+    with pytest.raises(ValueError, match="gate_up_packed"):
+        moe.Int4Experts.from_checkpoint(*tensors, hidden=128, width=64)
+    with pytest.raises(ValueError, match="down_packed"):
+        moe.Int4Experts.from_checkpoint(tensors[0], tensors[1], tensors[2][:, :32], tensors[3], hidden=64, width=64)
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        moe.Int4Experts.from_checkpoint(tensors[0], tensors[1][..., :1], *tensors[2:], hidden=64, width=64)
+    with pytest.raises(ValueError, match="down_codes"):
+        experts = moe.Int4Experts.from_checkpoint(*tensors, hidden=64, width=64)
+        moe.Int4Experts(experts.gate_up_codes, experts.gate_up_scales, experts.down_codes[:, :2],
+                        experts.down_scales, hidden=64, width=64)
+    with pytest.raises(ValueError, match="x"):
+        _, experts, x, routes, weights = _small_case()
+        moe.moe_forward(x[:, :32], routes, weights, experts)
+
+
+def test_a_group_size_other_than_the_checkpoints():
+    tensors, *_ = _small_case()
+    with pytest.raises(ValueError, match="group_size"):
+        moe.Int4Experts.from_checkpoint(*tensors, hidden=64, width=64, group_size=64)
+
+
+def test_routes_out_of_range():
+    _, experts, x, routes, weights = _small_case()
+    for bad in (experts.n_experts, -1):
+        wrong = routes.clone()
+        wrong[3, 1] = bad
+        with pytest.raises(ValueError, match="routes"):
+            moe.moe_forward(x, wrong, weights, experts)
+    with pytest.raises(ValueError, match="routes"):
+        moe.moe_forward(x, routes[:4], weights, experts)
+
+
+def test_weights_with_nan():
+    tensors, experts, x, routes, weights = _small_case()
+    weights[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="weights"):
+        moe.moe_forward(x, routes, weights, experts)
+    scale = tensors[3].clone()
+    scale[1, 5, 0] = float("nan")
+    with pytest.raises(ValueError, match="down_scale"):
+        moe.Int4Experts.from_checkpoint(*tensors[:3], scale, hidden=64, width=64)
+
+
+def test_capacity_too_small():
+    _, experts, x, routes, weights = _small_case()
+    with pytest.raises(ValueError, match="capacity"):
+        moe.moe_forward(x, routes, weights, experts, capacity=routes.numel() - 1)
+    with pytest.raises(ValueError, match="capacity"):
+        moe.prepare_moe_launch(x, routes, weights, experts, capacity=3)
+
+
+def test_the_kernel_takes_bf16_cuda_tokens():
+    _, experts, x, routes, weights = _small_case()
+    with pytest.raises(ValueError, match="x: the cupy kernel"):
+        moe.prepare_moe_launch(x, routes, weights, experts)
+    with pytest.raises(ValueError, match="backend"):
+        moe.moe_forward(x, routes, weights, experts, backend="cupy")
+
+
+def test_the_error_check_rejects_known_wrong_answers():
+    """gpu-mode style: scales ignored, or one slot's weight dropped, must fail the GPU tests' bound."""
+    _, experts, x, routes, weights = _small_case()
+    ref = moe.moe_forward(x, routes, weights, experts, backend="torch")
+    bf16 = moe.moe_forward(x.bfloat16(), routes, weights, experts, backend="torch").float()
+    allowed = 2 * relative_error(bf16, ref)
+    dropped = weights.clone()
+    dropped[:, 1] = 0
+    assert relative_error(moe.moe_forward(x, routes, dropped, experts, backend="torch"), ref) > allowed
+    unscaled = moe.Int4Experts(experts.gate_up_codes, torch.ones_like(experts.gate_up_scales) / 64,
+                               experts.down_codes, experts.down_scales, hidden=64, width=64)
+    assert relative_error(moe.moe_forward(x, routes, weights, unscaled, backend="torch"), ref) > allowed
+
+
+def relative_error(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the plan and the builds
+
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, 9, 16, 17, 512, 4096])
+@pytest.mark.parametrize("smem", [SM120_LIMITS, H200_SMEM_PER_BLOCK], ids=["sm120", "h200"])
+def test_plan_fits_the_shapes_and_both_targets(tp, tokens, smem):
+    hidden, width = K26["hidden"], K26["width"] // tp
+    plan = moe.plan_moe(tokens, hidden, width, smem_per_block=smem)
+    gate_up, down = moe.GEMM_CONFIGS[plan.gate_up], moe.GEMM_CONFIGS[plan.down]
+    assert gate_up.gate_up and not down.gate_up
+    assert width % gate_up.rows_per_cta == 0 and hidden % down.rows_per_cta == 0
+    assert max(gate_up.smem_bytes, down.smem_bytes) <= SM120_LIMITS
+    assert gate_up.token_tiles == down.token_tiles == moe.token_tiles(tokens)
+    assert 8 * gate_up.token_tiles >= min(tokens, 32)
+    assert down.split == (1 if tp == 8 else moe.WARPS)  # the TP=8 slice's 256 inputs: whole rows per warp
+
+
+def test_plan_refuses_sizes_no_configuration_divides():
+    with pytest.raises(ValueError, match="width"):
+        moe.plan_moe(4, 7168, 64 + 8, smem_per_block=SM120_LIMITS)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
+def test_nvcc_builds_every_configuration_without_spills(arch, tmp_path):
+    report = cuda.nvcc_compile(moe.KERNEL_FILE, arch, tmp_path)
+    blocks = re.split(r"Compiling entry function '(\w+)'", report)[1:]
+    kernels = dict(zip(blocks[::2], blocks[1::2]))
+    assert set(moe.GEMM_CONFIGS) | {"moe_route", "moe_combine"} <= set(kernels)
+    for name, text in kernels.items():
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        registers = int(re.search(r"Used (\d+) registers", text)[1])
+        print(f"{arch} {name}: {registers} registers, {spills[1]}/{spills[2]} bytes spilled")
+        assert int(spills[1]) + int(spills[2]) == 0, f"{name} spills on {arch}"
+        assert registers <= 255
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: against the dequantized fp32 reference at K2.6's per-rank shapes
+
+SEED = int(os.environ.get("KDTREE_SEED", np.random.SeedSequence().entropy % 2 ** 31))
+
+
+@pytest.fixture(scope="module", params=[8, 1], ids=["tp8", "tp1"])
+def k26_experts(request):
+    """One MoE layer's routed experts on this rank: all 384, width 2048 / tp (TP inside the experts)."""
+    tp = request.param
+    experts = moe.random_experts(K26["experts"], K26["hidden"], K26["width"] // tp, seed=SEED, device="cuda")
+    yield tp, experts
+    del experts
+    torch.cuda.empty_cache()
+
+
+def gpu_routing(tokens, *, seed, load="uniform"):
+    """routes int32 [tokens, 8] (distinct experts per token) and fp32 weights on the GPU. load:
+    "uniform"; "one_expert": slot 0 of every token is expert 7; "few": all routes within 16 experts,
+    so most experts get no token."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    pool = 16 if load == "few" else K26["experts"]
+    scores = torch.rand(tokens, pool, generator=generator, device="cuda")
+    if load == "one_expert":
+        scores[:, 7] = 2.0  # always the top choice
+    routes = scores.topk(K26["top_k"], dim=-1).indices.to(torch.int32)
+    weights = torch.rand(tokens, K26["top_k"], generator=generator, device="cuda") * 2.5 / K26["top_k"]
+    return routes, weights
+
+
+CASES = [(1, "uniform"), (3, "uniform"), (8, "uniform"), (17, "uniform"), (64, "few"), (257, "uniform"),
+         (512, "one_expert"), (4096, "uniform"), (4096, "one_expert")]
+
+
+def _check_against_reference(experts, tokens, load, seed, **launch_options):
+    routes, weights = gpu_routing(tokens, seed=seed, load=load)
+    generator = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(tokens, experts.hidden, generator=generator, device="cuda").to(torch.bfloat16)
+    ref = moe.moe_forward(x.float(), routes, weights, experts, backend="torch")
+    bf16 = moe.moe_forward(x, routes, weights, experts, backend="torch")
+    out = torch.full_like(x, float("nan"))
+    launch = moe.prepare_moe_launch(x, routes, weights, experts, out=out, **launch_options)
+    launch()
+    kernel_error, torch_error = relative_error(out, ref), relative_error(bf16, ref)
+    print(f"seed={seed} M={tokens} {load} width={experts.width} {launch.plan.name}: kernel {kernel_error:.2e}, "
+          f"torch bf16 {torch_error:.2e}")
+    assert bool(torch.isfinite(out).all()), "NaN left in the poisoned output (a row not written)"
+    assert kernel_error <= 2 * torch_error
+    return launch, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"M{m}-{load}" for m, load in CASES])
+def test_kernel_matches_reference(k26_experts, case):
+    tp, experts = k26_experts
+    tokens, load = case
+    if tp == 1 and tokens in (3, 17, 257):
+        pytest.skip("TP=1 runs the smallest, the ragged and the largest cases (time)")
+    _check_against_reference(experts, tokens, load, SEED + tokens)
+
+
+@pytest.mark.gpu
+def test_every_configuration_and_a_padded_capacity(k26_experts):
+    tp, experts = k26_experts
+    for config in (c for c in moe.GEMM_CONFIGS.values()):
+        rows = 2 * experts.width if config.gate_up else experts.hidden
+        if (rows // 2 if config.gate_up else rows) % config.rows_per_cta:
+            continue
+        plan = moe.plan_moe(8 * config.token_tiles, experts.hidden, experts.width, smem_per_block=10 ** 6)
+        plan = moe.MoePlan(config.name, plan.down) if config.gate_up else moe.MoePlan(plan.gate_up, config.name)
+        _check_against_reference(experts, 8 * config.token_tiles + 3, "few", SEED, plan=plan, capacity=1000)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager(k26_experts):
+    _, experts = k26_experts
+    launch, eager = _check_against_reference(experts, 33, "uniform", SEED)
+    eager = eager.clone()
+    launch.out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(launch.out, eager)
+
+
+@pytest.mark.gpu
+def test_auto_backend_runs_the_kernel_on_bf16_cuda_tokens():
+    experts = moe.random_experts(16, 256, 128, seed=SEED, device="cuda")
+    routes = torch.randint(0, 16, (5, 4), device="cuda")
+    weights = torch.rand(5, 4, device="cuda")
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    out = moe.moe_forward(x, routes, weights, experts)
+    ref = moe.moe_forward(x.float(), routes, weights, experts)
+    assert out.dtype == torch.bfloat16 and ref.dtype == torch.float32
+    assert relative_error(out, ref) <= 2 * relative_error(moe.moe_forward(x, routes, weights, experts,
+                                                                          backend="torch"), ref)

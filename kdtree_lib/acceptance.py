@@ -344,87 +344,27 @@ def _progress(items, description: str, enabled: bool):
 
 
 # ----------------------------------------------------------------------------------------------
-# reading rows back and plotting them
+# reading rows back
+
+LATEST_KEYS = ("source", "package", "block_size", "mode", "budget", "temperature", "pair")
+
 
 def latest(rows: list[dict], **criteria) -> list[dict]:
-    """Rows matching `criteria` (compared as text), the newest row per (source, package, block,
-    mode, budget, temperature), oldest first."""
-    keys = ("source", "package", "block_size", "mode", "budget", "temperature", "pair")
-    newest = {}
-    for row in rows:
-        if all(_matches(row.get(k), v) for k, v in criteria.items()):
-            newest[tuple(str(row.get(k)) for k in keys)] = row
-    return list(newest.values())
+    """Rows matching `criteria`, the newest row per (source, package, block, mode, budget,
+    temperature, pair), oldest first."""
+    return results.newest_per(rows, LATEST_KEYS, **criteria)
 
 
 def largest_measurement(rows: list[dict], **criteria) -> list[dict]:
-    """The rows matching `criteria` of the biggest measurement (rows written together, by their
-    date/commit/device stamp; its size: prompts x new tokens summed over its packages), the newest
-    of equal ones: the numbers to report, whatever smaller (CPU-sized) runs were appended since."""
-    runs: dict[tuple, list[dict]] = {}
-    for row in rows:
-        if all(_matches(row.get(k), v) for k, v in criteria.items()):
-            runs.setdefault(tuple(row.get(k) for k in ("date", "commit", "device")), []).append(row)
-    if not runs:
-        return []
-
+    """The rows matching `criteria` of the biggest measurement (its size: prompts x new tokens summed
+    over its packages), newest per key: what to report, whatever smaller (CPU-sized) runs came since."""
     def size(run_rows) -> int:
         per_package = {}
         for row in run_rows:
             tokens = int(float(row.get("prompts") or 0)) * int(float(row.get("new_tokens") or 0))
             per_package[row.get("package")] = max(per_package.get(row.get("package"), 0), tokens)
         return sum(per_package.values())
-    biggest = max(runs.values(), key=lambda run_rows: (size(run_rows), run_rows[0].get("date") or ""))
-    return latest(biggest)
-
-
-def _matches(value, wanted) -> bool:
-    if isinstance(wanted, (int, float)) and not isinstance(wanted, bool):
-        try:
-            return float(value) == float(wanted)
-        except (TypeError, ValueError):
-            return False
-    return str(value) == str(wanted)
-
-
-def plot_acceptance_vs_budget(ax, rows: list[dict], *, title: str = "") -> None:
-    """Mean acceptance length vs budget (log2 axis): a line per (source, block size, mode), live
-    runs as markers with error bars where they have several seeds."""
-    groups = {}
-    for row in rows:
-        groups.setdefault((row["source"], int(float(row["block_size"])), row["mode"]), []).append(row)
-    styles = {"oracle": dict(marker=".", linestyle="-"), "monte_carlo": dict(marker=".", linestyle="--"),
-              "live": dict(marker="o", linestyle="none", markersize=7, markerfacecolor="none")}
-    colors = {}
-    for (source, block, mode), group in sorted(groups.items()):
-        group.sort(key=lambda r: float(r["budget"]))
-        budget = np.array([float(r["budget"]) for r in group])
-        mean = np.array([float(r["mean_acceptance"]) for r in group])
-        error = np.array([float(r.get("stderr") or "nan") for r in group])
-        color = colors.setdefault((block, mode), f"C{len(colors)}")
-        label = f"{source.replace('_', ' ')}, block {block}" + (", chain" if mode == "chain" else "")
-        ax.errorbar(budget, mean, yerr=np.where(np.isfinite(error), error, 0), color=color, label=label,
-                    **styles.get(source, {}))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (draft nodes per tree)")
-    ax.set_ylabel("mean acceptance length (tokens per round)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def plot_acceptance_histogram(ax, rows: list[dict], *, title: str = "") -> None:
-    """Fraction of rounds by acceptance length, one bar group per row (e.g. a few budgets)."""
-    width = 0.8 / max(len(rows), 1)
-    for i, row in enumerate(rows):
-        counts = np.array(json.loads(row["histogram"]), float)
-        lengths = np.arange(1, len(counts) + 1)
-        ax.bar(lengths + (i - (len(rows) - 1) / 2) * width, counts / max(counts.sum(), 1), width=width,
-               label=f"budget {int(float(row['budget']))}, block {int(float(row['block_size']))}")
-    ax.set_xlabel("acceptance length (tokens per round)")
-    ax.set_ylabel("fraction of rounds")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    return latest(results.largest_run(rows, size, **criteria))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,9 +83,55 @@ def parse_number(text):
     return text
 
 
+def matches(value, wanted) -> bool:
+    """Whether a cell (text from a file, or a parsed value) holds `wanted`: numbers compare as numbers
+    ("8", 8 and 8.0 are one value), a boolean as its text or 0/1, everything else as text."""
+    if isinstance(wanted, bool):
+        return str(value) in (str(wanted), str(int(wanted)))
+    if isinstance(wanted, (int, float)):
+        try:
+            return float(value) == float(wanted)
+        except (TypeError, ValueError):
+            return False
+    return str(value) == str(wanted)
+
+
+def select(rows: list[dict], **where) -> list[dict]:
+    """The rows whose every column in `where` holds the given value (see `matches`)."""
+    return [row for row in rows if all(matches(row.get(column), wanted) for column, wanted in where.items())]
+
+
+def newest_per(rows: list[dict], keys: tuple[str, ...], **where) -> list[dict]:
+    """Of the rows matching `where`, the last one (in file order: the newest) per value of `keys`."""
+    newest = {}
+    for row in select(rows, **where):
+        newest[tuple(str(row.get(k)) for k in keys)] = row
+    return list(newest.values())
+
+
+def largest_run(rows: list[dict], size, **where) -> list[dict]:
+    """The rows matching `where` of the biggest measurement by size(its rows), the newest of equal ones:
+    the numbers to report, whatever smaller runs were appended since. A measurement is the rows
+    written together (one date/commit/device stamp)."""
+    runs: dict[tuple, list[dict]] = {}
+    for row in select(rows, **where):
+        runs.setdefault(tuple(row.get(k) for k in STAMP_COLUMNS), []).append(row)
+    if not runs:
+        return []
+    return max(runs.values(), key=lambda run_rows: (size(run_rows), max(r.get("date") or "" for r in run_rows)))
+
+
+def as_float(cell) -> float:
+    """A cell as a float, nan when empty or not a number (for arithmetic and plotting)."""
+    try:
+        return float(cell)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def latest_run(rows: list[dict], **fixed) -> list[dict]:
-    """The rows of the newest run, numbers parsed; with `fixed` (column=value, as strings in the
-    file), of the newest run holding such a row. A run is its `run` stamp (rows from before that
+    """The rows of the newest run, numbers parsed; with `fixed` (column=value, see `matches`), of the
+    newest run holding such a row. A run is its `run` stamp (rows from before that
     column existed are grouped by commit and device)."""
     runs = recent_runs(rows, 1, **fixed)
     return runs[0] if runs else []
@@ -96,7 +142,7 @@ def recent_runs(rows: list[dict], count: int | None = None, **fixed) -> list[lis
     `fixed` as in latest_run. A run's age is its newest row's date."""
     newest = {}
     for row in rows:
-        if all(row.get(k) == v for k, v in fixed.items()):
+        if all(matches(row.get(k), v) for k, v in fixed.items()):
             run = _run_id(row)
             newest[run] = max(newest.get(run, ""), row["date"])
     order = sorted(newest, key=newest.get, reverse=True)[:count]

@@ -14,10 +14,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kdtree_lib import results
 from kdtree_lib.pairs import pair_with_prompts, random_pair
 from kdtree_lib.decode import generate
+from kdtree_lib.plots.acceptance import plot_acceptance_histogram, plot_acceptance_vs_budget
 from kdtree_lib.acceptance import (SampledRecord, accepted_at_every_position, latest, live_rows,
-                                   monte_carlo_acceptance, monte_carlo_rows, oracle_rows, plot_acceptance_histogram,
-                                   plot_acceptance_vs_budget, record_oracle, record_sampled, round_lengths,
-                                   sampled_accepted)
+                                   monte_carlo_acceptance, monte_carlo_rows, oracle_rows, record_oracle,
+                                   record_sampled, round_lengths, sampled_accepted)
 
 VOCAB, NEW_TOKENS = 32, 40
 PROMPTS = [np.array([5, 9, 2, 30, 11, 7, 1]), np.array([17]), np.array([3, 3, 8])]

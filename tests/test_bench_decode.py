@@ -1,7 +1,7 @@
 """bench_decode.summary: the issue's two bars and the pair's draft-bound ceiling, from rows."""
 import pytest
 
-from kdtree_lib import bench_decode
+from kdtree_lib.bench import decode as bench_decode
 
 
 def _row(impl, method, budget, graph, tokens_per_second, acceptance, ms_per_round):

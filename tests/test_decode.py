@@ -366,7 +366,7 @@ def test_gpu_stage_times_use_cuda_events(gpu_pair):
 
 def test_reference_style_baseline_equals_transformers_greedy():
     pytest.importorskip("transformers")
-    from kdtree_lib.bench_decode import reference_style_generate
+    from kdtree_lib.bench.decode import reference_style_generate
     from kdtree_lib.dflash import DFlashConfig, DFlashDrafter
     from kdtree_lib.pairs import tiny_config
     from kdtree_lib.model.reference import random_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib.bench_decode import load_official
+from kdtree_lib.bench.decode import load_official
 from kdtree_lib.pairs import pair_with_prompts, stand_in_paths
 from kdtree_lib.decode import generate
 

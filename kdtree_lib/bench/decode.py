@@ -16,7 +16,7 @@ warm-up compiles the kernels and captures the graph), with the same prompts and 
 - impl "official": the paper's official code itself (github.com/liranringel/ddtree), imported from
   a local copy named by --official (never committed), on the same pair, prompt and budgets, batch 1.
 
-    python -m kdtree_lib.bench_decode [--quick] [--official DIR] [--results-dir DIR]    # on a GPU
+    python -m kdtree_lib.bench.decode [--quick] [--official DIR] [--results-dir DIR]    # on a GPU
 
 The summary checks the issue's targets from the rows: DDTree >= 5x the reference implementation's
 tokens/s at the same budget (batch 1; the official code's rows, and the reference style's), and
@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import results
-from .pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
-from .decode import STAGES, DecodeResult, generate
-from .dflash import hf_features, load_drafter
-from .tree_accept import accept
-from .contracts import DraftTopK, unpack_mask
-from .tree_build import build_tree
+from .. import results
+from ..pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
+from ..decode import STAGES, DecodeResult, generate
+from ..dflash import hf_features, load_drafter
+from ..tree_accept import accept
+from ..contracts import DraftTopK, unpack_mask
+from ..tree_build import build_tree
 
 TOPIC = "decode"
 BATCHES = (1, 8)
@@ -283,23 +283,7 @@ def _line(r: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # reading rows back
 
-def _number(text):
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def latest_rows(rows: list[dict]) -> list[dict]:
-    """The newest row per (impl, method, batch, budget, cuda_graph, pair)."""
-    newest = {}
-    for r in rows:
-        newest[tuple(str(r.get(k)) for k in ("impl", "method", "batch", "budget", "cuda_graph", "pair"))] = r
-    return list(newest.values())
-
-
-def select(rows: list[dict], **where) -> list[dict]:
-    return [r for r in rows if all(str(r.get(k)) == str(v) for k, v in where.items())]
+LATEST_KEYS = ("impl", "method", "batch", "budget", "cuda_graph", "pair")
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -312,20 +296,20 @@ def summary(rows: list[dict]) -> list[dict]:
     as much as the target (the stand-in pair: 5 drafter layers, 6 target layers, all latency-bound),
     that ceiling sits near acceptance / 2 whatever the tree code does; `vs_ceiling` is the share of
     it DDTree reaches, the part the implementation owns."""
-    rows = latest_rows(rows)
+    rows = results.newest_per(rows, LATEST_KEYS)
     lines = []
-    for r in select(rows, impl="kdtree", method="ddtree", cuda_graph=True):
+    for r in results.select(rows, impl="kdtree", method="ddtree", cuda_graph=True):
         batch, budget = r["batch"], r["budget"]
-        ar = select(rows, impl="kdtree", method="ar", cuda_graph=True, batch=batch)
-        reference = select(rows, impl="reference_style", batch=batch, budget=budget)
-        official = select(rows, impl="official", batch=batch, budget=budget)
-        eager = select(rows, impl="kdtree", method="ddtree", cuda_graph=False, batch=batch, budget=budget)
-        chain = select(rows, impl="kdtree", method="chain", cuda_graph=True, batch=batch)
-        speed, acceptance = _number(r["tokens_per_second"]), _number(r["mean_acceptance"])
+        ar = results.select(rows, impl="kdtree", method="ar", cuda_graph=True, batch=batch)
+        reference = results.select(rows, impl="reference_style", batch=batch, budget=budget)
+        official = results.select(rows, impl="official", batch=batch, budget=budget)
+        eager = results.select(rows, impl="kdtree", method="ddtree", cuda_graph=False, batch=batch, budget=budget)
+        chain = results.select(rows, impl="kdtree", method="chain", cuda_graph=True, batch=batch)
+        speed, acceptance = results.as_float(r["tokens_per_second"]), results.as_float(r["mean_acceptance"])
         speedup = _ratio(speed, ar)
-        ceiling = (acceptance * _number(ar[0]["ms_per_round"]) / _number(chain[0]["ms_per_round"])
+        ceiling = (acceptance * results.as_float(ar[0]["ms_per_round"]) / results.as_float(chain[0]["ms_per_round"])
                    if ar and chain else float("nan"))
-        lines.append({"batch": int(_number(batch)), "budget": int(_number(budget)), "tokens_per_second": speed,
+        lines.append({"batch": int(results.as_float(batch)), "budget": int(results.as_float(budget)), "tokens_per_second": speed,
                       "mean_acceptance": acceptance, "speedup_vs_ar": speedup,
                       "speedup_target": 0.8 * acceptance, "meets_speedup_target": speedup >= 0.8 * acceptance,
                       "draft_bound_ceiling": ceiling, "vs_ceiling": speedup / ceiling,
@@ -336,58 +320,11 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def _ratio(speed: float, baseline: list[dict]) -> float:
     """speed over the baseline row's tokens/s (nan without one)."""
-    return speed / _number(baseline[0]["tokens_per_second"]) if baseline and baseline[0].get("tokens_per_second") else float("nan")
-
-
-def plot_throughput(ax, rows: list[dict], *, batch: int) -> None:
-    """Tokens/s vs budget: DDTree graph and eager, host-tree and reference-style lines; AR and chain
-    as horizontal lines."""
-    rows = latest_rows(rows)
-    series = [("kdtree", "ddtree", True, "DDTree, CUDA graph", "-o"), ("kdtree", "ddtree", False, "DDTree, eager", "--o"),
-              ("host_tree", "ddtree", False, "DDTree, host heap tree", ":s"),
-              ("reference_style", "ddtree", False, "reference style (transformers + heapq + dense mask)", "-.^"),
-              ("official", "ddtree", False, "the paper's official code (transformers, sdpa)", "-.v")]
-    for impl, method, graph, label, style in series:
-        chosen = sorted(select(rows, impl=impl, method=method, cuda_graph=graph, batch=batch),
-                        key=lambda r: _number(r["budget"]))
-        chosen = [r for r in chosen if r.get("tokens_per_second")]
-        if chosen:
-            ax.plot([_number(r["budget"]) for r in chosen], [_number(r["tokens_per_second"]) for r in chosen],
-                    style, label=label)
-    for index, (method, label) in enumerate((("ar", "autoregressive"), ("chain", "DFlash chain"))):
-        chosen = (select(rows, impl="kdtree", method=method, cuda_graph=True, batch=batch)
-                  or select(rows, impl="kdtree", method=method, cuda_graph=False, batch=batch))
-        for r in chosen[:1]:
-            graph = "graph" if str(r["cuda_graph"]) == "True" else "eager"
-            ax.axhline(_number(r["tokens_per_second"]), color=f"C{5 + index}", linestyle=":", label=f"{label}, {graph}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("budget (draft nodes per tree)")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"batch {batch}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-
-
-def plot_stage_breakdown(ax, rows: list[dict], *, batch: int) -> None:
-    """Stacked ms per round by stage (eager, CUDA events) for AR, chain and DDTree at each budget."""
-    rows = [r for r in select(latest_rows(rows), impl="kdtree", cuda_graph=False, batch=batch)
-            if r.get("draft_ms_per_round") not in (None, "")]
-    rows.sort(key=lambda r: (("ar", "chain", "ddtree").index(r["method"]), _number(r["budget"])))
-    labels = [r["method"] if r["method"] != "ddtree" else f"tree {int(_number(r['budget']))}" for r in rows]
-    bottom = np.zeros(len(rows))
-    for stage in STAGES:
-        values = np.array([_number(r[f"{stage}_ms_per_round"]) for r in rows])
-        ax.bar(labels, values, bottom=bottom, label=stage)
-        bottom += values
-    ax.set_ylabel("ms per round")
-    ax.set_title(f"stage times per round, batch {batch} (eager)")
-    ax.tick_params(axis="x", rotation=45)
-    ax.legend(fontsize=8)
+    return speed / results.as_float(baseline[0]["tokens_per_second"]) if baseline and baseline[0].get("tokens_per_second") else float("nan")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench_decode", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"budgets {QUICK_BUDGETS}, one repeat")
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -198,8 +198,8 @@ __device__ __forceinline__ void gemm_cta(const uint4* __restrict__ codes, const 
 #pragma unroll
       for (int tt = 0; tt < kTokenTiles; ++tt) {
         const uint4* src = reinterpret_cast<const uint4*>(act_at[tt] + j * kChunk);
-        s.act[tt][0] = act_valid[tt] ? src[0] : make_uint4(0, 0, 0, 0);
-        s.act[tt][1] = act_valid[tt] ? src[1] : make_uint4(0, 0, 0, 0);
+        s.act[tt][0] = act_valid[tt] ? src[0] : uint4{0u, 0u, 0u, 0u};
+        s.act[tt][1] = act_valid[tt] ? src[1] : uint4{0u, 0u, 0u, 0u};
       }
     };
     float acc[kTiles][kTokenTiles][4];
@@ -298,8 +298,8 @@ __device__ __forceinline__ void combine_token(const u16* __restrict__ y, const i
         sum[2 * q + 1] += w * __uint_as_float(pairs[q] & 0xffff0000u);
       }
     }
-    const uint4 packed = make_uint4(pack_bf16x2(sum[0], sum[1]), pack_bf16x2(sum[2], sum[3]),
-                                    pack_bf16x2(sum[4], sum[5]), pack_bf16x2(sum[6], sum[7]));
+    const uint4 packed = uint4{pack_bf16x2(sum[0], sum[1]), pack_bf16x2(sum[2], sum[3]), pack_bf16x2(sum[4], sum[5]),
+                               pack_bf16x2(sum[6], sum[7])};
     *reinterpret_cast<uint4*>(out + (i64)token * hidden + column) = packed;
   }
 }
@@ -369,6 +369,3 @@ MOE_GEMM(moe_down_t2_s1_tt4_d4, false, 2, 1, 4, 4)
 MOE_GEMM(moe_down_t1_s8_tt1_d4, false, 1, 8, 1, 4)
 MOE_GEMM(moe_down_t1_s8_tt2_d4, false, 1, 8, 2, 4)
 MOE_GEMM(moe_down_t1_s8_tt4_d4, false, 1, 8, 4, 4)
-
-// An empty kernel: the fixed cost of one launch under the benchmark's timing.
-extern "C" __global__ void moe_launch_floor() {}

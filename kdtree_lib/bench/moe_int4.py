@@ -1,0 +1,186 @@
+"""One MoE layer's routed experts at K2.6 shapes on one GPU: the INT4 kernel against torch's bf16
+grouped matmul and the roofline, per tokens M = B·N of a verify step.
+
+    python -m kdtree_lib.bench.moe_int4 [--quick] [--tp 1 8] [--reps 10]
+
+Rows go to data/results/moe_int4.csv ($KDTREE_RESULTS_DIR overrides), one per (tp, routing, M,
+provider), with date, commit, device and every parameter. Providers, timed in the same run:
+- `kernel`: the launcher's plan for this device;
+- `kernel_99kb`: the plan for 99 KB of shared memory per block (the sm_120 box's limit);
+- `torch_bf16`: model.Experts.grouped (torch._grouped_mm) on bf16 experts of the same shapes (random
+  values: a GEMM's time does not depend on them, and the weights are not zeros);
+- `roofline`: the bytes a call must move (codes + scales of the distinct experts hit, tokens in and
+  out in bf16) at the copy bandwidth measured in the run (bytes read plus written).
+Routing: "uniform" (each token k distinct experts, uniform) or "correlated" (tokens of a tree route
+alike: 1 + (M − 1)(1 − c) independent expert sets shared among the tokens, projection's model of the
+union, with c = CORRELATION, an assumption until the stand-in router's fit is measured).
+Each call's time is timing.gpu_seconds (L2 flushed before each repeat).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from .. import moe, results
+from ..paths import K26_CONFIG
+from . import ceilings, timing
+
+TOPIC = "moe_int4"
+TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+QUICK_TOKENS = (1, 8, 64, 512)
+ROUTINGS = ("uniform", "correlated")
+TPS = (8, 1)
+CORRELATION = 0.6
+TARGET_TP = 8           # the issue's targets are for the TP=8 slice
+TARGET_MIN_TOKENS = 8   # >= 70% of the roofline from M = 8
+TARGET_PCT = 70.0
+SINGLE_TOKEN_SLACK = 1.5  # M = 1: within 1.5x of roofline + one empty launch
+
+
+def make_routing(tokens: int, n_experts: int, top_k: int, kind: str, *, seed: int, device="cuda",
+                 correlation: float = CORRELATION):
+    """routes int32 [tokens, k] and fp32 weights [tokens, k] of one of ROUTINGS."""
+    import torch
+    if kind not in ROUTINGS:
+        raise ValueError(f"kind: expected one of {ROUTINGS}, got {kind!r}")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    independent = tokens if kind == "uniform" else max(1, round(1 + (tokens - 1) * (1 - correlation)))
+    sets = torch.rand(independent, n_experts, generator=generator, device=device).topk(top_k, dim=-1).indices
+    owner = torch.randperm(tokens, generator=generator, device=device) % independent
+    weights = torch.rand(tokens, top_k, generator=generator, device=device) * 2.5 / top_k
+    return sets[owner].to(torch.int32).contiguous(), weights
+
+
+def torch_baseline(config, tp: int, device="cuda"):
+    """model.Experts of the TP=tp slice (rank 0, "tp" sharding) with random bf16 weights."""
+    import torch
+    from ..model.model import Experts
+    from ..model.tp import TensorParallel
+    with torch.device(device):
+        experts = Experts(config, TensorParallel(rank=0, size=tp), "tp").to(torch.bfloat16).requires_grad_(False)
+    for weight in experts.parameters():
+        weight.normal_(0, 0.02)
+    return experts
+
+
+def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, log=print) -> list[dict]:
+    """Time every provider on every (tp, routing, M), appending each tp's rows as it goes."""
+    import torch
+    from ..model.config import load_config
+    config = load_config(K26_CONFIG)
+    run_stamp = results.stamp()["date"]
+    bandwidth = ceilings.copy_bandwidth()
+    floor = ceilings.launch_floor_seconds()
+    log(f"copy {bandwidth / 1e12:.2f} TB/s, empty launch {floor * 1e6:.2f} us")
+    rows = []
+    for tp in tps:
+        width = config.moe_intermediate_size // tp
+        experts = moe.random_experts(config.n_routed_experts, config.hidden_size, width, seed=tp, device="cuda")
+        baseline = torch_baseline(config, tp)
+        tp_rows = []
+        for routing in routings:
+            for m in tokens:
+                routes, weights = make_routing(m, config.n_routed_experts, config.num_experts_per_tok, routing,
+                                               seed=m)
+                x = torch.randn(m, config.hidden_size, device="cuda").to(torch.bfloat16)
+                need = moe.touched_bytes(routes, experts)
+                n_bytes = need["weight_bytes"] + need["activation_bytes"]
+                roofline = n_bytes / bandwidth
+                launch = moe.prepare_moe_launch(x, routes, weights, experts)
+                box_plan = moe.plan_moe(m, experts.hidden, width, smem_per_block=moe.SM120_SMEM_PER_BLOCK)
+                box = moe.prepare_moe_launch(x, routes, weights, experts, plan=box_plan)
+                long_routes = routes.long()
+                times = {"kernel": (timing.gpu_seconds(launch, reps=reps), launch.plan.name),
+                         "kernel_99kb": (timing.gpu_seconds(box, reps=reps), box_plan.name),
+                         "torch_bf16": (timing.gpu_seconds(lambda: baseline.grouped(x, long_routes, weights),
+                                                           reps=reps), None),
+                         "roofline": (roofline, None)}
+                common = {"run": run_stamp, "tp": tp, "hidden": experts.hidden, "width": width,
+                          "experts": experts.n_experts, "top_k": config.num_experts_per_tok, "routing": routing,
+                          "correlation": CORRELATION if routing == "correlated" else 0.0, "tokens": m,
+                          "experts_hit": need["experts_hit"], "weight_bytes": need["weight_bytes"],
+                          "activation_bytes": need["activation_bytes"], "bytes": n_bytes, "reps": reps,
+                          "copy_tbps": round(bandwidth / 1e12, 3), "launch_floor_us": round(floor * 1e6, 2)}
+                for provider, (seconds, plan) in times.items():
+                    tp_rows.append({**common, "provider": provider, "plan": plan, "time_us": round(seconds * 1e6, 2),
+                                    "tbps": round(n_bytes / seconds / 1e12, 3),
+                                    "pct_roofline": round(100 * roofline / seconds, 1)})
+                log(f"tp={tp} {routing:10s} M={m:4d} hit={need['experts_hit']:3d} "
+                    f"{n_bytes / 1e6:8.1f} MB: kernel {times['kernel'][0] * 1e6:8.1f} us "
+                    f"({100 * roofline / times['kernel'][0]:5.1f}% roof), 99 KB {times['kernel_99kb'][0] * 1e6:8.1f} us, "
+                    f"torch bf16 {times['torch_bf16'][0] * 1e6:8.1f} us, roofline {roofline * 1e6:7.1f} us "
+                    f"[{launch.plan.name}]")
+        results.append_rows(TOPIC, tp_rows)
+        rows += tp_rows
+        del experts, baseline
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# reading the rows (notebook 07)
+
+def select(rows, **fixed) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
+
+
+def summary(rows, provider: str = "kernel") -> dict:
+    """The issue's targets read from one run: % of roofline for M >= 8 at the TP=8 slice (min and
+    median), and at M = 1 the time against 1.5x (roofline + one empty launch)."""
+    kernel = select(rows, provider=provider, tp=TARGET_TP)
+    roof = {(r["routing"], r["tokens"]): r["time_us"] for r in select(rows, provider="roofline", tp=TARGET_TP)}
+    targets = [r["pct_roofline"] for r in kernel if r["tokens"] >= TARGET_MIN_TOKENS]
+    single = [r for r in kernel if r["tokens"] == 1]
+    bounds = [SINGLE_TOKEN_SLACK * (roof[(r["routing"], 1)] + r["launch_floor_us"]) for r in single]
+    return {"provider": provider,
+            "pct_roofline_min": min(targets, default=None),
+            "pct_roofline_median": statistics.median(targets) if targets else None,
+            "shapes_at_target": sum(p >= TARGET_PCT for p in targets), "target_shapes": len(targets),
+            "single_token_us": [r["time_us"] for r in single], "single_token_bound_us": [round(b, 2) for b in bounds],
+            "single_token_ok": all(r["time_us"] <= b for r, b in zip(single, bounds)) if single else None}
+
+
+PROVIDER_STYLE = {"kernel": ("C0", "o-"), "kernel_99kb": ("C1", "x:"), "torch_bf16": ("C3", "s--"),
+                  "roofline": ("k", "--")}
+
+
+def plot_time(ax, rows, *, tp: int, routing: str):
+    """Time per call against M, one line per provider, on log axes."""
+    for provider, (color, style) in PROVIDER_STYLE.items():
+        picked = sorted(select(rows, provider=provider, tp=tp, routing=routing), key=lambda r: r["tokens"])
+        if picked:
+            ax.plot([r["tokens"] for r in picked], [r["time_us"] for r in picked], style, color=color, label=provider)
+    ax.set(xscale="log", yscale="log", xlabel="tokens M = B·N", ylabel="µs per call", title=f"TP={tp}, {routing}")
+    ax.legend(fontsize=8)
+
+
+def plot_union(ax, rows, *, tp: int):
+    """Experts hit and the kernel's time against M: time should follow the union, not M."""
+    for routing, style in zip(ROUTINGS, ("o-", "s--")):
+        picked = sorted(select(rows, provider="kernel", tp=tp, routing=routing), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in picked], [r["experts_hit"] for r in picked], style, color="C2",
+                label=f"experts hit, {routing}")
+    ax.set(xscale="log", xlabel="tokens M = B·N", ylabel="distinct experts hit", title=f"TP={tp}")
+    twin = ax.twinx()
+    for routing, style in zip(ROUTINGS, ("o-", "s--")):
+        picked = sorted(select(rows, provider="kernel", tp=tp, routing=routing), key=lambda r: r["tokens"])
+        twin.plot([r["tokens"] for r in picked], [r["time_us"] for r in picked], style, color="C0",
+                  label=f"kernel µs, {routing}")
+    twin.set_ylabel("kernel µs per call")
+    ax.legend(fontsize=8, loc="upper left")
+    twin.legend(fontsize=8, loc="lower right")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.moe_int4", description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_TOKENS} only")
+    parser.add_argument("--tp", type=int, nargs="+", default=list(TPS), choices=(1, 8))
+    args = parser.parse_args(argv)
+    run(args.tp, QUICK_TOKENS if args.quick else TOKENS, reps=args.reps)
+    for provider in ("kernel", "kernel_99kb"):
+        print(summary(results.latest_run(results.read_rows(TOPIC)), provider))
+
+
+if __name__ == "__main__":
+    main()

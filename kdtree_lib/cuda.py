@@ -7,7 +7,8 @@
   `__nv_bfloat16`), and kernels run on torch's current stream so no extra synchronisation is
   needed between torch ops and ours.
 - `nvcc_compile` builds a kernel file for a given architecture without a GPU (CI checks sm_90 and
-  sm_120 this way, sm_90a for the wgmma kernel, and reads registers and spills from ptxas).
+  sm_120 this way, sm_90a for the wgmma kernel); `ptxas_report` reads each kernel's registers,
+  spills and static shared memory from that build.
 - An architecture-specific build (sm_90a) goes through NVRTC directly: CuPy always targets the
   device's plain architecture.
 """
@@ -16,8 +17,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +119,44 @@ def nvcc_compile(file_name: str, arch: str, out_dir: Path) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"nvcc failed for {file_name} on {arch}:\n{done.stderr}")
     return done.stderr
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """One kernel's resources as ptxas reports them."""
+    registers: int     # 32-bit registers a thread
+    spill_stores: int  # bytes
+    spill_loads: int   # bytes
+    shared_bytes: int  # static shared memory (dynamic shared memory is the launcher's to ask for)
+
+    @property
+    def spilled_bytes(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+@dataclass(frozen=True)
+class PtxasReport:
+    """Every kernel of one nvcc build, by name, and ptxas' whole -v log (its warnings included)."""
+    kernels: dict[str, KernelResources]
+    log: str
+
+
+def ptxas_report(kernel_file: str, arch: str, out_dir: Path | None = None) -> PtxasReport:
+    """Registers, spills and static shared memory of every kernel in kernels/<kernel_file> built for
+    `arch` by nvcc (no GPU needed); the cubin goes to out_dir, or to a temporary folder."""
+    if out_dir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return ptxas_report(kernel_file, arch, Path(tmp))
+    log = nvcc_compile(kernel_file, arch, out_dir)
+    entries = re.split(r"Compiling entry function '(\w+)'", log)[1:]
+    kernels = {}
+    for name, text in zip(entries[::2], entries[1::2]):
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        shared = re.search(r"(\d+) bytes smem", text)
+        kernels[name] = KernelResources(registers=int(re.search(r"Used (\d+) registers", text)[1]),
+                                        spill_stores=int(spills[1]), spill_loads=int(spills[2]),
+                                        shared_bytes=int(shared[1]) if shared else 0)
+    return PtxasReport(kernels, log)
 
 
 # ----------------------------------------------------------------------------------------------

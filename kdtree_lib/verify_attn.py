@@ -31,13 +31,14 @@ CACHE_DIM = LATENT_DIM + ROPE_DIM
 # K2.6: softmax scale 1/sqrt(128 + 64) times YaRN's mscale squared, mscale = 1 + 0.1 ln(factor 64)
 DEFAULT_SCALE = (128 + 64) ** -0.5 * (1 + 0.1 * math.log(64)) ** 2
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_DTYPES = ("bfloat16", "float16")  # what the cupy kernel takes; "auto" runs torch for the others
 
 
 def verify_attention(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,
                      backend: str = "auto"):
     """Attention of every tree node over its request's cache and its ancestors: (o_latent, lse)."""
     batch, nodes, heads = _check_args(q_latent, q_rope, cache, lengths, tree, scale)
-    chosen = _backend.resolve(backend, ("torch", "numpy", "cupy"), q_latent, cache)
+    chosen = _backend.resolve(backend, ("torch", "numpy", "cupy"), q_latent, cache, kernel_dtypes=KERNEL_DTYPES)
     if chosen == "cupy":
         return _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale)
     torch = _torch()
@@ -185,6 +186,17 @@ class KernelConfig:
         return not self.wgmma and self.row_tiles == 1
 
     @property
+    def q_fragment_registers(self) -> int:
+        """32-bit registers a thread holds of Q across tiles: a 16 x 16 A fragment (4) per 16 of the
+        576 columns, or 0 where S reads Q from shared memory."""
+        return CACHE_DIM // 16 * 4 if self.q_in_registers else 0
+
+    @property
+    def accumulator_registers(self) -> int:
+        """fp32 registers a thread holds of O (rows x 512, spread over the CTA's threads)."""
+        return self.rows * LATENT_DIM // self.threads
+
+    @property
     def kernel_file(self) -> str:
         return KERNEL_FILE_SM90A if self.wgmma else KERNEL_FILE
 
@@ -219,7 +231,7 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
 )}
-# Measured on an H200 (bench_verify_attn.explore): two scoring warps win ~15% once compute-bound;
+# Measured on an H200 (python -m kdtree_lib.bench.verify_attn --explore): two scoring warps win ~15% once compute-bound;
 # where the wgmma kernel runs (compute capability 9.0) it wins ~1.5x over those at N·H >= 128,
 # L >= 32k (data/results/verify_attn.csv; notebook 05 keeps the history of its schedules).
 PREFERRED = {64: ("rows64_keys64_wgmma_pipelined", "rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
@@ -347,8 +359,8 @@ def _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale):
 def _check_kernel_args(q_latent, cache, tree: Tree, nodes: int, out=None, lse=None) -> bool:
     """What the kernel needs beyond _check_args (metadata only, no sync); True for float16."""
     dtype = dtype_name(q_latent)
-    if dtype not in ("bfloat16", "float16"):
-        raise ValueError(f"q_latent: the cupy kernel takes bfloat16 or float16, got {dtype}")
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"q_latent: the cupy kernel takes {' or '.join(KERNEL_DTYPES)}, got {dtype}")
     batch = int(q_latent.shape[0])
     if cache.shape[1] < nodes:
         raise ValueError(f"cache: L_max={cache.shape[1]} cannot hold the {nodes} tree nodes")

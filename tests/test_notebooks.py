@@ -55,6 +55,29 @@ def check_verify_attention(values, figures):
     assert {"02_verify_attention-key-mask.png", "02_verify_attention-tree-vs-linear.png"} <= figures
 
 
+def check_verify_attn_cupy(values, figures):
+    from kdtree_lib.bench.verify_attn import TARGET_PCT_ROOFLINE, TARGET_ROWS, TARGET_SPEEDUP
+    bound = values["latent_dim"] * np.finfo(np.float32).eps  # first-order rounding of a 512-term dot product
+    assert values["absorbed_relative_error"] < bound and values["absorbed_lse_relative_error"] < bound
+    assert values["sm120_pick_bytes"] <= values["sm120_block_bytes"]  # the 99 KB part's picks fit its block
+    for rows, plan in values["plans"].items():
+        if int(rows) >= 32:
+            assert plan["sm120"] == "rows32_keys32_stages2", plan
+        if int(rows) >= TARGET_ROWS:
+            assert plan["h200"] == "rows64_keys64_wgmma_pipelined", plan
+    if "ptxas_spilled_bytes" in values:  # where nvcc is installed
+        assert values["ptxas_spilled_bytes"] == 0 and values["ptxas_max_registers"] <= 255
+    for case, err in values.get("kernel_errors", {}).items():  # GPU runs only
+        assert err["finite"] and err["rel_err"] <= 1e-2 and err["lse_err"] <= 1e-3, (case, err)
+    launcher = values["summaries"]["launcher"]
+    assert launcher["pct_roofline_median"] >= TARGET_PCT_ROOFLINE and launcher["speedup_min"] >= TARGET_SPEEDUP
+    assert values["wgmma_compared"] > 0 and values["wgmma_ahead"] == values["wgmma_compared"]
+    # every target shape under the roofline target is a short batch-1 call its fixed cost bounds below it
+    assert {tuple(s) for s in values["below_target"]} <= {tuple(s) for s in values["short_32k"]}
+    assert all(pct < TARGET_PCT_ROOFLINE for pct in values["short_32k_bound_pct"])
+    assert {"05_verify_attn_cupy-achieved.png", "05_verify_attn_cupy-time.png"} <= figures
+
+
 def check_tree_accept(values, figures):
     assert values["greedy_identical"]
     assert max(values["tv_tree"]) < values["tv_bound"] < max(values["tv_unverified"])
@@ -109,6 +132,7 @@ EXPECTATIONS = {
     "00_environment": check_environment,
     "01_tree_build": check_tree_build,
     "02_verify_attention": check_verify_attention,
+    "05_verify_attn_cupy": check_verify_attn_cupy,
     "08_k26_model": check_k26_model,
     "09_standin_pair": check_standin_pair,
     "10_ddtree_decode": check_ddtree_decode,

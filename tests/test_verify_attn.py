@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kdtree_lib.contracts import root_to_node_paths, tree_from_parents
-from kdtree_lib.tree_build import build_tree, draft_topk
+from kdtree_lib.draft_topk import draft_topk
+from kdtree_lib.tree_build import build_tree
 from kdtree_lib.verify_attn import (CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, absorb_query, key_mask,
                                     project_output, verify_attention, verify_attention_naive)
 

@@ -10,14 +10,14 @@ with the issue's bounds. CPU tests cover the host checks, the launch plan, and n
 portable kernel for sm_90 and sm_120, the wgmma kernel for sm_90a (no register spills).
 """
 import os
-import re
 import shutil
 
 import numpy as np
 import pytest
 
-from kdtree_lib import bench_verify_attn as bench
 from kdtree_lib import cuda
+from kdtree_lib.bench import ceilings
+from kdtree_lib.bench import verify_attn as bench
 from kdtree_lib.contracts import tree_from_parents
 from kdtree_lib.verify_attn import (KERNEL_CONFIGS, KERNEL_FILE, KERNEL_FILE_SM90A, MIN_SPLIT_KEYS, _check_kernel_args,
                                     plan_launch, prepare_verify_launch, runnable_configs, verify_attention)
@@ -224,20 +224,15 @@ def test_the_error_check_rejects_known_wrong_answers():
 # CPU: nvcc builds for both targets
 
 def _ptxas_kernels(file_name, arch, tmp_path) -> dict:
-    """{kernel: (spilled bytes, registers)} from ptxas -v of an nvcc build; no kernel may spill."""
-    report = cuda.nvcc_compile(file_name, arch, tmp_path)
-    blocks = re.split(r"Compiling entry function '(\w+)'", report)[1:]
-    kernels = {}
-    for name, text in zip(blocks[::2], blocks[1::2]):
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-        registers = re.search(r"Used (\d+) registers", text)
-        kernels[name] = (int(spills[1]) + int(spills[2]), int(registers[1]))
-        print(f"{arch} {name}: {registers[1]} registers, {spills[1]}/{spills[2]} bytes spilled")
-    for name, (spilled, registers) in kernels.items():
-        assert spilled == 0, f"{name} spills on {arch}"
-        assert registers <= 255
-    assert "wgmma.mma_async instructions are serialized" not in report
-    return kernels
+    """{kernel: cuda.KernelResources} of an nvcc build; no kernel may spill."""
+    report = cuda.ptxas_report(file_name, arch, tmp_path)
+    for name, kernel in report.kernels.items():
+        print(f"{arch} {name}: {kernel.registers} registers, {kernel.spill_stores}/{kernel.spill_loads} bytes spilled")
+    for name, kernel in report.kernels.items():
+        assert kernel.spilled_bytes == 0, f"{name} spills on {arch}"
+        assert kernel.registers <= 255
+    assert "wgmma.mma_async instructions are serialized" not in report.log
+    return report.kernels
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -245,6 +240,12 @@ def _ptxas_kernels(file_name, arch, tmp_path) -> dict:
 def test_nvcc_builds_without_spills(arch, tmp_path):
     kernels = _ptxas_kernels(KERNEL_FILE, arch, tmp_path)
     assert {f"verify_attn_{name}" for name in PORTABLE_CONFIGS} <= set(kernels)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
+def test_nvcc_builds_the_benchmark_probes_without_spills(arch, tmp_path):
+    assert set(_ptxas_kernels(ceilings.PROBES_FILE, arch, tmp_path)) == {"mma_sync_ceiling", "launch_floor"}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -384,7 +385,7 @@ def test_bad_device_lengths_are_clamped_not_out_of_bounds(config):
 
 @pytest.mark.gpu
 def test_launch_floor_is_a_few_microseconds():
-    floor = bench.launch_floor_seconds()
+    floor = ceilings.launch_floor_seconds()
     assert 0 < floor < 100e-6
 
 

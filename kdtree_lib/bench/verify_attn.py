@@ -1,21 +1,26 @@
 """Benchmark of the CuPy verify-attention kernel against the torch paths serving engines fall back to.
 
+    python -m kdtree_lib.bench.verify_attn                 # the grid, rows appended to data/results/verify_attn.csv
+    python -m kdtree_lib.bench.verify_attn --quick         # a few shapes
+    python -m kdtree_lib.bench.verify_attn --smoke         # a tiny correctness run (for compute-sanitizer)
+
 Providers, all on the same inputs in the same run:
 - kernel:          kdtree_lib.verify_attn's CuPy kernel (prepared once, launched per rep)
 - torch_fallback:  (a) the absorbed path as serving fallbacks do it: score bmm, dense additive
                    mask, fp32 softmax, value bmm, in bf16 (the mask is built outside the timing)
 - sdpa:            (b) torch scaled_dot_product_attention on the absorbed form, explicit bool mask
-- roofline:        (c) max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured here;
+- roofline:        (c) max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured here
+                   (bench.ceilings);
   roofline_mma:    the same with the mma.sync ceiling (a register-only m16n8k16 loop) as the rate.
 
 Napkin math per call (rows = N·H, keys = L + N): the KV cache is read once, 1152 bytes a key; Q
 is read and O written once; FLOPs = 2 · B · rows · keys · (576 + 512). FLOP/byte ≈ 1.9 · rows,
 so rows ≳ 64-128 is compute-bound on an H200.
 
-Times are medians over reps, each after an L2 flush (a 256 MB memset, as triton's do_bench), by
-CUDA events. flush_study times the kernel after a flush by reading (clean L2) and with no flush
-too: on the H200 the write-back of the memset's dirty lines costs the kernel next to nothing
-except on the short memory-bound decode shapes (N = 1).
+Times are bench.timing.gpu_seconds: medians over reps, each after an L2 flush (a 256 MB memset, as
+triton's do_bench), by CUDA events. flush_study times the kernel after a flush by reading (clean L2)
+and with no flush too: on the H200 the write-back of the memset's dirty lines costs the kernel next
+to nothing except on the short memory-bound decode shapes (N = 1).
 """
 from __future__ import annotations
 
@@ -23,23 +28,28 @@ import statistics
 
 import numpy as np
 
-from .contracts import tree_from_parents
-from .verify_attn import CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch
+from ..contracts import tree_from_parents
+from ..verify_attn import (CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch,
+                           runnable_configs, verify_attention)
+from .ceilings import measure_ceilings
+from .timing import FLUSHES, gpu_seconds
 
 TOPIC = "verify_attn"
-GIB = 1 << 30
-MEMORY_LIMIT = 40e9        # skip a provider whose working set would exceed this (the issue's 40 GB)
+MEMORY_LIMIT = 40e9        # bytes: skip a provider whose working set would exceed this
 KERNEL_TIME_LIMIT = 0.05   # s: skip shapes the kernel would need longer than this for (estimate)
 BASELINE_TIME_LIMIT = 0.5  # s: skip a baseline whose estimate exceeds this
 
-# The issue's grid: heads per GPU, tree nodes, committed length, batch.
+# The grid: heads per GPU, tree nodes, committed length, batch.
 HEADS = (8, 16, 64)
 NODES = (1, 8, 16, 32, 64, 128)
 LENGTHS = (1024, 4096, 32768, 131072)
 BATCHES = (1, 8, 64)
-# The issue's targets hold for rows = N·H >= TARGET_ROWS and L >= TARGET_LENGTH.
+# The targets (summary reads them): >= TARGET_PCT_ROOFLINE % of the roofline at rows = N·H >=
+# TARGET_ROWS and L >= TARGET_LENGTH; >= TARGET_SPEEDUP x the torch fallback at L >= TARGET_LENGTH.
 TARGET_ROWS = 128
 TARGET_LENGTH = 32768
+TARGET_PCT_ROOFLINE = 60
+TARGET_SPEEDUP = 3
 # A few shapes spanning the regimes (memory-bound decode, the K2.6 tree, compute-bound batches).
 QUICK_SHAPES = [(1, 1, 8, 131072), (1, 8, 8, 32768), (1, 16, 8, 32768), (1, 64, 8, 32768), (8, 16, 16, 32768),
                 (1, 128, 8, 131072), (64, 16, 8, 4096)]
@@ -129,7 +139,7 @@ def errors(out, lse, ref_out, ref_lse) -> dict:
 
 
 def _host64(x) -> np.ndarray:
-    from .checks import to_numpy
+    from ..checks import to_numpy
     return np.asarray(to_numpy(x), np.float64)
 
 
@@ -180,84 +190,6 @@ def benchmark_shapes(heads=HEADS, nodes=NODES, lengths=LENGTHS, batches=BATCHES,
 
 
 # ----------------------------------------------------------------------------------------------
-# timing and ceilings
-
-FLUSHES = ("write", "read", "none")
-
-
-def time_gpu(fn, *, reps: int, flush_bytes: int = 256 << 20, flush: str = "write") -> float:
-    """Median seconds of fn() over reps, each after flushing L2 (CUDA events on torch's stream).
-
-    flush: "write" zeroes a 256 MB buffer (triton's do_bench; L2 is left full of dirty lines that
-    the timed call may pay to write back), "read" sums it (L2 left holding clean lines), "none"
-    keeps L2 warm. The benchmark rows use "write"; flush_study compares the three.
-    """
-    import torch
-    if flush not in FLUSHES:
-        raise ValueError(f"flush: expected one of {FLUSHES}, got {flush!r}")
-    buffer = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
-    evict = {"write": buffer.zero_, "read": lambda: buffer.view(torch.int32).sum(), "none": lambda: None}[flush]
-    fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        evict()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
-
-
-def measure_ceilings() -> dict:
-    """Copy bandwidth (bytes read + written), bf16 matmul rate (cuBLAS), mma.sync rate (ours), and
-    the time of an empty launch timed like every call here."""
-    import torch
-    copy_s = _copy_seconds(2 * GIB)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_s = time_gpu(lambda: torch.mm(a, b), reps=10, flush_bytes=1 << 20)
-    return {"copy_tbps": 2 * 2 * GIB / copy_s / 1e12, "matmul_tflops": 2 * 8192 ** 3 / mm_s / 1e12,
-            "mma_sync_tflops": mma_sync_rate() / 1e12, "launch_floor_us": launch_floor_seconds() * 1e6}
-
-
-def _copy_seconds(n_bytes: int) -> float:
-    import torch
-    source = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    return time_gpu(lambda: target.copy_(source), reps=10, flush_bytes=1 << 20)
-
-
-def _portable_module_function(name: str):
-    """A helper kernel of kernels/verify_attn.cu, from the module the portable kernel already uses."""
-    from . import cuda
-    from .verify_attn import KERNEL_CONFIGS, KERNEL_FILE
-    return cuda.get_function(KERNEL_FILE, name, KERNEL_CONFIGS["rows64_keys64_stages2"].nvrtc_options(half=False))
-
-
-def launch_floor_seconds() -> float:
-    """Median time of an empty kernel under time_gpu (events around the call, L2 flushed first): the
-    fixed cost of one launch, which every kernel here pays (a split call pays it for its merge too)."""
-    from . import cuda
-    kernel = _portable_module_function("launch_floor")
-    return time_gpu(lambda: kernel((1,), (32,), (), stream=cuda.current_stream()), reps=30)
-
-
-def mma_sync_rate(iters: int = 8192) -> float:
-    """FLOP/s of kernels/verify_attn.cu's mma_sync_ceiling (8 warps x 8 chains, 2 blocks per SM)."""
-    import cupy
-    from . import cuda
-    from .verify_attn import _device_limits
-    kernel = _portable_module_function("mma_sync_ceiling")
-    sms = _device_limits()[0]
-    sink = cupy.zeros(1, cupy.float32)
-    blocks = 2 * sms
-    seconds = time_gpu(lambda: kernel((blocks,), (256,), (sink, np.int32(iters)), stream=cuda.current_stream()),
-                       reps=5, flush_bytes=1 << 20)
-    return blocks * 8 * iters * 8 * 4096 / seconds  # 4096 FLOPs per m16n8k16
-
-
-# ----------------------------------------------------------------------------------------------
 # the run
 
 def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), time_budget: float = float("inf"),
@@ -269,7 +201,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
     column naming it), next to the launcher's own choice (provider kernel)."""
     import time
     import torch
-    from . import results
+    from .. import results
     started = time.monotonic()
     run_stamp = run_stamp or results.stamp()["date"]  # every row of this run carries it (results.latest_run)
     shapes = benchmark_shapes() if shapes is None else shapes
@@ -291,12 +223,12 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
                   "bytes": n_bytes, "flops": n_flops, **{k: round(v, 3) for k, v in ceilings.items()}}
         roof = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=rate)
         roof_mma = roofline_seconds(batch, nodes, heads, length, bandwidth=bandwidth, rate=mma_rate)
-        times = {"kernel": time_gpu(launch, reps=reps)}
+        times = {"kernel": gpu_seconds(launch, reps=reps)}
         plan = launch.plan
         variant_times = {}
         for name in variants:
             variant = prepare_verify_launch(q_latent, q_rope, cache, lengths, tree, config=name)
-            variant_times[name] = (time_gpu(variant, reps=reps), variant.plan.splits)
+            variant_times[name] = (gpu_seconds(variant, reps=reps), variant.plan.splits)
         if baselines:
             times.update(_time_baselines(q_latent, q_rope, cache, lengths, tree, reps=reps))
         sdpa_backend = times.pop("sdpa_backend", None)
@@ -351,14 +283,14 @@ def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dic
         return out
     additive = fallback_mask(lengths, tree, slots, q_latent.device)
     bool_mask = (additive == 0)[:, None]  # (B, 1, N, S)
-    out["torch_fallback"] = time_gpu(lambda: torch_fallback(q_latent, q_rope, cache, additive), reps=reps)
+    out["torch_fallback"] = gpu_seconds(lambda: torch_fallback(q_latent, q_rope, cache, additive), reps=reps)
     expanded_kv = batch * heads * slots * (CACHE_DIM + LATENT_DIM) * 2  # if a backend materialises K/V per head
     for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
         if backend == SDPBackend.MATH and working_set + expanded_kv > MEMORY_LIMIT:
             break
         try:
             with sdpa_kernel(backend):
-                out["sdpa"] = time_gpu(lambda: sdpa(q_latent, q_rope, cache, bool_mask), reps=reps)
+                out["sdpa"] = gpu_seconds(lambda: sdpa(q_latent, q_rope, cache, bool_mask), reps=reps)
             out["sdpa_backend"] = backend.name.lower()
             break
         except RuntimeError:  # backend refuses these shapes (or runs out of memory): try the next
@@ -368,10 +300,6 @@ def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dic
 
 # ----------------------------------------------------------------------------------------------
 # reading the results (notebook 05)
-
-PROVIDER_STYLE = {"kernel": ("C0", "o-"), "torch_fallback": ("C3", "s--"), "sdpa": ("C2", "^--"),
-                  "roofline": ("k", ":"), "roofline_mma": ("0.5", ":")}
-
 
 def _shape(row) -> tuple:
     return row["batch"], row["nodes"], row["heads"], row["length"]
@@ -394,7 +322,7 @@ def variant_ratios(rows, config: str) -> list[dict]:
 def grid_runs(all_rows, count: int = 2) -> list[list[dict]]:
     """The `count` newest runs that timed the launcher's kernel on the whole grid, newest first
     (runs of a few A/B shapes are skipped)."""
-    from . import results
+    from .. import results
     grid = len(benchmark_shapes())
     return [run for run in results.recent_runs(all_rows) if len(select(run, provider="kernel")) >= grid][:count]
 
@@ -411,53 +339,6 @@ def run_over_run(new, old, **fixed) -> list[dict]:
 
 def select(rows, **fixed) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
-
-
-VARIANT_COLORS = ("C1", "C4", "C5", "C6")
-
-
-def _series(rows, **fixed):
-    """(label, color, style, rows) per provider, then one per kernel variant timed alongside."""
-    for provider, (color, style) in PROVIDER_STYLE.items():
-        chosen = select(rows, provider=provider, **fixed)
-        if chosen:
-            yield provider, color, style, chosen
-    variants = select(rows, provider="kernel_variant", **fixed)
-    for color, config in zip(VARIANT_COLORS, sorted({r["config"] for r in variants})):
-        yield config, color, "x-", select(variants, config=config)
-
-
-def plot_time(ax, rows, x: str, **fixed):
-    """Time (µs, log) of every provider and kernel variant against `x` ('length' or 'nodes')."""
-    for label, color, style, chosen in _series(rows, **fixed):
-        ax.plot(*zip(*sorted((r[x], r["time_us"]) for r in chosen)), style, color=color, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel("time (µs)")
-    ax.set_title(", ".join(f"{k}={v}" for k, v in fixed.items()), fontsize=9)
-    ax.legend(fontsize=8)
-
-
-def plot_achieved(ax_flops, ax_bytes, rows, **fixed):
-    """Kernel (and variant) TFLOP/s and TB/s against rows = N·H, with the measured ceilings as lines."""
-    kernel = sorted(select(rows, provider="kernel", **fixed), key=lambda r: r["rows"])
-    if not kernel:
-        return
-    ceil = kernel[0]
-    for ax, key, unit in ((ax_flops, "tflops", "TFLOP/s"), (ax_bytes, "tbps", "TB/s")):
-        for label, color, style, chosen in _series(rows, **fixed):
-            if label != "roofline_mma":
-                ax.plot(*zip(*sorted((r["rows"], r[key]) for r in chosen)), style, color=color, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("rows = N·H")
-        ax.set_ylabel(unit)
-        ax.set_title(", ".join(f"{k}={v}" for k, v in fixed.items()), fontsize=9)
-    ax_flops.axhline(ceil["matmul_tflops"], color="k", lw=0.8, label="cuBLAS bf16 ceiling")
-    ax_flops.axhline(ceil["mma_sync_tflops"], color="0.5", lw=0.8, label="mma.sync ceiling")
-    ax_bytes.axhline(ceil["copy_tbps"], color="k", lw=0.8, label="copy bandwidth")
-    ax_flops.legend(fontsize=8)
-    ax_bytes.legend(fontsize=8)
 
 
 def kernel_rows(rows, config: str | None = None) -> list[dict]:
@@ -478,11 +359,64 @@ def variant_configs(rows) -> list[str]:
     return sorted({r["config"] for r in select(rows, provider="kernel_variant")})
 
 
+TABLE_COLUMNS = ("batch", "nodes", "heads", "length", "time_us", "tflops", "tbps", "pct_roofline", "pct_roofline_mma",
+                 "speedup_vs_fallback", "config", "splits")
+
+
+def kernel_table(rows) -> list[dict]:
+    """The launcher's kernel on every shape of a run, by heads, batch, nodes, length (TABLE_COLUMNS)."""
+    return [{key: r.get(key) for key in TABLE_COLUMNS}
+            for r in sorted(select(rows, provider="kernel"), key=lambda r: (r["heads"], r["batch"], r["nodes"], r["length"]))]
+
+
+def is_target_shape(row) -> bool:
+    return row["rows"] >= TARGET_ROWS and row["length"] >= TARGET_LENGTH
+
+
+def below_target(rows) -> list[dict]:
+    """The launcher's kernel rows at target shapes under TARGET_PCT_ROOFLINE % of the roofline, worst first."""
+    return sorted((r for r in select(rows, provider="kernel") if is_target_shape(r)
+                   and r["pct_roofline"] < TARGET_PCT_ROOFLINE), key=lambda r: r["pct_roofline"])
+
+
+def format_table(rows) -> str:
+    """Kernel rows as notebook 05 prints them: shape, time, rates, % of both rooflines, x fallback, config."""
+    lines = [f"{'B':>3s} {'N':>4s} {'H':>3s} {'L':>7s} {'us':>9s} {'TFLOP/s':>8s} {'TB/s':>6s} {'%roof':>6s} {'%mma':>6s} "
+             f"{'xfallback':>9s}  config"]
+    for r in rows:
+        lines.append(f"{r['batch']:3d} {r['nodes']:4d} {r['heads']:3d} {r['length']:7d} {r['time_us']:9.1f} {r['tflops']:8.1f} "
+                     f"{r['tbps']:6.2f} {r['pct_roofline']:6.1f} {r['pct_roofline_mma']:6.1f} "
+                     f"{str(r.get('speedup_vs_fallback') or '-'):>9s}  {r['config']} x{r['splits']}")
+    return "\n".join(lines)
+
+
+def target_comparison(rows) -> list[dict]:
+    """Per target shape, the % of roofline of every kernel the run timed there (the launcher's configs
+    and the variants): {batch, nodes, heads, length, <config>: pct or None}."""
+    configs = sorted({r["config"] for r in select(rows, provider="kernel")} | set(variant_configs(rows)))
+    timed = {c: {_shape(r): r for r in kernel_rows(rows, c)} for c in configs}
+    targets = sorted({s for by_shape in timed.values() for s, r in by_shape.items() if is_target_shape(r)})
+    shown = [c for c in configs if any(s in timed[c] for s in targets)]
+    return [{"batch": s[0], "nodes": s[1], "heads": s[2], "length": s[3],
+             **{c: timed[c][s]["pct_roofline"] if s in timed[c] else None for c in shown}} for s in targets]
+
+
+def leads(comparison, config: str) -> tuple[int, int]:
+    """(shapes where `config` beats every other kernel timed there, shapes where it ran beside another)."""
+    ahead = compared = 0
+    for shape in comparison:
+        others = [v for c, v in shape.items() if c not in ("batch", "nodes", "heads", "length", config) and v is not None]
+        if shape.get(config) is not None and others:
+            compared += 1
+            ahead += shape[config] > max(others)
+    return ahead, compared
+
+
 def summary(rows, config: str | None = None) -> dict:
-    """The issue's targets, read from one run's rows: for the launcher's choice, or for `config`."""
+    """The targets, read from one run's rows: for the launcher's choice, or for `config`."""
     kernel = kernel_rows(rows, config)
     fallback = {_shape(r): r["time_us"] for r in select(rows, provider="torch_fallback")}
-    big = [r for r in kernel if r["rows"] >= TARGET_ROWS and r["length"] >= TARGET_LENGTH]
+    big = [r for r in kernel if is_target_shape(r)]
     speedups = [fallback[_shape(r)] / r["time_us"] for r in kernel
                 if r["length"] >= TARGET_LENGTH and _shape(r) in fallback]
     ratios = []
@@ -519,7 +453,7 @@ def fixed_cost(rows, config: str | None = None) -> list[dict]:
     roofline = {_shape(r): r["time_us"] for r in select(rows, provider="roofline")}
     table = []
     for r in kernel:
-        if r["batch"] != 1 or r["rows"] < TARGET_ROWS or r["length"] < TARGET_LENGTH:
+        if r["batch"] != 1 or not is_target_shape(r):
             continue
         short = min((s for s in kernel if _shape(s)[:3] == _shape(r)[:3]), key=lambda s: s["length"])
         if short["length"] >= r["length"]:
@@ -537,7 +471,6 @@ def fixed_cost(rows, config: str | None = None) -> list[dict]:
 def smoke(log=print) -> bool:
     """Every variant, one and several splits, a ragged batch with a zero length: the sanitizer case."""
     import torch
-    from .verify_attn import runnable_configs, verify_attention
     ok = True
     inputs = make_inputs(2, 9, 8, 0, lengths=[70, 0], seed=0, slack=5, poison=True)
     ref_out, ref_lse = verify_attention(*inputs[:2], torch.nan_to_num(inputs[2]), *inputs[3:], backend="torch")
@@ -555,7 +488,6 @@ def smoke(log=print) -> bool:
 def explore(shapes, *, reps: int = 10, log=print) -> list[dict]:
     """Every variant that fits, with the planner's split and with half / double of it; the kernel
     alone and with the merge. Prints a table (tuning the planner), returns the rows."""
-    from .verify_attn import runnable_configs
     found = []
     for batch, nodes, heads, length in shapes:
         inputs = make_inputs(batch, nodes, heads, length, seed=1)
@@ -564,8 +496,8 @@ def explore(shapes, *, reps: int = 10, log=print) -> list[dict]:
             auto = prepare_verify_launch(*inputs, config=name).plan.splits
             for splits in sorted({auto, max(1, auto // 2), min(1024, 2 * auto)}):
                 launch = prepare_verify_launch(*inputs, config=name, splits=splits)
-                total = time_gpu(launch, reps=reps)
-                alone = time_gpu(lambda: launch(merge=False), reps=reps) if launch.plan.splits > 1 else total
+                total = gpu_seconds(launch, reps=reps)
+                alone = gpu_seconds(lambda: launch(merge=False), reps=reps) if launch.plan.splits > 1 else total
                 row = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "config": name,
                        "splits": launch.plan.splits, "auto": splits == auto, "total_us": round(total * 1e6, 1),
                        "kernel_us": round(alone * 1e6, 1), "tflops": round(n_flops / total / 1e12, 1),
@@ -584,7 +516,7 @@ def flush_study(shapes, *, reps: int = 10, log=print) -> list[dict]:
         row = {"batch": batch, "nodes": nodes, "heads": heads, "length": length, "config": launch.plan.config_name,
                "splits": launch.plan.splits}
         for flush in FLUSHES:
-            seconds = time_gpu(launch, reps=reps, flush=flush)
+            seconds = gpu_seconds(launch, reps=reps, flush=flush)
             row[f"{flush}_us"] = round(seconds * 1e6, 1)
             row[f"{flush}_tflops"] = round(flops(batch, nodes, heads, length) / seconds / 1e12, 1)
         found.append(row)
@@ -607,7 +539,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--targets", action="store_true", help="the issue's target shapes only (N·H >= 128, L >= 32k)")
+    parser.add_argument("--targets", action="store_true", help="the target shapes only (N·H >= 128, L >= 32k)")
     parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG",
                         help="kernel configs also timed on every shape (provider kernel_variant)")
     parser.add_argument("--no-baselines", action="store_true", help="time the kernels only")

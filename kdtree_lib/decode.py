@@ -49,7 +49,8 @@ from .checks import check_positive_int, to_numpy
 from .dflash import DFlashDrafter
 from .tree_accept import accept, compact_cache
 from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
-from .tree_build import build_tree, draft_topk
+from .draft_topk import draft_topk
+from .tree_build import build_tree
 
 METHODS = ("ar", "chain", "ddtree")
 STAGES = ("draft", "tree", "verify", "accept")

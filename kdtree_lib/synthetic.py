@@ -19,7 +19,8 @@ import numpy as np
 
 from .checks import check_positive_int, to_numpy
 from .contracts import DraftTopK, Tree
-from .tree_build import build_tree, draft_topk
+from .draft_topk import draft_topk
+from .tree_build import build_tree
 
 
 def zipf_draft_logits(batch: int, depth: int, vocab: int, *, sharpness: float = 2.5, decay: float = 0.85,

@@ -19,7 +19,8 @@ import numpy as np
 from .checks import check_positive_int, to_numpy
 from .contracts import AcceptResult, root_to_node_paths, Tree, tree_from_parents
 from .tree_accept import accept, compact_cache, posterior_tokens
-from .tree_build import build_tree, draft_topk
+from .draft_topk import draft_topk
+from .tree_build import build_tree
 from .verify_attn import DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, absorb_query, verify_attention
 
 METHODS = ("ar", "chain", "tree", "unverified")

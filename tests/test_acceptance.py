@@ -5,7 +5,8 @@ import pytest
 from kdtree_lib.acceptance import OracleRecord, accepted_at_every_position, mean_acceptance, round_lengths
 from kdtree_lib.tree_accept import accept
 from kdtree_lib.contracts import DraftTopK, root_to_node_paths
-from kdtree_lib.tree_build import build_tree, draft_topk
+from kdtree_lib.draft_topk import draft_topk
+from kdtree_lib.tree_build import build_tree
 
 VOCAB, DEPTH, TOPK = 16, 5, 6
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import backend as _backend
 from . import cuda
-from .checks import check_array, check_finite, check_same_device, dtype_name, framework, to_numpy
+from .checks import check_array, check_finite, check_positive_int, check_same_device, dtype_name, framework, to_numpy
 from .contracts import MAX_BUDGET, AcceptResult, Tree
 
 
@@ -50,17 +50,20 @@ def posterior_tokens(target_logits, *, temperature: float = 0.0, generator=None)
     return (cumulative < draws).sum(axis=-1).astype(np.int32)
 
 
-def accept(tree: Tree, posterior, *, backend: str = "auto") -> AcceptResult:
-    """Walk each request's tree with its posterior tokens (see the module docstring)."""
-    if not isinstance(tree, Tree):
-        raise ValueError(f"tree: expected a Tree, got {type(tree).__name__}")
-    check_array("posterior", posterior, dtypes=("int32", "int64"), shape=(tree.batch, tree.capacity))
-    check_same_device(**{"tree.tokens": tree.tokens, "posterior": posterior})
+def accept(tree: Tree, posterior, *, vocab: int | None = None, backend: str = "auto") -> AcceptResult:
+    """Walk each request's tree with its posterior tokens (see the module docstring).
+
+    posterior [B, N] holds token ids: on the host they must be >= 0 (and < vocab when given), since a
+    negative id would come back as the bonus token; device ids are not read back (that would
+    synchronise the step).
+    """
+    _check_accept_args(tree, posterior, vocab)
     chosen = _backend.resolve(backend, ("numpy", "cupy"), tree.tokens, posterior)
     if chosen == "cupy":
-        return _accept_cupy(tree, posterior)
+        return _accept_launch(tree, posterior, None)()
     tree = tree.to_numpy()
     posterior = to_numpy(posterior)
+    check_token_ids("posterior", posterior, vocab)
     path = np.full((tree.batch, tree.max_depth + 1), -1, np.int32)
     n_accepted = np.zeros(tree.batch, np.int32)
     bonus = np.zeros(tree.batch, np.int32)
@@ -79,6 +82,23 @@ def accept(tree: Tree, posterior, *, backend: str = "auto") -> AcceptResult:
         n_accepted[b] = length
         bonus[b] = posterior[b, node]
     return AcceptResult(path=path, n_accepted=n_accepted, bonus=bonus)
+
+
+def check_token_ids(name: str, ids: np.ndarray, vocab: int | None) -> None:
+    """Host token ids: >= 0, and < vocab when the vocabulary size is known."""
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError(f"{name}: token ids must be >= 0, got {int(ids.min())}")
+    if vocab is not None and ids.size and int(ids.max()) >= vocab:
+        raise ValueError(f"{name}: token ids must be < vocab={vocab}, got {int(ids.max())}")
+
+
+def _check_accept_args(tree: Tree, posterior, vocab) -> None:
+    if not isinstance(tree, Tree):
+        raise ValueError(f"tree: expected a Tree, got {type(tree).__name__}")
+    check_array("posterior", posterior, dtypes=("int32", "int64"), shape=(tree.batch, tree.capacity))
+    check_same_device(**{"tree.tokens": tree.tokens, "posterior": posterior})
+    if vocab is not None:
+        check_positive_int("vocab", vocab)
 
 
 def compaction_plan(result: AcceptResult, lengths) -> tuple[np.ndarray, np.ndarray]:
@@ -140,31 +160,62 @@ _MAX_PATH = 64          # s_source in compact_rows: paths of at most 64 nodes (D
 _MAX_LAYERS = 65535     # gridDim.y
 
 
-def _accept_cupy(tree: Tree, posterior) -> AcceptResult:
-    """The kernel walk (argument shapes checked by accept)."""
+class AcceptLaunch:
+    """One prepared walk: checked and allocated once, so a call costs only the launch.
+
+    Calling it enqueues one CTA per request on torch's current stream over the tree and posterior it
+    was prepared with (refill them in place between calls) and returns `out`; passing `posterior`
+    checks that it is that same buffer. Nothing here synchronises.
+    """
+
+    def __init__(self, tree: Tree, posterior, out: AcceptResult):
+        self.out = out
+        tokens, parents, n_nodes, posterior = (cuda.contiguous(x) for x in
+                                               (tree.tokens, tree.parents, tree.n_nodes, posterior))
+        self._inputs = tokens, parents, n_nodes, posterior  # kept alive: the arguments hold their addresses
+        self._posterior = _buffer(posterior)
+        self._function = cuda.device_function("tree_accept.cu", "accept_kernel", cuda.device_index(tokens))
+        self._grid, self._shared_mem = (tree.batch,), 8 * tree.capacity
+        self._args = (cuda.pointer(tokens), cuda.pointer(parents), cuda.pointer(n_nodes), cuda.pointer(posterior),
+                      np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity),
+                      np.int32(out.path.shape[1]), cuda.pointer(out.path), cuda.pointer(out.n_accepted),
+                      cuda.pointer(out.bonus))
+
+    def __call__(self, posterior=None) -> AcceptResult:
+        if posterior is not None and _buffer(posterior) != self._posterior:
+            raise ValueError("posterior: not the buffer this launch was prepared with (same address, shape and dtype)")
+        if self._grid[0]:
+            self._function(self._grid, (_ACCEPT_THREADS,), self._args, shared_mem=self._shared_mem,
+                           stream=cuda.current_stream())
+        return self.out
+
+
+def prepare_accept_launch(tree: Tree, posterior, *, out: AcceptResult | None = None) -> AcceptLaunch:
+    """The kernel walk of accept's arguments on device arrays, prepared once; `out` may be given
+    (tests poison it)."""
+    _check_accept_args(tree, posterior, None)
+    _backend.resolve("cupy", ("cupy",), tree.tokens, posterior)
+    return _accept_launch(tree, posterior, out)
+
+
+def _accept_launch(tree: Tree, posterior, out: AcceptResult | None) -> AcceptLaunch:
+    """prepare_accept_launch past the argument checks accept shares."""
     _check_tree_arrays(tree)
-    out = _empty_accept_result(tree.tokens, tree.batch, tree.max_depth + 1)
-    _launch_accept(tree, posterior, out)
-    return out
+    path_len = tree.max_depth + 1
+    if out is None:
+        out = AcceptResult(path=cuda.device_empty(tree.tokens, (tree.batch, path_len), "int32"),
+                           n_accepted=cuda.device_empty(tree.tokens, (tree.batch,), "int32"),
+                           bonus=cuda.device_empty(tree.tokens, (tree.batch,), "int32"))
+    else:
+        for name, shape in (("path", (tree.batch, path_len)), ("n_accepted", (tree.batch,)), ("bonus", (tree.batch,))):
+            check_array(f"out.{name}", getattr(out, name), dtypes="int32", shape=shape)
+            if not cuda.is_contiguous(getattr(out, name)):
+                raise ValueError(f"out.{name}: expected a C-contiguous array (the kernel writes it in place)")
+    return AcceptLaunch(tree, posterior, out)
 
 
-def _empty_accept_result(like, batch: int, path_len: int) -> AcceptResult:
-    return AcceptResult(path=cuda.device_empty(like, (batch, path_len), "int32"),
-                        n_accepted=cuda.device_empty(like, (batch,), "int32"),
-                        bonus=cuda.device_empty(like, (batch,), "int32"))
-
-
-def _launch_accept(tree: Tree, posterior, out: AcceptResult) -> None:
-    """accept_kernel into preallocated outputs: one CTA per request."""
-    if tree.batch == 0:
-        return
-    tokens, parents, n_nodes, posterior = (cuda.contiguous(x) for x in
-                                           (tree.tokens, tree.parents, tree.n_nodes, posterior))
-    args = (cuda.pointer(tokens), cuda.pointer(parents), cuda.pointer(n_nodes), cuda.pointer(posterior),
-            np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity), np.int32(out.path.shape[1]),
-            cuda.pointer(out.path), cuda.pointer(out.n_accepted), cuda.pointer(out.bonus))
-    cuda.launch("tree_accept.cu", "accept_kernel", (tree.batch,), (_ACCEPT_THREADS,), args, like=tokens,
-                shared_mem=8 * tree.capacity)
+def _buffer(x) -> tuple:
+    return int(cuda.pointer(x)), tuple(x.shape), str(x.dtype)
 
 
 def _check_tree_arrays(tree: Tree) -> None:
@@ -189,24 +240,46 @@ def _compact_cache_cupy(caches, lengths, result: AcceptResult):
     if framework(result.path) == "numpy":
         result = AcceptResult(*(cuda.to_device_like(caches[0], to_numpy(x))
                                 for x in (result.path, result.n_accepted, result.bonus)))
-    new_lengths = cuda.device_empty(lengths, (int(lengths.shape[0]),), dtype_name(lengths))
-    _launch_compact(caches, lengths, result, new_lengths)
-    return new_lengths
+    return prepare_compact_launch(caches, lengths, result)()
 
 
-def _launch_compact(caches, lengths, result: AcceptResult, new_lengths) -> None:
-    """compact_cache_<unit>: one CTA per (request, layer), in the widest copy unit the layout allows."""
-    slots, row_bytes, unit = _compaction_layout(caches, lengths, result)
-    batch, path_len = (int(n) for n in result.path.shape)
-    if batch == 0:
-        return
-    path, n_accepted, lengths = (cuda.contiguous(x) for x in (result.path, result.n_accepted, lengths))
-    table = _layer_table(tuple(int(cuda.pointer(cache)) for cache in caches), cuda.device_index(caches[0]))
-    args = (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), cuda.pointer(path),
-            np.int32(path_len), cuda.pointer(n_accepted), cuda.pointer(lengths),
-            np.int32(dtype_name(lengths) == "int64"), cuda.pointer(new_lengths))
-    cuda.launch("tree_accept.cu", f"compact_cache_{unit}", (batch, len(caches)), (_COMPACT_THREADS,), args,
-                like=caches[0])
+class CompactLaunch:
+    """One prepared compaction of every layer: checked once (layout, copy unit, the layers' address
+    table), so a call costs only the launch. Calling it enqueues one CTA per (request, layer) on
+    torch's current stream, reading the walk's result and lengths it was prepared with, and returns
+    `new_lengths`. Nothing here synchronises.
+    """
+
+    def __init__(self, caches, lengths, result: AcceptResult, new_lengths):
+        slots, row_bytes, unit = _compaction_layout(caches, lengths, result)
+        batch, path_len = (int(n) for n in result.path.shape)
+        path, n_accepted, lengths = (cuda.contiguous(x) for x in (result.path, result.n_accepted, lengths))
+        table = _layer_table(tuple(int(cuda.pointer(cache)) for cache in caches), cuda.device_index(caches[0]))
+        self.new_lengths = new_lengths
+        self._inputs = path, n_accepted, lengths, table  # kept alive: the arguments hold their addresses
+        self._function = cuda.device_function("tree_accept.cu", f"compact_cache_{unit}", cuda.device_index(caches[0]))
+        self._grid = (batch, len(caches))
+        self._args = (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), cuda.pointer(path),
+                      np.int32(path_len), cuda.pointer(n_accepted), cuda.pointer(lengths),
+                      np.int32(dtype_name(lengths) == "int64"), cuda.pointer(new_lengths))
+
+    def __call__(self):
+        if self._grid[0]:
+            self._function(self._grid, (_COMPACT_THREADS,), self._args, stream=cuda.current_stream())
+        return self.new_lengths
+
+
+def prepare_compact_launch(caches, lengths, result: AcceptResult, *, new_lengths=None) -> CompactLaunch:
+    """The kernel compaction of compact_cache's arguments on device arrays (result on the device too),
+    prepared once; `new_lengths` may be given (tests poison it)."""
+    if not caches:
+        raise ValueError("caches: expected a non-empty list of per-layer caches [B, L_max, C]")
+    _backend.resolve("cupy", ("cupy",), caches[0], lengths, result.path)
+    check_array("lengths", lengths, dtypes=("int32", "int64"), shape=(int(caches[0].shape[0]),))
+    if new_lengths is None:
+        new_lengths = cuda.device_empty(lengths, (int(lengths.shape[0]),), dtype_name(lengths))
+    check_array("new_lengths", new_lengths, dtypes=dtype_name(lengths), shape=tuple(lengths.shape))
+    return CompactLaunch(caches, lengths, result, new_lengths)
 
 
 def _compaction_layout(caches, lengths, result: AcceptResult) -> tuple[int, int, int]:

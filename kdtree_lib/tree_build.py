@@ -1,12 +1,12 @@
-"""Draft trees: per-position top-k of the drafter, and DDTree's best-first tree build.
-
-The layouts (DraftTopK, Tree) and the limits are `kdtree_lib.contracts`', shared by every backend, so a
-test compares arrays directly.
+"""DDTree's best-first tree build from the drafter's top-k (DraftTopK -> Tree, docs/DESIGN.md's contracts).
 
 The build is the paper's best-first heap (arXiv 2604.12989), reproduced operation for operation so
 the tree is identical to the official code's, ties included. The one addition: an entry whose
 log-probability is -inf (a token the drafter gives zero mass, e.g. a masked vocabulary slot) is
 never pushed, where the official arithmetic would produce NaN weights.
+
+The host path checks the draft's values (finite or -inf, <= 0, rows descending); the kernel path
+checks metadata only, since reading device values back would synchronise every decode step.
 """
 from __future__ import annotations
 
@@ -17,78 +17,58 @@ import numpy as np
 
 from . import backend as _backend
 from . import cuda
-from .checks import (check_array, check_finite, check_positive_int, check_same_device, dtype_name,
-                     framework, to_numpy)
-from .contracts import (MAX_BUDGET, MAX_DEPTH, MAX_TOPK, TREE_MODES, DraftTopK, Tree, tree_from_parents,
-                        tree_nodes)
+from .checks import check_array, check_finite, check_positive_int, check_same_device, dtype_name, framework, to_numpy
+from .contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, TREE_MODES, DraftTopK, Tree, tree_from_parents, tree_nodes
 
-# ----------------------------------------------------------------------------------------------
-# draft top-k
+TREE_POLICIES = ("paper",)  # the official best-first heap (mode "tree"); the chain is mode "chain"
 
-def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
-    """Log-softmax of the drafter's logits [B, D, V], top K = min(k, V) per position.
-
-    Rows are sorted by descending log-probability; equal values keep the smaller token id first,
-    so the result (and the tree built from it) is deterministic.
-    """
-    check_array("logits", logits, dtypes=("float32", "float16", "bfloat16", "float64"), ndim=3)
-    k = check_positive_int("k", k)
-    chosen = _backend.resolve(backend, ("numpy", "cupy"), logits)
-    if chosen == "cupy":
-        return _draft_topk_cupy(logits, k)
-    x = to_numpy(logits).astype(np.float32)
-    check_finite("logits", x, allow_neg_inf=True)
-    row_max = x.max(axis=-1, keepdims=True)
-    if np.isneginf(row_max).any():
-        raise ValueError("logits: a row is entirely -inf (no token has any probability)")
-    shifted = x - row_max
-    logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    top = min(k, x.shape[-1])
-    order = np.argsort(-logp, axis=-1, kind="stable")[..., :top]
-    return DraftTopK(logp=np.take_along_axis(logp, order, axis=-1).astype(np.float32),
-                     ids=order.astype(np.int32))
-
-
-# ----------------------------------------------------------------------------------------------
-# tree build
-
-def build_tree(draft: DraftTopK, budget: int, *, root=None, mode: str = "tree",
+def build_tree(draft: DraftTopK, budget: int, *, root=None, policy: str = "paper", mode: str = "tree",
                backend: str = "auto") -> Tree:
     """DDTree's best-first tree of `budget` draft nodes (plus the root), or the DFlash chain.
 
-    mode="tree": capacity N = budget + 1. mode="chain": the top-1 path of depth
-    min(budget, D), capacity N = min(budget, D) + 1. `root` [B] holds the last committed
-    tokens (tokens[:, 0]); 0 when omitted.
+    mode="tree": the `policy`'s tree at capacity N = budget + 1. mode="chain": the top-1 path of depth
+    min(budget, D), capacity N = min(budget, D) + 1. `root` [B] holds the last committed tokens
+    (tokens[:, 0]); 0 when omitted.
     """
-    logp, ids, budget, root = _check_build_args(draft, budget, root, mode)
+    logp, ids, budget, root = _check_build_args(draft, budget, root, policy, mode)
     chosen = _backend.resolve(backend, ("numpy", "cupy"), logp)
     if chosen == "cupy":
-        return _build_tree_cupy(logp, ids, budget, root, mode)
+        return BuildLaunch(logp, ids, budget, root, mode, _empty_tree(logp, budget, mode))()
     logp, ids, root = to_numpy(logp), to_numpy(ids), to_numpy(root)
-    check_finite("draft.logp", logp, allow_neg_inf=True)
-    if (logp[..., 1:] > logp[..., :-1]).any():
-        raise ValueError("draft.logp: each row must be sorted in descending order")
+    check_draft_values(logp)
     batch, depth_limit, _ = logp.shape
     capacity = tree_nodes(budget, mode=mode, depth=depth_limit)
     parents = np.full((batch, capacity), -1, np.int32)
     tokens = np.zeros((batch, capacity), np.int32)
     log_weights = np.full((batch, capacity), -np.inf, np.float64)
-    pop = _best_first_pops if mode == "tree" else _chain_pops
+    pop = best_first_pops if mode == "tree" else _chain_pops
     for b in range(batch):
         popped = pop(logp[b], budget)
-        n = len(popped) + 1
         tokens[b, 0] = root[b]
         log_weights[b, 0] = 0.0
         for i, (parent, depth, rank, log_w) in enumerate(popped, start=1):
             parents[b, i] = parent
             tokens[b, i] = ids[b, depth - 1, rank]
             log_weights[b, i] = log_w
-        tokens[b, n:] = 0
     return tree_from_parents(parents, tokens, max_depth=depth_limit, log_weights=log_weights)
 
 
-def _best_first_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, float]]:
-    """(parent, depth, rank, log w) of each popped node, in pop order: DESIGN.md §3's heap."""
+def check_draft_values(logp: np.ndarray) -> None:
+    """Host log-probabilities [B, D, K]: finite or -inf, at most 0, each row descending."""
+    check_finite("draft.logp", logp, allow_neg_inf=True)
+    if (logp > 0).any():
+        raise ValueError(f"draft.logp: log-probabilities must be <= 0 (got {float(logp.max())}); "
+                         "pass draft_topk's output, not logits")
+    if (logp[..., 1:] > logp[..., :-1]).any():
+        raise ValueError("draft.logp: each row must be sorted in descending order")
+
+
+def best_first_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, float]]:
+    """(parent, depth, rank, log w) of each node one request's heap pops, in pop order (DESIGN.md §3).
+
+    logp [D, K] is the request's draft; this is the reference build's inner loop, and what the
+    serving worker's CPU build runs per request.
+    """
     depth_limit, k = logp.shape
     pops: list[tuple[int, int, int, float]] = []
     if logp[0, 0] == -np.inf:
@@ -120,9 +100,12 @@ def _chain_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, floa
     return pops
 
 
-def _check_build_args(draft, budget, root, mode):
+def _check_build_args(draft, budget, root, policy, mode):
+    """Metadata checks shared by every backend (no device read); returns (logp, ids, budget, root)."""
     if not isinstance(draft, DraftTopK):
         raise ValueError(f"draft: expected a DraftTopK, got {type(draft).__name__}")
+    if policy not in TREE_POLICIES:
+        raise ValueError(f"policy: expected one of {TREE_POLICIES}, got {policy!r}")
     if mode not in TREE_MODES:
         raise ValueError(f"mode: expected one of {TREE_MODES}, got {mode!r}")
     budget = check_positive_int("budget", budget)
@@ -154,110 +137,104 @@ def _zeros_like_batch(x, batch):
 
 
 # ----------------------------------------------------------------------------------------------
-# CuPy kernels (kernels/tree_build.cu). Inputs are used zero-copy (made contiguous only when they
-# are not), outputs are allocated in the inputs' framework, and every launch goes to torch's
-# current stream (CuPy's when torch is not in use), so nothing here waits for the GPU.
+# The kernel (kernels/tree_build.cu). Inputs are used zero-copy (made contiguous only when they are
+# not), outputs are allocated in the inputs' framework, and every launch goes to torch's current
+# stream (CuPy's when torch is not in use), so nothing here waits for the GPU.
 
-_TOPK_THREADS = 1024               # KD_TOPK_THREADS in kernels/tree_build.cu
-BUILD_VERSIONS = (1, 2)            # build_tree_v1, build_tree_v2 in kernels/tree_build.cu
-# logp staged in shared memory, per version: with the static shared memory (9.8 KB, 45.9 KB) <= 99 KB
-# (tests/test_tree_kernels.py checks the sum against ptxas' report)
-_BUILD_DRAFT_CACHE_BYTES = {1: 80 * 1024, 2: 51 * 1024}
-
-
-def _draft_topk_cupy(logits, k: int) -> DraftTopK:
-    """Fused log-softmax + top-k of logits [B, D, V] on the GPU: one CTA per draft position."""
-    batch, depth, vocab = (int(n) for n in logits.shape)
-    if vocab < 1:
-        raise ValueError("logits: the vocabulary axis is empty")
-    top = min(k, vocab)
-    if top > MAX_TOPK:
-        raise ValueError(f"k: the GPU top-k keeps at most {MAX_TOPK} per position, got {k}")
-    logits = cuda.contiguous(logits, "float32")
-    logp = cuda.device_empty(logits, (batch, depth, top), "float32")
-    ids = cuda.device_empty(logits, (batch, depth, top), "int32")
-    if batch * depth:
-        vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0
-        cuda.launch("tree_build.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1", (batch * depth,),
-                    (_TOPK_THREADS,),
-                    (cuda.pointer(logits), np.int32(vocab), np.int32(top), cuda.pointer(logp), cuda.pointer(ids)),
-                    like=logits)
-    return DraftTopK(logp=logp, ids=ids)
+BUILD_KERNEL = "build_tree_v2"
+# logp staged in shared memory: with the kernel's static shared memory (its frontier) <= 99 KB, the
+# opt-in limit of the 99 KB parts (tests/test_tree_kernels.py checks the sum against ptxas' report)
+DRAFT_CACHE_BYTES = 51 * 1024
+TREE_OUTPUTS = ("tokens", "parents", "depths", "n_nodes", "mask", "first_child", "next_sibling", "log_weights")
 
 
-def _build_tree_cupy(logp, ids, budget: int, root, mode: str) -> Tree:
-    """The kernel build (arguments already checked by _check_build_args): one launch per batch."""
-    batch, depth_limit, _ = (int(n) for n in logp.shape)
-    capacity = tree_nodes(budget, mode=mode, depth=depth_limit)
-    tree = _empty_tree(logp, batch, capacity, depth_limit)
-    _launch_build_tree(logp, ids, budget, root, mode, tree)
-    return tree
+class BuildLaunch:
+    """One prepared tree build: checked, converted and allocated once, so a call costs only the launch.
 
-
-def _empty_tree(like, batch: int, capacity: int, max_depth: int) -> Tree:
-    """Uninitialised Tree outputs on the device of `like`, in its framework (the kernel writes all)."""
-    words = (capacity + 31) // 32
-    nodes = (batch, capacity)
-    return Tree(tokens=cuda.device_empty(like, nodes, "int32"), parents=cuda.device_empty(like, nodes, "int32"),
-                depths=cuda.device_empty(like, nodes, "int32"), n_nodes=cuda.device_empty(like, (batch,), "int32"),
-                mask=cuda.device_empty(like, (batch, capacity, words), "uint32"),
-                first_child=cuda.device_empty(like, nodes, "int32"),
-                next_sibling=cuda.device_empty(like, nodes, "int32"),
-                log_weights=cuda.device_empty(like, nodes, "float64"), max_depth=max_depth)
-
-
-def _build_version(budget: int) -> int:
-    """The build_tree_v* kernel the public entry point launches for this budget."""
-    return 2
-
-
-def _launch_build_tree(logp, ids, budget: int, root, mode: str, out: Tree, *, version: int | None = None) -> None:
-    """build_tree_v<version> (default: _build_version(budget)) into preallocated outputs, one CTA
-    per request; the first `cached` ranks of every depth are staged in shared memory (every rank a
-    pop can read, rank <= budget + 1, unless D * K is very large).
-
-    v1: heap slots 2 per thread on `slot_threads` threads (one warp up to budget 64, then
-    ceil(budget / 2) rounded up to 32). v2: one warp pops; the CTA's other warps stage and write;
-    when every readable rank fits as float64, the draft is staged as float64 (no conversion, no
-    global reads in the pops).
+    Calling it enqueues one CTA per request on torch's current stream, reading the draft and root
+    it was prepared with (refill them in place between calls), and returns `out`. Passing `draft`
+    or `root` checks that they are those same buffers. Nothing here synchronises.
     """
-    version = _build_version(budget) if version is None else version
-    if version not in BUILD_VERSIONS:
-        raise ValueError(f"version: expected one of {BUILD_VERSIONS}, got {version!r}")
-    batch, depth_limit, topk = (int(n) for n in logp.shape)
-    if batch == 0:
-        return
-    logp, ids, root = cuda.contiguous(logp), cuda.contiguous(ids), cuda.contiguous(root)
-    cache_bytes = _BUILD_DRAFT_CACHE_BYTES[version]
-    staged_f64 = False
-    if mode == "chain":
-        slot_threads, threads, cached = 32, 32, 1
-    else:
-        if version == 1:
-            slot_threads = max(32, -(-budget // 64) * 32)
-            threads = 128 if slot_threads == 32 else slot_threads
+
+    def __init__(self, logp, ids, budget: int, root, mode: str, out: Tree):
+        batch, depth_limit, topk = (int(n) for n in logp.shape)
+        self.out = out
+        logp, ids, root = cuda.contiguous(logp), cuda.contiguous(ids), cuda.contiguous(root)
+        self._inputs = logp, ids, root  # kept alive: the arguments hold their addresses
+        self._signature = _buffers(logp, ids, root)
+        if mode == "chain":
+            threads, cached, staged_f64 = 32, 1, False
         else:  # the warps past the first stage the draft and write the outputs
-            slot_threads, threads = 32, min(512, max(128, -(-budget // 64) * 32))
-        readable = min(topk, budget + 2)
-        staged_f64 = version == 2 and 8 * depth_limit * readable <= cache_bytes
-        cached = readable if staged_f64 else min(readable, cache_bytes // (4 * depth_limit))
-    args = ((cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
-             np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
-             np.int32(mode == "chain"), np.int32(cached))
-            + ((np.int32(slot_threads),) if version == 1 else (np.int32(staged_f64),))
-            + (cuda.pointer(out.tokens), cuda.pointer(out.parents), cuda.pointer(out.depths), cuda.pointer(out.n_nodes),
-               cuda.pointer(out.mask), cuda.pointer(out.first_child), cuda.pointer(out.next_sibling),
-               cuda.pointer(out.log_weights)))
-    kernel = f"build_tree_v{version}"
-    _allow_draft_cache(cuda.device_index(logp), kernel, cache_bytes)
-    cuda.launch("tree_build.cu", kernel, (batch,), (threads,), args, like=logp,
-                shared_mem=(8 if staged_f64 else 4) * depth_limit * cached)
+            threads = min(512, max(128, -(-budget // 64) * 32))
+            readable = min(topk, budget + 2)
+            staged_f64 = 8 * depth_limit * readable <= DRAFT_CACHE_BYTES
+            cached = readable if staged_f64 else min(readable, DRAFT_CACHE_BYTES // (4 * depth_limit))
+        device = cuda.device_index(logp)
+        _allow_draft_cache(device)
+        self._function = cuda.device_function("tree_build.cu", BUILD_KERNEL, device)
+        self._grid, self._block = (batch,), (threads,)
+        self._shared_mem = (8 if staged_f64 else 4) * depth_limit * cached
+        self._args = (cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
+                      np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
+                      np.int32(mode == "chain"), np.int32(cached), np.int32(staged_f64),
+                      *(cuda.pointer(getattr(out, name)) for name in TREE_OUTPUTS))  # the kernel's order
+
+    def __call__(self, draft: DraftTopK | None = None, root=None) -> Tree:
+        if draft is not None or root is not None:
+            logp, ids, prepared_root = self._inputs
+            given = _buffers(draft.logp if draft is not None else logp, draft.ids if draft is not None else ids,
+                             root if root is not None else prepared_root)
+            if given != self._signature:
+                raise ValueError("draft, root: not the buffers this launch was prepared with "
+                                 "(same addresses, shapes and dtypes)")
+        if self._grid[0]:
+            self._function(self._grid, self._block, self._args, shared_mem=self._shared_mem,
+                           stream=cuda.current_stream())
+        return self.out
+
+
+def prepare_build_launch(draft: DraftTopK, budget: int, *, root=None, policy: str = "paper", mode: str = "tree",
+                         out: Tree | None = None) -> BuildLaunch:
+    """The kernel build of build_tree's arguments on device arrays, prepared once; `out` may be given
+    (tests poison it)."""
+    logp, ids, budget, root = _check_build_args(draft, budget, root, policy, mode)
+    _backend.resolve("cupy", ("cupy",), logp)
+    if out is None:
+        return BuildLaunch(logp, ids, budget, root, mode, _empty_tree(logp, budget, mode))
+    expected = _empty_tree_spec(int(logp.shape[0]), tree_nodes(budget, mode=mode, depth=int(logp.shape[1])))
+    for name, (shape, dtype) in expected.items():
+        check_array(f"out.{name}", getattr(out, name), dtypes=dtype, shape=shape)
+        if not cuda.is_contiguous(getattr(out, name)):
+            raise ValueError(f"out.{name}: expected a C-contiguous array (the kernel writes it in place)")
+    check_same_device(**{"draft.logp": logp, **{f"out.{name}": getattr(out, name) for name in expected}})
+    return BuildLaunch(logp, ids, budget, root, mode, out)
+
+
+def _buffers(*arrays) -> tuple:
+    return tuple((int(cuda.pointer(x)), tuple(x.shape), str(x.dtype)) for x in arrays)
+
+
+def _empty_tree_spec(batch: int, capacity: int) -> dict[str, tuple[tuple, str]]:
+    """Each Tree array's (shape, dtype) at this batch and capacity, in TREE_OUTPUTS order."""
+    nodes = (batch, capacity)
+    return {"tokens": (nodes, "int32"), "parents": (nodes, "int32"), "depths": (nodes, "int32"),
+            "n_nodes": ((batch,), "int32"), "mask": ((batch, capacity, (capacity + 31) // 32), "uint32"),
+            "first_child": (nodes, "int32"), "next_sibling": (nodes, "int32"), "log_weights": (nodes, "float64")}
+
+
+def _empty_tree(like, budget: int, mode: str) -> Tree:
+    """Uninitialised Tree outputs on the device of `like` (logp [B, D, K]), in its framework; the
+    kernel writes every element."""
+    batch, depth_limit = int(like.shape[0]), int(like.shape[1])
+    spec = _empty_tree_spec(batch, tree_nodes(budget, mode=mode, depth=depth_limit))
+    return Tree(**{name: cuda.device_empty(like, shape, dtype) for name, (shape, dtype) in spec.items()},
+                max_depth=depth_limit)
 
 
 @functools.lru_cache(maxsize=None)
-def _allow_draft_cache(device: int, kernel: str, cache_bytes: int) -> None:
-    """Let a build kernel take more than 48 KB of dynamic shared memory (once per device)."""
+def _allow_draft_cache(device: int) -> None:
+    """Let the build kernel take more than 48 KB of dynamic shared memory (once per device)."""
     import cupy
     with cupy.cuda.Device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # CuPy is moving this attribute
-        cuda.device_function("tree_build.cu", kernel, device).max_dynamic_shared_size_bytes = cache_bytes
+        cuda.device_function("tree_build.cu", BUILD_KERNEL, device).max_dynamic_shared_size_bytes = DRAFT_CACHE_BYTES

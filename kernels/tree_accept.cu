@@ -1,12 +1,13 @@
-// tree_accept.cu — the verified tree's walk and the KV-cache compaction (issue 3); launched from
+// tree_accept.cu — the verified tree's walk and the KV-cache compaction; launched from
 // kdtree_lib/tree_accept.py. Neither needs the host: the compaction reads the walk's outputs.
 //
-//   accept_kernel          one CTA per request: every node tests "my token is the target's token
-//                          at my parent" in parallel, keeps the first matching child per parent
-//                          (children are numbered in sibling order), then one thread follows the
-//                          matches from the root (<= D steps in shared memory)
-//   compact_cache_<unit>   one CTA per (request, layer): moves accepted node k's cache row from slot
-//                          lengths + path[k] to lengths + k, in 16/4/2/1-byte units
+//   v1  accept_kernel: one CTA per request; every node tests "my token is the target's token at my
+//       parent" in parallel and keeps the first matching child per parent (children are numbered in
+//       sibling order), then one thread follows the matches from the root (<= D steps in shared
+//       memory)
+//   v1  compact_cache_<unit>: one CTA per (request, layer) moves accepted node k's cache row from
+//       slot lengths + path[k] to lengths + k, in 16/4/2/1-byte units, each round reading all its
+//       units before writing any (a source can be another row's destination)
 #include "common.cuh"
 
 #define KD_NO_MATCH 0x7fffffff

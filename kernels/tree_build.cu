@@ -1,260 +1,35 @@
-// tree_build.cu — DDTree's draft tree on the GPU (issue 3); launched from kdtree_lib/tree_build.py.
+// tree_build.cu — DDTree's draft tree on the GPU; launched from kdtree_lib/tree_build.py.
 //
-//   draft_topk_vec4/1   one CTA per draft position: log-softmax and the top-k of a logits row
-//                       (radix select on (value, -id) keys, then a bitonic sort of the survivors)
-//   build_tree_v1/v2    one CTA per request: DESIGN.md §3's best-first heap, bit-identical to the
-//                       NumPy reference (same pops, same order, ties included), then the derived
-//                       arrays (children lists, ancestor mask) in parallel
+// One CTA per request: DESIGN.md §3's best-first heap, bit-identical to the NumPy reference (same
+// pops, same order, ties included), then the derived arrays (children lists, ancestor mask) in
+// parallel. The heap is replaced by "one pending entry per popped node": every pop of a child of
+// node p pushes p's next child (the sibling) and the new node's first child, so the live heap entries
+// are exactly {next child of p : p popped}, one slot per popped node, and a pop is an argmax over the
+// slots (larger log w first; equal weights compare rank tuples by climbing the popped nodes' parents
+// in shared memory, which is what Python's tuple comparison does).
 //
-// Both tree builds replace the heap by "one pending entry per popped node": every pop of a child of
-// node p pushes p's next child (the sibling) and the new node's first child, so the live heap
-// entries are exactly {next child of p : p popped}, one slot per popped node, and a pop is an
-// argmax over the slots (larger log w first; equal weights compare rank tuples by climbing the
-// popped nodes' parents in shared memory, which is what Python's tuple comparison does).
-//
-//   v1  slots in registers, 2 per thread, ceil(budget / 2) threads; a pop is a block-wide argmax
-//       (two REDUX per warp, one __syncthreads past budget 64) and each pop reads the draft for the
-//       pushed entries: ~1400 cycles per pop
-//   v2  one warp for every budget: slot j lives in lane j % 32 as a 32-bit word (the top 27 bits
-//       of the order-preserving weight key, then the column j / 32), and each lane keeps its best
-//       word in a register. A pop is two shuffles of the winner's new words, a warp-wide rescan of
-//       the winner's row and one round of REDUX (the rescan and the other lanes' best words
+//   v1  slots in registers, 2 per thread, ceil(budget / 2) threads; a pop is a block-wide argmax (two
+//       REDUX per warp, one __syncthreads past budget 64) that reads the draft for the pushed entries.
+//       Removed: v2 was faster at all 64 configurations of the last run that timed both (commit
+//       9ac49f2); data/results/tree_build.csv keeps their rows.
+//   v2  build_tree_v2: one warp for every budget. Slot j lives in lane j % 32 as a 32-bit word (the
+//       top 27 bits of the order-preserving weight key, then the column j / 32), and each lane keeps
+//       its best word in a register. A pop is two shuffles of the winner's new words, a warp-wide
+//       rescan of the winner's row and one round of REDUX (the rescan and the other lanes' best words
 //       together) that gives the next pop's winner: the same work whatever the budget. Each entry's
-//       sibling and child weights and words are computed when it is pushed, and node records and
-//       new entries are written, and entries reloaded, by predicated stores and loads of only the
-//       lanes that own them (the winner, lane i % 32), so that work overlaps the reductions without
-//       branches and without the other lanes' shared-memory traffic (at commit 4a7c5ea every lane
-//       stored and reloaded a 32-byte record per pop: ~54% of the shared-memory wavefronts were
-//       bank-conflict replays); ties of the 27-bit prefixes (equal weights, or closer than ~2^-15
-//       relative) take an exact path: float64 weights, then rank tuples. When every rank a pop can
-//       read fits, the draft is staged as float64 (no conversions, no global reads in the pops).
-//       ~0.28 us per pop on the H200 (commit 4a7c5ea: about 560 cycles at 1.98 GHz; ~170 instructions
-//       issued in order by one warp).
+//       sibling and child weights and words are computed when it is pushed; node records and new
+//       entries are written, and entries reloaded, by predicated stores and loads of only the lanes
+//       that own them (the winner, lane i % 32), so that work overlaps the reductions without branches
+//       and without the other lanes' shared-memory traffic (bank-conflict replays otherwise). Ties of
+//       the 27-bit prefixes (equal weights, or closer than ~2^-15 relative) take an exact path:
+//       float64 weights, then rank tuples. When every rank a pop can read fits, the draft is staged
+//       as float64 (no conversions, no global reads in the pops).
 #include "common.cuh"
 
 #define KD_MAX_NODES 1025          // budget <= 1024 pops plus the root
-#define KD_TOPK_THREADS 1024
-#define KD_TOPK_UNROLL 4           // loads in flight per thread
-#define KD_TOPK_DIGIT_BITS 11
-#define KD_TOPK_BINS (1 << KD_TOPK_DIGIT_BITS)
-#define KD_TOPK_CAPACITY 4096      // survivors sorted in shared memory (>= the largest k, 1024)
-
-static_assert(KD_TOPK_BINS % KD_TOPK_THREADS == 0, "each thread scans whole bins");
 
 // ---------------------------------------------------------------------------------------------
-// draft top-k
-
-// A 64-bit key that orders (larger value first, then smaller id first) as an unsigned integer:
-// the float's order-preserving bits above the complemented id. -0.0 counts as +0.0.
-__device__ __forceinline__ unsigned long long topk_key(float value, int id) {
-    const unsigned bits = __float_as_uint(value == 0.0f ? 0.0f : value);
-    const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return ((unsigned long long)ordered << 32) | (unsigned)(~(unsigned)id);
-}
-
-__device__ __forceinline__ float topk_key_value(unsigned long long key) {
-    const unsigned ordered = (unsigned)(key >> 32);
-    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
-}
-
-__device__ __forceinline__ int topk_key_id(unsigned long long key) { return (int)(~(unsigned)key); }
-
-#define KD_LOG2_E 1.4426950408889634f
-
-// Running max and sum of exp(x - max) (online softmax); -inf entries carry no mass.
-struct SoftmaxState {
-    float max;
-    float sum;
-};
-
-__device__ __forceinline__ void softmax_push(SoftmaxState& state, float x) {
-    if (x > state.max) {
-        state.sum = state.sum * exp2f((state.max - x) * KD_LOG2_E) + 1.0f;
-        state.max = x;
-    } else if (x != kd_neg_inf_f()) {
-        state.sum += exp2f((x - state.max) * KD_LOG2_E);
-    }
-}
-
-__device__ __forceinline__ SoftmaxState softmax_merge(SoftmaxState a, SoftmaxState b) {
-    const float max = fmaxf(a.max, b.max);
-    if (max == kd_neg_inf_f()) return {max, 0.0f};
-    return {max, a.sum * expf(a.max - max) + b.sum * expf(b.max - max)};
-}
-
-// The whole block's softmax state, returned to every thread. scratch: __shared__ SoftmaxState[32].
-__device__ SoftmaxState softmax_block_merge(SoftmaxState state, SoftmaxState* scratch) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const SoftmaxState other = {__shfl_xor_sync(KD_FULL_MASK, state.max, offset),
-                                    __shfl_xor_sync(KD_FULL_MASK, state.sum, offset)};
-        state = softmax_merge(state, other);
-    }
-    if (kd_lane() == 0) scratch[kd_warp()] = state;
-    __syncthreads();
-    SoftmaxState total = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x / KD_WARP_SIZE); ++w) total = softmax_merge(total, scratch[w]);
-    return total;
-}
-
-// Sort keys[0, size) in descending order; size a power of two. All threads call it.
-__device__ void bitonic_sort_descending(unsigned long long* keys, int size) {
-    for (int span = 2; span <= size; span <<= 1) {
-        for (int stride = span >> 1; stride > 0; stride >>= 1) {
-            for (int pair = threadIdx.x; pair < size / 2; pair += blockDim.x) {
-                const int lo = 2 * pair - (pair & (stride - 1));
-                const int hi = lo + stride;
-                const bool descending = (lo & span) == 0;
-                const unsigned long long a = keys[lo], b = keys[hi];
-                if ((a < b) == descending) {
-                    keys[lo] = b;
-                    keys[hi] = a;
-                }
-            }
-            __syncthreads();
-        }
-    }
-}
-
-// Visit every element of a logits row as (value, index, valid), VEC floats per load and
-// KD_TOPK_UNROLL loads in flight per thread; every lane of a warp makes the same number of calls
-// (invalid ones past the end), as the warp-wide helpers in `visit` require.
-template <int VEC, typename Visit>  // VEC: 4 or 1
-__device__ __forceinline__ void for_each_logit(const float* __restrict__ row, int vocab, Visit visit) {
-    const int vectors = vocab / VEC;  // VEC divides vocab
-    const int padded = kd_ceil_div(vectors, KD_WARP_SIZE) * KD_WARP_SIZE;
-    for (int first = threadIdx.x; first < padded; first += KD_TOPK_UNROLL * blockDim.x) {
-        float values[KD_TOPK_UNROLL][VEC];
-#pragma unroll
-        for (int u = 0; u < KD_TOPK_UNROLL; ++u) {
-            const int q = first + u * blockDim.x;
-            if constexpr (VEC == 4) {
-                const float4 loaded = q < vectors ? reinterpret_cast<const float4*>(row)[q]
-                                                  : make_float4(kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f());
-                values[u][0] = loaded.x;
-                values[u][1] = loaded.y;
-                values[u][2] = loaded.z;
-                values[u][3] = loaded.w;
-            } else {
-                values[u][0] = q < vectors ? row[q] : kd_neg_inf_f();
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < KD_TOPK_UNROLL; ++u) {
-            const int q = first + u * blockDim.x;
-            if (q < padded) {  // warp-uniform
-#pragma unroll
-                for (int c = 0; c < VEC; ++c) visit(values[u][c], q * VEC + c, q < vectors);
-            }
-        }
-    }
-}
-
-// logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32.
-// Radix select: each pass histograms the next 11 bits of the keys that share the prefix chosen so
-// far and keeps the digit where the count of larger keys reaches k; it stops as soon as the keys
-// >= that digit fit in shared memory (usually after the first pass, which also computes the
-// softmax denominator). Keys are unique, so the survivors are exactly determined.
-template <int VEC>
-__device__ void draft_topk_row(const float* __restrict__ logits, int vocab, int k,
-                               float* __restrict__ out_logp, int* __restrict__ out_ids) {
-    __shared__ unsigned s_hist[KD_TOPK_BINS];
-    __shared__ unsigned long long s_keys[KD_TOPK_CAPACITY];
-    __shared__ unsigned s_scan[32];
-    __shared__ SoftmaxState s_softmax[32];
-    __shared__ unsigned s_digit, s_count_above, s_count_from;
-    __shared__ unsigned s_taken;
-
-    const int t = threadIdx.x;
-    const float* row = logits + (long long)blockIdx.x * vocab;
-    constexpr int bins_per_thread = KD_TOPK_BINS / KD_TOPK_THREADS;
-
-    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
-    unsigned long long prefix = 0ull;  // the digits chosen so far
-    int shift = 64;                    // the key bits below the prefix
-    unsigned above = 0u;               // keys known to be larger than every key with the prefix
-    unsigned survivors = 0u;
-    for (bool first_pass = true;; first_pass = false) {
-        const int bits = min(KD_TOPK_DIGIT_BITS, shift);
-        const int low = shift - bits;
-        for (int bin = t; bin < KD_TOPK_BINS; bin += blockDim.x) s_hist[bin] = 0u;
-        __syncthreads();
-        for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
-            if (first_pass) softmax_push(softmax, x);  // x = -inf when not valid
-            const unsigned long long key = topk_key(x, i);
-            const bool in_prefix = valid && (shift == 64 || (key >> shift) == prefix);
-            kd_warp_histogram_add(s_hist, in_prefix ? (int)((key >> low) & (KD_TOPK_BINS - 1)) : -1);
-        });
-        __syncthreads();
-        // thread t owns digits top, top-1, ... (descending), so a prefix sum over threads counts
-        // the keys above each digit
-        const int top = KD_TOPK_BINS - 1 - t * bins_per_thread;
-        unsigned mine = 0u;
-        for (int j = 0; j < bins_per_thread; ++j) mine += s_hist[top - j];
-        const unsigned before = above + kd_block_inclusive_scan(mine, s_scan) - mine;
-        if (before < (unsigned)k && before + mine >= (unsigned)k) {
-            unsigned count = before;
-            for (int j = 0; j < bins_per_thread; ++j) {
-                const unsigned in_bin = s_hist[top - j];
-                if (count + in_bin >= (unsigned)k) {
-                    s_digit = top - j;
-                    s_count_above = count;
-                    s_count_from = count + in_bin;
-                    break;
-                }
-                count += in_bin;
-            }
-        }
-        __syncthreads();
-        prefix = (prefix << bits) | s_digit;
-        shift = low;
-        survivors = s_count_from;
-        if (survivors <= KD_TOPK_CAPACITY || shift == 0) break;
-        above = s_count_above;
-    }
-    const unsigned long long threshold = prefix << shift;
-
-    // gather the survivors (keys >= threshold: exactly `survivors` of them) and sort them
-    if (t == 0) s_taken = 0u;
-    __syncthreads();
-    for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
-        const unsigned long long key = topk_key(x, i);
-        const bool take = valid && key >= threshold;
-        const int slot = kd_warp_append(&s_taken, take);
-        if (take) s_keys[slot] = key;
-    });
-    int size = 1;
-    while (size < (int)survivors) size <<= 1;
-    __syncthreads();
-    for (int j = survivors + t; j < size; j += blockDim.x) s_keys[j] = 0ull;  // below every real key
-    __syncthreads();
-    bitonic_sort_descending(s_keys, size);
-
-    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
-    const float log_sum = logf(total.sum);
-    const long long out = (long long)blockIdx.x * k;
-    for (int j = t; j < k; j += blockDim.x) {
-        const unsigned long long key = s_keys[j];
-        out_logp[out + j] = (topk_key_value(key) - total.max) - log_sum;
-        out_ids[out + j] = topk_key_id(key);
-    }
-}
-
-// draft_topk_vec4 needs vocab % 4 == 0 and 16-byte aligned rows; draft_topk_vec1 takes any row.
-extern "C" __global__ void __launch_bounds__(KD_TOPK_THREADS)
-draft_topk_vec4(const float* __restrict__ logits, int vocab, int k, float* __restrict__ out_logp,
-                int* __restrict__ out_ids) {
-    draft_topk_row<4>(logits, vocab, k, out_logp, out_ids);
-}
-
-extern "C" __global__ void __launch_bounds__(KD_TOPK_THREADS)
-draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __restrict__ out_logp,
-                int* __restrict__ out_ids) {
-    draft_topk_row<1>(logits, vocab, k, out_logp, out_ids);
-}
-
-// ---------------------------------------------------------------------------------------------
-// tree build: shared by both versions
+// tree build: the pending entries and their order
 
 // A pending heap entry is identified by (slot, rank, depth): the next child of popped node `slot`,
 // with that rank at that depth. Packed in one int for the shuffles: 10 + 10 + 6 bits.
@@ -269,8 +44,6 @@ struct TreeScratch {  // (the popped nodes' log-weights go straight to the outpu
     short first_child[KD_MAX_NODES];
     short next_sibling[KD_MAX_NODES];
     unsigned char depth[KD_MAX_NODES];
-    double warp_weight[2][32];         // v1: per-warp winners, double-buffered by pop parity
-    int warp_code[2][32];
     int n_nodes;
 };
 
@@ -335,7 +108,7 @@ __device__ __forceinline__ int warp_winner(double weight, int code, const TreeSc
 
 // The draft's log-probabilities: the first `cached` ranks of every depth are staged in shared
 // memory before the pops, as float32, and deeper ranks (only reachable when D * K is large) come
-// from global memory; or (v2, when every rank a pop can read fits) all of them are staged, already
+// from global memory; or (when every rank a pop can read fits) all of them are staged, already
 // converted to float64, the type the weights add.
 template <typename Staged>  // float or double
 struct DraftRowsOf {
@@ -348,122 +121,6 @@ struct DraftRowsOf {
         else return rank < cached ? staged : global[row * topk + rank];  // a predicated global load, no
     }                                                                    // branch (D * K < 2^31)
 };
-using DraftRows = DraftRowsOf<float>;
-
-// ---------------------------------------------------------------------------------------------
-// tree build v1: slots in registers, a block-wide argmax per pop
-
-// One heap slot: the pending next child of one popped node (weight -inf when there is none).
-struct Slot {
-    double weight;
-    int depth, rank, last_child;
-    float current, next;  // logp of this entry and of its next sibling
-};
-
-__device__ __forceinline__ void push_first_child(Slot& slot, double parent_weight, int parent_depth, const DraftRows& lp) {
-    const float first = lp(parent_depth, 0);
-    slot.weight = first == kd_neg_inf_f() ? kd_neg_inf_d() : parent_weight + (double)first;
-    slot.depth = parent_depth + 1;
-    slot.rank = 0;
-    slot.current = first;
-    slot.next = lp.topk > 1 ? lp(parent_depth, 1) : kd_neg_inf_f();
-}
-
-__device__ __forceinline__ void push_next_sibling(Slot& slot, const DraftRows& lp) {
-    if (slot.next == kd_neg_inf_f()) {
-        slot.weight = kd_neg_inf_d();
-        return;
-    }
-    slot.weight = (slot.weight - (double)slot.current) + (double)slot.next;  // the reference's order
-    slot.rank += 1;
-    slot.current = slot.next;
-    slot.next = slot.rank + 1 < lp.topk ? lp(slot.depth - 1, slot.rank + 1) : kd_neg_inf_f();
-}
-
-// Entry `slot_code` of `slot` competes for this thread's best entry.
-__device__ __forceinline__ void consider(const Slot& slot, int slot_code, double& best, int& code, const TreeScratch& s) {
-    if (pops_first(slot.weight, slot_code, best, code, s)) {
-        best = slot.weight;
-        code = slot_code;
-    }
-}
-
-// Node `child` was popped from `slot` (its parent's pending entry): link it, push the next sibling.
-__device__ __forceinline__ void pop_from(Slot& slot, int parent, int child, const DraftRows& lp, TreeScratch& s) {
-    if (slot.last_child < 0) s.first_child[parent] = (short)child;
-    else s.next_sibling[slot.last_child] = (short)child;
-    slot.last_child = child;
-    push_next_sibling(slot, lp);
-}
-
-// Best-first pops of one request, run by threads [0, slot_threads): thread t owns slots t (low)
-// and t + slot_threads (high), the pending next children of those nodes. With one warp
-// (budget <= 64) a pop needs no block barrier; otherwise each warp's winner goes through shared
-// memory and one __syncthreads (then every thread of the block must call this). Returns the node
-// count, root included.
-__device__ int best_first_pops_v1(const DraftRows& lp, int depth_limit, int budget, int slot_threads, TreeScratch& s,
-                                  double* __restrict__ log_weights) {
-    const int t = threadIdx.x, lane = kd_lane(), warp = kd_warp();
-    const bool single_warp = slot_threads == KD_WARP_SIZE;
-    const bool has_slots = t < slot_threads;
-    Slot low = {kd_neg_inf_d(), 0, 0, -1, 0.0f, kd_neg_inf_f()};
-    Slot high = low;
-    if (t == 0) {  // the root's first child: log w = logp[0, 0] itself (no 0.0 + in front)
-        push_first_child(low, 0.0, 0, lp);
-        if (low.weight != kd_neg_inf_d()) low.weight = (double)low.current;
-    }
-    int n_nodes = 1;
-    for (int i = 1; i <= budget; ++i) {  // pop i creates node i
-        double best = kd_neg_inf_d();
-        int code = 0;
-        if (has_slots) {
-            consider(low, entry_code(t, low.rank, low.depth), best, code, s);
-            consider(high, entry_code(t + slot_threads, high.rank, high.depth), best, code, s);
-        }
-        if (single_warp) {
-            const int winner = warp_winner(best, code, s);
-            best = __shfl_sync(KD_FULL_MASK, best, winner);
-            code = __shfl_sync(KD_FULL_MASK, code, winner);
-        } else {
-            const int parity = i & 1;
-            const int live_warps = kd_ceil_div(min(i, slot_threads), KD_WARP_SIZE);
-            if (warp < live_warps) {
-                const int winner = warp_winner(best, code, s);
-                if (lane == winner) {
-                    s.warp_weight[parity][warp] = best;
-                    s.warp_code[parity][warp] = code;
-                }
-            }
-            __syncthreads();
-            const int winner = warp_winner(lane < live_warps ? s.warp_weight[parity][lane] : kd_neg_inf_d(),
-                                           lane < live_warps ? s.warp_code[parity][lane] : 0, s);
-            best = s.warp_weight[parity][winner];
-            code = s.warp_code[parity][winner];
-        }
-        if (best == kd_neg_inf_d()) break;  // heap empty (the same decision in every thread)
-
-        const int parent = entry_slot(code), popped_depth = entry_depth(code);
-        n_nodes = i + 1;
-        if (t == parent % slot_threads) {
-            if (parent < slot_threads) pop_from(low, parent, i, lp, s);
-            else pop_from(high, parent, i, lp, s);
-        }
-        // node i is recorded by the thread that owns its slot, so that thread's warp sees it after
-        // the __syncwarp below and other warps after the next pop's __syncthreads
-        if (t == i % slot_threads) {
-            s.parent[i] = (short)parent;
-            s.rank[i] = (short)entry_rank(code);
-            s.depth[i] = (unsigned char)popped_depth;
-            log_weights[i] = best;
-            if (i < budget && popped_depth < depth_limit) {
-                if (i < slot_threads) push_first_child(low, best, popped_depth, lp);
-                else push_first_child(high, best, popped_depth, lp);
-            }
-        }
-        __syncwarp();
-    }
-    return n_nodes;
-}
 
 // ---------------------------------------------------------------------------------------------
 // tree build v2: one warp, a flat frontier of 32-bit words, one round of REDUX per pop
@@ -780,20 +437,34 @@ __device__ DraftRowsOf<Staged> stage_draft(const float* __restrict__ draft, int 
     return {cache, draft, cached, topk};
 }
 
+// One request's pops into s (the chain by thread 0, best-first by warp 0), after the block stages
+// its draft as Staged values (float, or double when every readable rank fits).
+template <typename Staged>
+__device__ __forceinline__ void pop_request(const float* __restrict__ draft, int depth_limit, int topk, int budget,
+                                            int chain_mode, int cached, Staged* cache, TreeScratch& s,
+                                            double* __restrict__ weights) {
+    const DraftRowsOf<Staged> lp = stage_draft(draft, depth_limit, topk, cached, cache);
+    const int t = threadIdx.x;
+    if (chain_mode) {
+        if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
+    } else if (t < KD_WARP_SIZE) {
+        const int count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
+        if (t == 0) s.n_nodes = count;
+    }
+}
+
 // logp float32 [B, D, K], ids int32 [B, D, K], root int32|int64 [B] -> the Tree of DESIGN.md §3 at
-// capacity N (every output element is written). Dynamic shared memory: D * cached values, the
-// first `cached` ranks of every depth, float32, or float64 when staged_f64 (v2 only, with every rank
-// a pop can read, cached >= min(K, budget + 2)). slot_threads: the threads that pop (v1: 32 for
-// budgets <= 64, the others only stage and write; else blockDim.x. v2: 32).
-template <int VERSION>
-__device__ __forceinline__ void build_tree(const float* __restrict__ logp, const int* __restrict__ ids,
-                                           const void* __restrict__ root, int root_is_int64, int depth_limit,
-                                           int topk, int budget, int capacity, int chain_mode, int cached,
-                                           int staged_f64, int slot_threads, int* __restrict__ tokens,
-                                           int* __restrict__ parents,
-                                           int* __restrict__ depths, int* __restrict__ n_nodes,
-                                           unsigned* __restrict__ mask, int* __restrict__ first_child,
-                                           int* __restrict__ next_sibling, double* __restrict__ log_weights) {
+// capacity N (every output element is written). Dynamic shared memory: D * cached values, the first
+// `cached` ranks of every depth, float32, or float64 when staged_f64 (then every rank a pop can
+// read, cached >= min(K, budget + 2)). Warp 0 pops; the whole block (any multiple of 32 threads)
+// stages the draft and writes the outputs. One block per SM in the bounds: ptxas may then give the
+// pops more registers than at the default occupancy target.
+extern "C" __global__ void __launch_bounds__(512, 1)
+build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
+              int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
+              int staged_f64, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
+              int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
+              int* __restrict__ next_sibling, double* __restrict__ log_weights) {
     __shared__ TreeScratch s;
     extern __shared__ double s_draft[];  // [D, cached] float32 or float64 values
     const int b = blockIdx.x, t = threadIdx.x;
@@ -807,26 +478,10 @@ __device__ __forceinline__ void build_tree(const float* __restrict__ logp, const
     }
     const long long base = (long long)b * capacity;
     double* weights = log_weights + base;  // nodes 1 .. count-1 are written by the pops
-    if (VERSION == 2 && staged_f64) {  // (the block-wide branches here are uniform)
-        if constexpr (VERSION == 2) {  // (v1 has no frontier)
-            const DraftRowsOf<double> lp = stage_draft(logp + draft_base, depth_limit, topk, cached, s_draft);
-            if (chain_mode) {
-                if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
-            } else if (t < KD_WARP_SIZE) {
-                const int count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
-                if (t == 0) s.n_nodes = count;
-            }
-        }
+    if (staged_f64) {  // uniform over the block
+        pop_request(logp + draft_base, depth_limit, topk, budget, chain_mode, cached, s_draft, s, weights);
     } else {
-        const DraftRows lp = stage_draft(logp + draft_base, depth_limit, topk, cached, (float*)s_draft);
-        if (chain_mode) {
-            if (t == 0) s.n_nodes = chain_pops(lp, depth_limit, budget, s, weights);
-        } else if (slot_threads == (int)blockDim.x || t < slot_threads) {
-            int count;
-            if constexpr (VERSION == 1) count = best_first_pops_v1(lp, depth_limit, budget, slot_threads, s, weights);
-            else count = best_first_pops_v2(lp, depth_limit, budget, s, weights);
-            if (t == 0) s.n_nodes = count;
-        }
+        pop_request(logp + draft_base, depth_limit, topk, budget, chain_mode, cached, (float*)s_draft, s, weights);
     }
     __syncthreads();
 
@@ -854,27 +509,4 @@ __device__ __forceinline__ void build_tree(const float* __restrict__ logp, const
         }
         mask[base * words + e] = bits;
     }
-}
-
-// v1: slot_threads as build_tree says; blockDim.x = 128 when it is 32, else slot_threads.
-extern "C" __global__ void __launch_bounds__(512)
-build_tree_v1(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
-              int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
-              int slot_threads, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-              int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
-              int* __restrict__ next_sibling, double* __restrict__ log_weights) {
-    build_tree<1>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached, 0,
-                  slot_threads, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
-}
-
-// v2: warp 0 pops; the block (any multiple of 32 threads) stages the draft and writes the outputs.
-// (Bounds of one block per SM let ptxas keep the pops in more registers: 79 instead of 64.)
-extern "C" __global__ void __launch_bounds__(512, 1)
-build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const void* __restrict__ root,
-              int root_is_int64, int depth_limit, int topk, int budget, int capacity, int chain_mode, int cached,
-              int staged_f64, int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-              int* __restrict__ n_nodes, unsigned* __restrict__ mask, int* __restrict__ first_child,
-              int* __restrict__ next_sibling, double* __restrict__ log_weights) {
-    build_tree<2>(logp, ids, root, root_is_int64, depth_limit, topk, budget, capacity, chain_mode, cached,
-                  staged_f64, KD_WARP_SIZE, tokens, parents, depths, n_nodes, mask, first_child, next_sibling, log_weights);
 }

@@ -1,4 +1,4 @@
-"""A small workload of every issue-3 kernel for compute-sanitizer (not collected by pytest).
+"""A small workload of every tree kernel (draft top-k, build, accept, compaction) for compute-sanitizer (not collected by pytest).
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_tree_kernels.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_tree_kernels.py
@@ -18,8 +18,9 @@ import cupy  # noqa: E402
 
 from kdtree_lib.contracts import AcceptResult, DraftTopK
 from kdtree_lib.tree_accept import accept, compact_cache  # noqa: E402
-from kdtree_lib.tree_build import build_tree, draft_topk  # noqa: E402
-from test_tree_kernels import (assert_same_tree, assert_topk_matches, random_accept_result,  # noqa: E402
+from kdtree_lib.draft_topk import draft_topk  # noqa: E402
+from kdtree_lib.tree_build import build_tree  # noqa: E402
+from test_tree_kernels import (assert_fused_topk_matches, assert_same_tree, random_accept_result,  # noqa: E402
                                random_posterior, sorted_draft)
 
 
@@ -28,7 +29,7 @@ def main() -> None:
     rng = np.random.default_rng(3)
     for vocab in (3001, 4000):  # scalar and float4 loads
         logits = -rng.integers(0, 3, size=(2, 3, vocab)).astype(np.float32)
-        assert_topk_matches(draft_topk(cupy.asarray(logits), 100), logits, 100, "sanitizer", exact_ids=True)
+        assert_fused_topk_matches(draft_topk(cupy.asarray(logits), 100, backend="cupy"), logits, 100, "sanitizer")
     for batch, depth, k, budget, style in ((3, 6, 40, 70, "ties"), (2, 4, 9, 32, "neginf"),
                                            (1, 32, 700, 700, "ties")):  # the last reads past the cache
         logp, ids = sorted_draft(rng, batch, depth, k, style)

@@ -5,7 +5,8 @@ import torch
 
 from kdtree_lib.contracts import AcceptResult, root_to_node_paths, tree_from_parents
 from kdtree_lib.tree_accept import accept, compact_cache, compaction_plan, posterior_tokens
-from kdtree_lib.tree_build import build_tree, draft_topk
+from kdtree_lib.draft_topk import draft_topk
+from kdtree_lib.tree_build import build_tree
 
 VOCAB = 12
 
@@ -181,6 +182,17 @@ def test_accept_and_compaction_reject_bad_input():
         accept(tree, good.astype(np.float32))
     with pytest.raises(ValueError, match="tree: expected a Tree"):
         accept(tree.tokens, good)
+    negative = good.copy()
+    negative[1, 0] = -3  # the root's posterior: it would come back as the bonus token
+    with pytest.raises(ValueError, match="posterior: token ids must be >= 0, got -3"):
+        accept(tree, negative)
+    with pytest.raises(ValueError, match="posterior: token ids must be >= 0"):
+        accept(tree, torch.from_numpy(negative.astype(np.int64)))
+    with pytest.raises(ValueError, match="posterior: token ids must be < vocab=5, got 5"):
+        accept(tree, np.full((2, 6), 5, np.int32), vocab=5)
+    with pytest.raises(ValueError, match="vocab: expected a positive integer"):
+        accept(tree, good, vocab=0)
+    assert accept(tree, np.full((2, 6), 4, np.int32), vocab=5).n_accepted.min() >= 1
     result = accept(tree, good)
     with pytest.raises(ValueError, match="caches: expected a non-empty list"):
         compact_cache([], np.zeros(2, np.int32), result)

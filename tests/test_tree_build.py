@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kdtree_lib.contracts import DraftTopK, pack_mask, root_to_node_paths, tree_from_parents, unpack_mask
-from kdtree_lib.tree_build import build_tree, draft_topk
+from kdtree_lib.draft_topk import draft_topk
+from kdtree_lib.tree_build import build_tree
 
 # Dyadic log-probabilities: float64 sums and differences of these are exact, so the heap's
 # subtract-then-add arithmetic equals the plain path sum and ties are real ties.
@@ -173,45 +174,7 @@ def test_tree_from_parents_and_mask_packing():
 
 
 # ----------------------------------------------------------------------------------------------
-# draft top-k
-
-def test_draft_topk_matches_torch_and_breaks_ties_by_token_id():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, 3, 50)).astype(np.float32)
-    logits[0, 0, [5, 9, 11]] = 9.0  # a three-way tie at the top
-    draft = draft_topk(logits, 6)
-    expected = torch.log_softmax(torch.from_numpy(logits), dim=-1)
-    values, _ = expected.topk(6, dim=-1)
-    np.testing.assert_allclose(draft.logp, values.numpy(), rtol=1e-6, atol=1e-6)
-    assert list(draft.ids[0, 0, :3]) == [5, 9, 11]
-    assert draft.logp.dtype == np.float32 and draft.ids.dtype == np.int32
-    assert (np.diff(draft.logp, axis=-1) <= 0).all()
-    assert draft_topk(logits, 1000).shape == (2, 3, 50)  # K = min(k, V)
-
-
-def test_draft_topk_accepts_torch_and_masked_vocab():
-    logits = torch.randn(1, 2, 10)
-    logits[..., 3:] = float("-inf")
-    draft = draft_topk(logits, 5)
-    assert np.isneginf(draft.logp[..., 3:]).all()
-    assert build_tree(draft, 20).n_nodes[0] == 3 + 9 + 1
-
-
-# ----------------------------------------------------------------------------------------------
 # bad input names the argument
-
-@pytest.mark.parametrize("logits, k, match", [
-    (np.zeros((2, 3, 4), np.int32), 2, "logits: expected dtype"),
-    (np.zeros((3, 4), np.float32), 2, "logits: expected 3 dimensions"),
-    (np.full((1, 1, 4), np.nan, np.float32), 2, "logits: contains NaN"),
-    (np.full((1, 1, 4), -np.inf, np.float32), 2, "logits: a row is entirely -inf"),
-    (np.zeros((1, 1, 4), np.float32), 0, "k: expected a positive integer"),
-    ([[[0.0]]], 2, "logits: expected a numpy array"),
-])
-def test_draft_topk_rejects_bad_input(logits, k, match):
-    with pytest.raises(ValueError, match=match):
-        draft_topk(logits, k)
-
 
 def test_build_tree_rejects_bad_input():
     good = make_draft(np.log(np.full((2, 3, 4), 0.25)))
@@ -226,10 +189,14 @@ def test_build_tree_rejects_bad_input():
         (dict(draft=DraftTopK(good.logp, good.ids.astype(np.int64)), budget=4), "draft.ids: expected dtype int32"),
         (dict(draft=make_draft(np.full((1, 2, 2), np.nan)), budget=4), "draft.logp: contains NaN"),
         (dict(draft=make_draft(np.array([[[-1.0, 0.0]]])), budget=4), "sorted in descending order"),
+        (dict(draft=make_draft(np.array([[[2.5, 1.0]]])), budget=4), "draft.logp: log-probabilities must be <= 0"),
+        (dict(draft=make_draft(np.full((1, 2, 2), np.inf)), budget=4), r"draft.logp: contains \+inf"),
+        (dict(draft=good, budget=4, policy="beam"), "policy: expected one of"),
         (dict(draft=good, budget=4, root=np.zeros(3, np.int32)), "root: expected shape"),
-        (dict(draft=good, budget=4, mode="beam"), "mode: expected 'tree' or 'chain'"),
+        (dict(draft=good, budget=4, mode="beam"), "mode: expected one of"),
         (dict(draft=good, budget=4, backend="gpu"), "backend: expected one of"),
         (dict(draft=make_draft(np.zeros((1, 33, 2))), budget=4), "depth D must be in 1..32"),
+        (dict(draft=make_draft(np.zeros((1, 0, 2))), budget=4), "depth D must be in 1..32"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

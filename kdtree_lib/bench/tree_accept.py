@@ -1,0 +1,120 @@
+"""Benchmark of the tree stage's second half: the accept walk and the compaction of K2.6's 61 MLA caches.
+
+Rows go to data/results/tree_accept.csv, one per (configuration, method), stamped by results.append_rows.
+GPU times (CUDA graphs of 20 calls, timing.graph_seconds) of the prepared walk ("accept_kernel"), the
+prepared compaction of every layer ("compact_kernel") and both ("accept_compact_kernel"); host time per
+call of the eager entry points together ("accept_compact_call"), of the eager accept alone
+("accept_call") and of a prepared walk ("accept_prepared_call"). Caches [B, L_max, 576] bf16, lengths
+uniform in [0, 1024), a posterior that follows the drafter's best child with probability 0.8.
+
+    python -m kdtree_lib.bench.tree_accept [--quick] [--results-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from .. import results
+from ..contracts import DraftTopK
+from ..tree_accept import accept, compact_cache, prepare_accept_launch, prepare_compact_launch
+from ..tree_build import build_tree
+from .inputs import follow_posterior, random_draft
+from .timing import graph_seconds, host_seconds
+
+BATCHES = (1, 64, 256)
+BUDGETS = (64, 256)
+K26_LAYERS = 61
+MLA_WIDTH = 576          # c_kv 512 + k_rope 64, bf16
+COMMITTED_MAX = 1024     # committed tokens per request before the step (uniform in [0, this))
+
+
+def bench_accept(batches=BATCHES, budgets=BUDGETS, depth: int = 15, layers: int = K26_LAYERS) -> list[dict]:
+    """The walk and the compaction of `layers` MLA caches, apart and together, and their host cost."""
+    import torch
+    rows = []
+    rng = np.random.default_rng(0)
+    for budget in budgets:
+        for batch in batches:
+            draft, root = random_draft(batch, depth, budget, seed=budget + batch, device="cuda")
+            tree = build_tree(draft, budget, root=root, backend="cupy")
+            host_tree = build_tree(DraftTopK(draft.logp.cpu().numpy(), draft.ids.cpu().numpy()), budget,
+                                   root=root.cpu().numpy(), backend="numpy")
+            posterior_host = follow_posterior(host_tree, rng)
+            posterior = torch.as_tensor(posterior_host, device="cuda")
+            lengths = torch.as_tensor(rng.integers(0, COMMITTED_MAX, size=batch).astype(np.int32), device="cuda")
+            slots = COMMITTED_MAX + budget + 1
+            caches = [torch.empty(batch, slots, MLA_WIDTH, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+            walk = prepare_accept_launch(tree, posterior)
+            move = prepare_compact_launch(caches, lengths, walk.out)
+            timings = {"accept_kernel": graph_seconds(walk), "compact_kernel": graph_seconds(move),
+                       "accept_compact_kernel": graph_seconds(lambda: (walk(), move())),
+                       "accept_compact_call": (host_seconds(lambda: compact_cache(caches, lengths, accept(tree, posterior)),
+                                                            calls=20), "host"),
+                       "accept_call": (host_seconds(lambda: accept(tree, posterior)), "host"),
+                       "accept_prepared_call": (host_seconds(walk), "host")}
+            want = accept(host_tree, posterior_host, backend="numpy")
+            walk()
+            matches = all(np.array_equal(getattr(walk.out, name).cpu().numpy(), getattr(want, name))
+                          for name in ("path", "n_accepted", "bonus"))
+            moved_rows = int(((want.path[:, 1:] >= 0) & (want.path[:, 1:] != np.arange(1, depth + 1))).sum())
+            moved_bytes = 2 * moved_rows * MLA_WIDTH * 2 * layers  # read + write
+            config = dict(batch=batch, depth=depth, budget=budget, layers=layers, width=MLA_WIDTH,
+                          mean_accepted=float(want.n_accepted.mean()), moved_bytes=moved_bytes,
+                          matches_reference=matches)
+            for name, (seconds, timing) in timings.items():
+                rows.append({**config, "method": name, "backend": "cupy", "time_us": round(seconds * 1e6, 3),
+                             "timing": timing})
+            print(f"accept B={batch:3d} budget={budget:4d} layers={layers}: " + "  ".join(
+                f"{name} {seconds * 1e6:7.2f} us" for name, (seconds, _) in timings.items())
+                + f"  mean accepted {want.n_accepted.mean():.2f}  moved {moved_bytes / 1e6:.1f} MB  match={matches}",
+                flush=True)
+            del caches, walk, move  # frees the layers before the next configuration
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# reading the rows back (notebook 06)
+
+def accept_summary(rows: list[dict]) -> dict:
+    """What notebook 06 states, from one run's rows: the range of mean acceptance lengths, the GPU time
+    of a step (walk + compaction) per configuration, the walk's largest time, the host cost of the
+    prepared walk, and whether every walk matched the reference."""
+    steps = results.select(rows, method="accept_compact_kernel")
+    accepted = [r["mean_accepted"] for r in steps]
+    summary = {"mean_accepted_min": min(accepted), "mean_accepted_max": max(accepted),
+               "all walks match the reference": all(r["matches_reference"] for r in steps),
+               "accept_kernel_max_us": max(r["time_us"] for r in results.select(rows, method="accept_kernel"))}
+    for r in sorted(steps, key=lambda r: (r["budget"], r["batch"])):
+        summary[f"B={r['batch']} budget={r['budget']} accept+compact_us"] = r["time_us"]
+    prepared = results.select(rows, method="accept_prepared_call")
+    if prepared:
+        summary["accept_prepared_call_max_us"] = max(r["time_us"] for r in prepared)
+    return summary
+
+
+def plot_accept_times(ax, rows: list[dict], *, budget: int) -> None:
+    """Walk, compaction of every layer, and both (CUDA graph), vs batch size."""
+    for method, label in (("accept_kernel", "accept (walk)"), ("compact_kernel", "compaction, all layers"),
+                          ("accept_compact_kernel", "accept + compaction")):
+        points = sorted((r["batch"], r["time_us"]) for r in results.select(rows, method=method, budget=budget))
+        if points:
+            ax.plot(*zip(*points), "o-", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="GPU time per step (µs)",
+           title=f"tree accept + KV compaction, budget {budget}")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 64, budget 64 only")
+    parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
+    args = parser.parse_args(argv)
+    grid = dict(batches=(1, 64), budgets=(64,)) if args.quick else {}
+    results.append_rows("tree_accept", bench_accept(**grid), results_dir=args.results_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Benchmark of the tree stage's first half: the drafter's top-k from logits, then the tree build.
+
+Rows go to data/results/tree_build.csv (column `stage`), one per (configuration, method), stamped with
+date, commit and device by results.append_rows. Times are per decode step, in microseconds.
+
+stage "build" (K = budget, peaked drafts from bench.inputs):
+- "serving_cpu": what the serving worker does today: copy the draft top-k to the host, run the Python
+  heap per request, build each request's parents, tokens and boolean ancestor mask on the host and
+  send them back to the GPU. Host wall time, synchronised.
+- "numpy": the reference build_tree on host arrays. Host wall time.
+- "kernel": GPU time of the prepared launch alone, from a CUDA graph of 20 calls (timing.graph_seconds):
+  what a graph-captured decode step pays. `version`: the kernel's (build_tree_v2).
+- "kernel_call": the eager entry point build_tree (checks, allocation, launch), host time per call.
+- "prepared_call": a prepared launch's call (validated once), host time per call.
+
+stage "draft_topk" (K2.6's vocabulary, normal logits):
+- "kernel" / "torch": the fused kernel (backend "cupy") and the exact path (torch's topk - logsumexp,
+  what "auto" runs on a GPU), each in a CUDA graph; "kernel_flushed" / "torch_flushed": one call
+  after an L2 flush (timing.gpu_seconds), the cold-read time the roofline compares with;
+- "prepared_call" / "eager_call": host time per call of the fused kernel's prepared launch and of the
+  eager draft_topk (the exact path);
+- `roofline_us`: the logits' bytes over the measured copy bandwidth (bench.ceilings; reading once).
+
+    python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk] [--results-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from .. import results
+from ..contracts import DraftTopK
+from ..draft_topk import draft_topk, prepare_draft_topk
+from ..tree_build import BUILD_KERNEL, best_first_pops, build_tree, prepare_build_launch
+from .ceilings import copy_bandwidth
+from .inputs import random_draft
+from .timing import gpu_seconds, graph_seconds, host_seconds, wall_seconds
+
+BATCHES = (1, 8, 64)
+DEPTHS = (7, 15)
+BUDGETS = (8, 16, 32, 64, 128)
+TOPK_KS = (8, 64, 1024)
+K26_VOCAB = 163_840
+FIELDS = ("parents", "tokens", "log_weights")
+
+
+def serving_worker_build(logp, ids, budget: int, root):
+    """Baseline: host copy of the top-k, a Python heap per request, tree tensors back to the GPU.
+
+    logp/ids/root are torch CUDA tensors; returns (tokens, parents, mask) on the GPU, with mask the
+    boolean [B, N, N] ancestor matrix the worker hands to attention.
+    """
+    import torch
+    device = logp.device
+    logp_host, ids_host, root_host = logp.cpu().numpy(), ids.cpu().numpy(), root.cpu().numpy()
+    batch, capacity = logp_host.shape[0], budget + 1
+    tokens = np.zeros((batch, capacity), np.int64)
+    parents = np.full((batch, capacity), -1, np.int64)
+    mask = np.zeros((batch, capacity, capacity), bool)
+    for b in range(batch):
+        tokens[b, 0] = root_host[b]
+        mask[b, 0, 0] = True
+        for node, (parent, depth, rank, _) in enumerate(best_first_pops(logp_host[b], budget), start=1):
+            tokens[b, node] = ids_host[b, depth - 1, rank]
+            parents[b, node] = parent
+            mask[b, node] = mask[b, parent]
+            mask[b, node, node] = True
+    return (torch.from_numpy(tokens).to(device), torch.from_numpy(parents).to(device),
+            torch.from_numpy(mask).to(device))
+
+
+def bench_build(batches=BATCHES, depths=DEPTHS, budgets=BUDGETS) -> list[dict]:
+    """The build three ways at K = budget, plus the entry point's and a prepared launch's host cost."""
+    import torch
+    rows = []
+    for depth in depths:
+        for batch in batches:
+            for budget in budgets:
+                draft, root = random_draft(batch, depth, budget, seed=batch * 1000 + budget, device="cuda")
+                host_draft = DraftTopK(draft.logp.cpu().numpy(), draft.ids.cpu().numpy())
+                host_root = root.cpu().numpy()
+                want = build_tree(host_draft, budget, root=host_root, backend="numpy")
+                reference = wall_seconds(lambda: build_tree(host_draft, budget, root=host_root, backend="numpy"))
+                serving = wall_seconds(lambda: (serving_worker_build(draft.logp, draft.ids, budget, root),
+                                                torch.cuda.synchronize()))
+                launch = prepare_build_launch(draft, budget, root=root)
+                kernel, method = graph_seconds(launch)
+                torch.cuda.synchronize()
+                matches = all(np.array_equal(getattr(launch.out, name).cpu().numpy(), getattr(want, name))
+                              for name in FIELDS)
+                call = host_seconds(lambda: build_tree(draft, budget, root=root, backend="cupy"))
+                prepared = host_seconds(launch)
+                config = dict(stage="build", batch=batch, depth=depth, topk=budget, budget=budget,
+                              mean_nodes=float(want.n_nodes.mean()))
+                measured = (("serving_cpu", "numpy", serving, "wall"), ("numpy", "numpy", reference, "wall"),
+                            ("kernel", "cupy", kernel, method), ("kernel_call", "cupy", call, "host"),
+                            ("prepared_call", "cupy", prepared, "host"))
+                for name, backend, seconds, timing in measured:
+                    rows.append({**config, "method": name, "version": 2 if backend == "cupy" else "",
+                                 "backend": backend, "time_us": round(seconds * 1e6, 3), "timing": timing,
+                                 "speedup_vs_serving": round(serving / seconds, 2),
+                                 "matches_reference": matches if backend == "cupy" else ""})
+                print(f"build D={depth:2d} B={batch:3d} budget={budget:4d}: serving {serving * 1e6:10.1f} us  "
+                      f"numpy {reference * 1e6:10.1f} us  {BUILD_KERNEL} {kernel * 1e6:7.2f} us match={matches}  "
+                      f"call {call * 1e6:6.1f} us  prepared {prepared * 1e6:5.1f} us", flush=True)
+    return rows
+
+
+def bench_draft_topk(batches=BATCHES, depths=DEPTHS, ks=TOPK_KS, vocab: int = K26_VOCAB) -> list[dict]:
+    """The fused top-k + log-softmax against the exact torch path and the one-read roofline."""
+    import torch
+    bandwidth = copy_bandwidth()
+    rows = []
+    for depth in depths:
+        for batch in batches:
+            generator = torch.Generator(device="cuda").manual_seed(batch * 100 + depth)
+            logits = torch.randn(batch, depth, vocab, device="cuda", generator=generator) * 3
+            n_bytes = logits.numel() * 4
+            roofline = n_bytes / bandwidth
+            for k in ks:
+                launch = prepare_draft_topk(logits, k)
+                exact = draft_topk(logits, k, backend="torch")
+                launch()
+                error = float((launch.out.logp - exact.logp).abs().max())
+                timings = {"kernel": graph_seconds(launch), "torch": graph_seconds(lambda: draft_topk(logits, k)),
+                           "kernel_flushed": (gpu_seconds(launch), "l2_flushed"),
+                           "torch_flushed": (gpu_seconds(lambda: draft_topk(logits, k)), "l2_flushed"),
+                           "prepared_call": (host_seconds(launch), "host"),
+                           "eager_call": (host_seconds(lambda: draft_topk(logits, k)), "host")}
+                config = dict(stage="draft_topk", batch=batch, depth=depth, vocab=vocab, topk=k,
+                              logits_gb=round(n_bytes / 1e9, 4), max_abs_diff_vs_torch=error,
+                              copy_gb_per_s=round(bandwidth / 1e9, 1), roofline_us=round(roofline * 1e6, 3))
+                for name, (seconds, timing) in timings.items():
+                    rows.append({**config, "method": name, "backend": "torch" if "torch" in name or name == "eager_call"
+                                 else "cupy", "time_us": round(seconds * 1e6, 3), "timing": timing,
+                                 "read_gb_per_s": round(n_bytes / seconds / 1e9, 1)})
+                print(f"draft_topk B={batch:3d} D={depth:2d} k={k:4d}: fused {timings['kernel'][0] * 1e6:8.1f} us "
+                      f"(flushed {timings['kernel_flushed'][0] * 1e6:8.1f}, roofline {roofline * 1e6:7.1f})  torch "
+                      f"{timings['torch'][0] * 1e6:8.1f} us  host: prepared {timings['prepared_call'][0] * 1e6:5.1f} "
+                      f"eager {timings['eager_call'][0] * 1e6:5.1f} us  max|diff| {error:.1e}", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# reading the rows back (notebook 04)
+
+def build_summary(rows: list[dict]) -> dict:
+    """What notebook 04 states, read from one run's build rows: per depth, the kernel's time and the
+    serving build's over it at B=64, budget 64; the kernel's growth over the run's budgets; the host
+    cost of the eager call and of a prepared launch at B=64, budget 64; whether every kernel row
+    matched the reference."""
+    summary = {}
+    for depth in sorted({r["depth"] for r in rows}):
+        at = dict(depth=depth, batch=max(r["batch"] for r in rows))
+        kernel = {r["budget"]: r["time_us"] for r in results.select(rows, method="kernel", **at)}
+        serving = {r["budget"]: r["time_us"] for r in results.select(rows, method="serving_cpu", **at)}
+        budget = 64 if 64 in kernel else max(kernel)
+        key = f"D={depth} B={at['batch']} budget={budget}"
+        summary[f"{key} kernel_us"] = kernel[budget]
+        summary[f"{key} serving_over_kernel"] = round(serving[budget] / kernel[budget], 1)
+        for method in ("kernel_call", "prepared_call"):
+            for r in results.select(rows, method=method, budget=budget, **at):
+                summary[f"{key} {method}_us"] = r["time_us"]
+        low, high = min(kernel), max(kernel)
+        summary[f"D={depth} B={at['batch']} kernel growth {low}->{high}"] = round(kernel[high] / kernel[low], 2)
+        summary[f"D={depth} all kernel rows match the reference"] = all(
+            r["matches_reference"] for r in results.select(rows, method="kernel", depth=depth))
+    return summary
+
+
+def topk_summary(rows: list[dict]) -> dict:
+    """The fused top-k against its roofline and against torch, from one run's draft_topk rows."""
+    fused = results.select(rows, method="kernel_flushed")
+    many = [r for r in fused if r["batch"] * r["depth"] >= 56]
+    summary = {"fused rows with B*D >= 56": len(many)}
+    if many:
+        summary["fused worst of roofline, B*D >= 56"] = round(min(r["roofline_us"] / r["time_us"] for r in many), 3)
+    for r in results.select(rows, method="kernel", batch=1, depth=7):
+        summary[f"fused B=1 D=7 k={r['topk']} graph_us"] = r["time_us"]
+    for method in ("prepared_call", "eager_call"):
+        summary[f"{method} max_us"] = max(r["time_us"] for r in results.select(rows, method=method))
+    return summary
+
+
+SERIES = {  # method -> (label, style) in the plots
+    "serving_cpu": ("serving worker: host copy + Python heap", "o-"),
+    "numpy": ("NumPy reference", "s-"),
+    "kernel": ("kernel (CUDA graph)", "^-"),
+    "kernel_call": ("kernel via the eager entry point", "^:"),
+    "prepared_call": ("kernel via a prepared launch (host)", "v:"),
+}
+
+
+def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
+    """Time per step vs budget (log-log) for every build method of one run."""
+    for method, (label, style) in SERIES.items():
+        points = sorted((r["budget"], r["time_us"]) for r in results.select(rows, method=method, batch=batch, depth=depth))
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=f"tree build, B={batch}, D={depth}")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_topk_times(ax, rows: list[dict], *, k: int) -> None:
+    """Fused top-k, torch's exact path (both L2-flushed) and the one-read roofline vs rows B·D."""
+    for method, label, style in (("kernel_flushed", "fused kernel", "^-"), ("torch_flushed", "torch topk − logsumexp", "o-")):
+        points = sorted((r["batch"] * r["depth"], r["time_us"]) for r in results.select(rows, method=method, topk=k))
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    roof = sorted({(r["batch"] * r["depth"], r["roofline_us"]) for r in results.select(rows, method="kernel", topk=k)})
+    if roof:
+        ax.plot(*zip(*roof), "k--", lw=0.8, label="logits ÷ copy bandwidth")
+    ax.set(xscale="log", yscale="log", xlabel="rows B·D (V = 163,840)", ylabel="GPU time (µs)", title=f"draft top-k, k={k}")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few small configurations (a smoke test)")
+    parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
+    parser.add_argument("--only", default="build,topk", help="comma-separated subset of build,topk")
+    parser.add_argument("--batches", type=_int_list, default=BATCHES)
+    parser.add_argument("--depths", type=_int_list, default=DEPTHS)
+    parser.add_argument("--budgets", type=_int_list, default=BUDGETS)
+    parser.add_argument("--ks", type=_int_list, default=TOPK_KS)
+    args = parser.parse_args(argv)
+    parts = set(args.only.split(","))
+    grid = dict(batches=(1, 64), depths=(7,)) if args.quick else dict(batches=args.batches, depths=args.depths)
+    if "build" in parts:
+        budgets = (8, 64) if args.quick else args.budgets
+        results.append_rows("tree_build", bench_build(**grid, budgets=budgets), results_dir=args.results_dir)
+    if "topk" in parts:
+        ks = (64,) if args.quick else args.ks
+        results.append_rows("tree_build", bench_draft_topk(**grid, ks=ks), results_dir=args.results_dir)
+
+
+if __name__ == "__main__":
+    main()

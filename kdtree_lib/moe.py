@@ -433,6 +433,9 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
         raise ValueError(f"experts: at most {ROUTE_THREADS} local experts per rank, got {experts.n_experts}")
     if experts.device != x.device:
         raise ValueError(f"experts: on {experts.device}, x on {x.device}")
+    for name in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales"):
+        if not getattr(experts, name).is_contiguous():
+            raise ValueError(f"experts.{name}: the kernel reads it as one contiguous block")
     _check_values(routes, weights, experts)
     hidden, width, n_experts = experts.hidden, experts.width, experts.n_experts
     plan = plan or plan_moe(tokens, hidden, width, smem_per_block=_device_smem_per_block())

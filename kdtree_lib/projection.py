@@ -12,9 +12,18 @@ can print them beside the plot.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
+from . import results
 from .paths import BF16_BYTES
+
+if TYPE_CHECKING:
+    from .dflash import DFlashConfig
+    from .model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -140,10 +149,10 @@ def calibrate(measured: list[dict], config, hardware: Hardware, **layer_options)
     ratios: dict[str, list[float]] = {"attention": [], "moe": []}
     for row in measured:
         ideal = layer_costs(config, hardware, batch=int(row["batch"]), nodes=int(row["nodes"]),
-                            context=int(row["context"]), moe_layer=_as_bool(row["moe_layer"]), **layer_options)
+                            context=int(row["context"]), moe_layer=results.matches(row["moe_layer"], True), **layer_options)
         for name in ratios:
             ratios[name].append(ideal[name] / float(row[f"{name}_seconds"]))
-    return Efficiency(**{name: _median(values) for name, values in ratios.items()})
+    return Efficiency(**{name: float(np.median(values)) for name, values in ratios.items()})
 
 
 def assumptions(hardware: Hardware, efficiency: Efficiency, **extra) -> list[str]:
@@ -158,11 +167,205 @@ def _roofline(num_bytes: float, flops: float, hardware: Hardware) -> float:
     return max(num_bytes / hardware.memory_bandwidth, flops / hardware.matmul_flops)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+# ----------------------------------------------------------------------------------------------
+# calibration on measured verify-step rows (kdtree_lib.bench.tp_step), and the CT200 model
+
+COMPONENTS = ("attention", "moe", "allreduce", "rest")
+TREE_KERNEL_COLUMNS = ("draft_topk_seconds", "tree_build_seconds", "accept_compact_seconds")
 
 
-def _as_bool(value) -> bool:
-    return value in (True, 1, "1", "True", "true")
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """The verify-step rows (scopes layer and step) of the newest run that has them, and the draft
+    rows of the newest run that has them (a --drafter-only run refreshes those alone)."""
+    return (results.latest_run([r for r in rows if r.get("scope") != "draft"])
+            + results.latest_run([r for r in rows if r.get("scope") == "draft"]))
+
+
+def moe_layer_split(rows: list[dict], batch: int, context: int, graph: bool) -> dict[int, np.ndarray]:
+    """nodes -> mean over the MoE layer rows of (attention, moe, allreduce, rest) seconds."""
+    split: dict[int, list[list[float]]] = {}
+    for r in results.select(rows, scope="layer", moe_layer=True, graph=graph, batch=batch, context=context):
+        split.setdefault(int(r["nodes"]), []).append([float(r[f"{c}_seconds"]) for c in COMPONENTS])
+    return {n: np.mean(v, axis=0) for n, v in sorted(split.items())}
+
+
+def touched_vs_uniform(rows: list[dict], config) -> tuple[np.ndarray, np.ndarray, float]:
+    """(tokens B·N, experts touched, largest relative gap to uniform independent routing) of the
+    eager MoE layer rows (routing does not depend on graphs)."""
+    moe_rows = results.select(rows, scope="layer", moe_layer=True, graph=False)
+    tokens = np.array([int(r["batch"]) * int(r["nodes"]) for r in moe_rows])
+    touched = np.array([float(r["experts_touched"]) for r in moe_rows])
+    expected = np.array([expected_distinct_experts(int(t), config.n_routed_experts, config.num_experts_per_tok)
+                         for t in tokens])
+    return tokens, touched, float(np.max(np.abs(touched - expected) / expected))
+
+
+def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:
+    """Seconds per verify round of the whole model, per (tp, graph, batch, nodes, context): the
+    dense layer rows times first_k_dense_replace and the mean MoE layer row times the MoE layers
+    (per component), plus the head and, for a tree (N > 1), the drafter and the tree kernels."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    drafts: dict[tuple, list[dict]] = {}
+    for row in rows:
+        where = (int(row["tp"]), int(row["batch"]), int(row["nodes"]), int(row["context"]))
+        if row["scope"] == "draft":
+            drafts.setdefault(where, []).append(row)
+        else:
+            groups.setdefault((results.matches(row["graph"], True), *where), {}).setdefault(row["scope"], []).append(row)
+    out = []
+    for (graph, tp, batch, nodes, context), scoped in sorted(groups.items()):
+        layers = scoped.get("layer", [])
+        dense = [r for r in layers if not results.matches(r["moe_layer"], True)]
+        moe = [r for r in layers if results.matches(r["moe_layer"], True)]
+        if not dense or not moe or "step" not in scoped:
+            continue
+        counts = {config.first_k_dense_replace: dense, len(config.moe_layers): moe}
+        row = {"tp": tp, "graph": graph, "batch": batch, "nodes": nodes, "context": context}
+        for name in COMPONENTS:
+            row[name] = sum(count * float(np.mean([float(r[f"{name}_seconds"]) for r in picked]))
+                            for count, picked in counts.items())
+        row["head"] = float(np.mean([float(r["head_seconds"]) for r in scoped["step"]]))
+        draft = drafts.get((tp, batch, nodes, context), [])
+        row["draft"] = float(np.mean([draft_round_seconds(r, graph=graph) for r in draft])) if draft else 0.0
+        row["total"] = sum(row[name] for name in (*COMPONENTS, "head", "draft"))
+        out.append(row)
+    return out
+
+
+def select_rows(rows: list[dict], scope: str, *, tp: int | None = None, graph: bool | None = None) -> list[dict]:
+    """Rows of one scope; of TP degree `tp` (default: the largest present) and graph flag."""
+    picked = [r for r in rows if r.get("scope") == scope]
+    if not picked:
+        return []
+    tp = max(int(r["tp"]) for r in picked) if tp is None else tp
+    return [r for r in picked if int(r["tp"]) == tp and (graph is None or results.matches(r.get("graph"), graph))]
+
+
+def measured_hardware(rows: list[dict], *, tp: int) -> Hardware:
+    """The GPU the rows ran on as a projection.Hardware: its measured copy bandwidth and bf16
+    matmul rate (medians), `tp` GPUs (its all-reduce numbers are not used by calibration)."""
+    bandwidth = [float(r["copy_bandwidth"]) for r in rows if r.get("copy_bandwidth") not in (None, "")]
+    flops = [float(r["matmul_flops"]) for r in rows if r.get("matmul_flops") not in (None, "")]
+    if not bandwidth or not flops:
+        raise ValueError("rows: expected copy_bandwidth and matmul_flops columns (a GPU run)")
+    return Hardware(name=rows[0].get("device", "GPU"), memory_bandwidth=float(np.median(bandwidth)),
+                    matmul_flops=float(np.median(flops)), gpus=tp, allreduce_latency=0.0,
+                    allreduce_bus_bandwidth=math.inf)
+
+
+def calibrate_on_rows(rows: list[dict], config: ModelConfig, *, tp: int | None = None,
+                      graph: bool = True) -> tuple[Efficiency, Hardware, list[dict]]:
+    """projection.calibrate on the layer rows of one TP degree (random weights route uniformly, so
+    correlation 0 and bf16 experts), and the head's efficiency from the step rows' head_seconds:
+    (efficiency, the measured hardware, the layer rows used)."""
+    layers = select_rows(rows, "layer", tp=tp, graph=graph)
+    if not layers:
+        raise ValueError(f"rows: no layer rows with tp={tp}, graph={graph}")
+    hardware = measured_hardware(layers, tp=int(layers[0]["tp"]))
+    efficiency = calibrate(layers, config, hardware, expert_bits=16, correlation=0.0)
+    heads = [step_costs(config, hardware, batch=int(r["batch"]), nodes=int(r["nodes"]), context=int(r["context"]))
+             ["rest"] / float(r["head_seconds"]) for r in select_rows(rows, "step", tp=hardware.gpus, graph=graph)
+             if r.get("head_seconds") not in (None, "")]
+    return (replace(efficiency, rest=float(np.median(heads))) if heads else efficiency), hardware, layers
+
+
+def drafter_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, context: int, new_tokens: int = 5,
+                    shards: int = 1, head_shards: int | None = None, efficiency: float = 1.0) -> float:
+    """One drafter forward: its weights (layers split over `shards` GPUs, the target's LM head over
+    `head_shards`) and its context cache read once, the FLOPs of the block and the new tokens, at
+    the roofline divided by `efficiency`; with shards > 1 also two all-reduces per layer and the
+    head's all-gather (latency-bound messages)."""
+    c = config
+    head_shards = shards if head_shards is None else head_shards
+    per_layer = (c.hidden_size * c.head_dim * 2 * (c.num_attention_heads + c.num_key_value_heads)
+                 + 3 * c.hidden_size * c.intermediate_size)
+    body = c.num_hidden_layers * per_layer + c.feature_size * c.hidden_size
+    head = c.vocab_size * c.hidden_size
+    tokens = batch * (c.block_size + new_tokens)
+    cache_bytes = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * BF16_BYTES / shards
+    attention_flops = 4 * batch * c.block_size * c.num_attention_heads * c.head_dim * context * c.num_hidden_layers
+    weight_bytes = (body / shards + head / head_shards) * BF16_BYTES
+    flops = 2 * tokens * body / shards + 2 * batch * (c.block_size - 1) * head / head_shards + attention_flops / shards
+    seconds = _roofline(weight_bytes + cache_bytes, flops, hardware) / efficiency
+    if shards > 1:
+        group = replace(hardware, gpus=shards)
+        seconds += (2 * c.num_hidden_layers + 1) * allreduce_time(tokens * c.hidden_size * BF16_BYTES, group)
+    return seconds
+
+
+def drafter_efficiency(rows: list[dict], config: DFlashConfig, hardware: Hardware, *, new_tokens: int = 5) -> float:
+    """Roofline / measured drafter time (median over rows): its layers replicated, LM head over tp.
+    The CUDA-graph time where a row has one (what a graph-captured decode pays), else the eager one."""
+    def measured(row) -> float:
+        return float(row.get("drafter_graph_seconds") or row["drafter_seconds"])
+    ratios = [drafter_seconds(config, hardware, batch=int(r["batch"]), context=int(r["context"]),
+                              new_tokens=new_tokens, head_shards=int(r["tp"])) / measured(r)
+              for r in rows if r.get("drafter_seconds") not in (None, "")]
+    if not ratios:
+        raise ValueError("rows: no drafter_seconds measured")
+    return float(np.median(ratios))
+
+
+def draft_round_seconds(row: dict, *, graph: bool) -> float:
+    """What a draft row adds to a round: the drafter forward (its CUDA-graph time in a graph round,
+    where measured) and the tree kernels."""
+    drafter = (row.get("drafter_graph_seconds") if graph else None) or row.get("drafter_seconds")
+    return float(drafter or 0.0) + sum(float(row[n]) for n in TREE_KERNEL_COLUMNS if row.get(n) not in (None, ""))
+
+
+def tree_kernel_seconds(rows: list[dict], batch: int) -> float:
+    """Median over budgets of draft top-k + tree build + accept/compaction, for `batch` (0 if absent)."""
+    sums = [sum(float(r[n]) for n in TREE_KERNEL_COLUMNS) for r in rows
+            if int(r["batch"]) == batch and all(r.get(n) not in (None, "") for n in TREE_KERNEL_COLUMNS)]
+    return float(np.median(sums)) if sums else 0.0
+
+
+def acceptance_curve(rows: list[dict], *, column: str = "mean_acceptance", **filters) -> dict[int, float]:
+    """Mean tokens per round per budget (root included) from acceptance rows, e.g.
+    data/results/acceptance.csv: the mean of `column` over the rows of each budget matching filters."""
+    picked = results.select(rows, **filters)
+    if not picked or column not in picked[0] or "budget" not in picked[0]:
+        raise ValueError(f"rows: expected rows with 'budget' and {column!r} matching {filters}")
+    curve: dict[int, list[float]] = {}
+    for row in picked:
+        curve.setdefault(int(float(row["budget"])), []).append(float(row[column]))
+    return {budget: float(np.mean(values)) for budget, values in sorted(curve.items())}
+
+
+def draft_round_cost(drafter: DFlashConfig, hardware: Hardware, draft_rows: list[dict], *, shards: int,
+                     efficiency: float, kernel_scale: float) -> Callable[[int, int], float]:
+    """seconds(batch, context) a DDTree round adds on `hardware`: the drafter's forward (its roofline
+    over `efficiency`, layers over `shards` GPUs) and the measured tree kernels times kernel_scale."""
+    def seconds(batch: int, context: int) -> float:
+        return (drafter_seconds(drafter, hardware, batch=batch, context=context, shards=shards, efficiency=efficiency)
+                + tree_kernel_seconds(draft_rows, batch) * kernel_scale)
+    return seconds
+
+
+def ct200_projection(config: ModelConfig, acceptance: dict[int, float], *, efficiency: Efficiency,
+                     hardware: Hardware = CT200, batches=(1, 8), contexts=(4096,), expert_bits: float = 4.5,
+                     correlation: float | dict[int, float] = 0.0,
+                     draft_seconds: float | Callable[[int, int], float] = 0.0) -> list[dict]:
+    """Per (context, batch, budget): step time, tokens/s and speedup over AR on `hardware`
+    (projection.projected_speedup). correlation may be per batch ({batch: c}); draft_seconds a
+    constant or draft_seconds(batch, context): what a DDTree round adds (drafter, tree kernels)."""
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            corr = correlation[batch] if isinstance(correlation, dict) else correlation
+            draft = draft_seconds(batch, context) if callable(draft_seconds) else draft_seconds
+            for row in projected_speedup(config, hardware, acceptance, batch=batch, context=context,
+                                         draft_seconds=draft, expert_bits=expert_bits, correlation=corr,
+                                         efficiency=efficiency):
+                rows.append({"context": context, "batch": batch, "correlation": corr, "draft_seconds": draft, **row})
+    return rows
+
+
+def best_budgets(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """(context, batch) -> the projection row with the most tokens/s."""
+    best: dict[tuple[int, int], dict] = {}
+    for row in rows:
+        key = (row["context"], row["batch"])
+        if key not in best or row["tokens_per_second"] > best[key]["tokens_per_second"]:
+            best[key] = row
+    return best

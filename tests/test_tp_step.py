@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib import bench_tp, pairs
-from kdtree_lib.bench_tp import (BenchSettings, RandomWeights, acceptance_curve, best_budgets, calibrate_on_rows,
-                                 ct200_projection, drafter_config, drafter_efficiency, drafter_seconds,
-                                 fit_correlation, random_target, routed_experts, run_tp_bench, select_rows,
-                                 tree_kernel_seconds, union_curve)
+from kdtree_lib import pairs, projection
+from kdtree_lib.bench import tp_step
+from kdtree_lib.bench.inputs import RandomWeights, random_target
+from kdtree_lib.bench.tp_step import BenchSettings, drafter_config, run_tp_bench
+from kdtree_lib.projection import (acceptance_curve, best_budgets, calibrate_on_rows, ct200_projection,
+                                   drafter_efficiency, drafter_seconds, select_rows, tree_kernel_seconds)
+from kdtree_lib.routing import fit_correlation, routed_experts, union_curve
 from kdtree_lib.model import ModelConfig, TensorParallel, load_config
 from kdtree_lib.projection import CT200, Efficiency, expected_distinct_experts, layer_costs, step_costs
 from kdtree_lib.results import read_rows
@@ -67,7 +69,7 @@ def test_timing_rows_are_well_formed(runs, tiny):
                 assert [r["moe_layer"] for r in layers] == [False, True, True]  # the dense first layer
                 for row in layers:
                     assert row["tp"] == degree and row["graph"] is False and row["attention_backend"] == "torch"
-                    parts = [row[f"{c}_seconds"] for c in bench_tp.COMPONENTS]
+                    parts = [row[f"{c}_seconds"] for c in projection.COMPONENTS]
                     assert all(p >= 0 for p in parts) and row["attention_seconds"] > 0 and row["moe_seconds"] > 0
                     assert (row["allreduce_seconds"] > 0) == (degree > 1)
                     assert sum(parts) == pytest.approx(row["layer_seconds"], rel=0.5)  # medians of sums vs sums
@@ -83,7 +85,7 @@ def test_timing_rows_are_well_formed(runs, tiny):
     written = read_rows("tp_verify_step", results_dir=results_dir)
     assert len(written) == len(two["rows"]) and {r["scope"] for r in written} == {"layer", "step", "draft"}
     hardware = replace(CT200, name="test", gpus=2)
-    fitted = bench_tp.calibrate(select_rows(written, "layer", graph=False), tiny, hardware)
+    fitted = projection.calibrate(select_rows(written, "layer", graph=False), tiny, hardware)
     assert fitted.attention > 0 and fitted.moe > 0
 
 
@@ -91,7 +93,7 @@ def test_layers_scale_to_the_whole_model(runs):
     _, two, results_dir = runs
     written = read_rows("tp_verify_step", results_dir=results_dir)  # the same rows as CSV strings
     for rows in (two["rows"], written):
-        whole = bench_tp.whole_model_rows(rows, K26)
+        whole = projection.whole_model_rows(rows, K26)
         assert {(r["batch"], r["nodes"]) for r in whole} == {(b, n) for b in (1, 2) for n in NODES}
         for row in whole:
             layers = [r for r in two["rows"] if r["scope"] == "layer"
@@ -100,7 +102,7 @@ def test_layers_scale_to_the_whole_model(runs):
             want = dense["attention_seconds"] + 60 * np.mean([r["attention_seconds"] for r in moe])
             assert row["attention"] == pytest.approx(want)
             assert (row["draft"] > 0) == (row["nodes"] > 1)
-            assert row["total"] == pytest.approx(sum(row[k] for k in (*bench_tp.COMPONENTS, "head", "draft")))
+            assert row["total"] == pytest.approx(sum(row[k] for k in (*projection.COMPONENTS, "head", "draft")))
 
 
 def test_random_weights_give_every_rank_its_slice_of_one_model():
@@ -222,7 +224,7 @@ def test_acceptance_curve_from_rows():
 @pytest.mark.gpu
 def test_k26_layers_on_one_gpu_eager_and_graph():
     """Two real-shape layers (the dense one and one MoE layer: ~36 GB in bf16) on cuda:0."""
-    settings = bench_tp.k26_settings(layers=2, batches=(1,), nodes=(1, 16), contexts=(4096,), repeats=2, warmup=1,
+    settings = tp_step.k26_settings(layers=2, batches=(1,), nodes=(1, 16), contexts=(4096,), repeats=2, warmup=1,
                                      topic=None)
     rows = run_tp_bench(settings, world_size=1)["rows"]
     layers = [r for r in rows if r["scope"] == "layer"]
@@ -241,7 +243,7 @@ def test_a_drafter_only_run_refreshes_the_draft_rows_alone(runs, tmp_path):
                              run="drafter-only")
     rows = run_tp_bench(settings, world_size=1)["rows"]
     assert rows and {r["scope"] for r in rows} == {"draft"} and all(r["drafter_seconds"] > 0 for r in rows)
-    latest = bench_tp.latest_rows(read_rows("tp_verify_step", results_dir=results_dir))
+    latest = projection.latest_rows(read_rows("tp_verify_step", results_dir=results_dir))
     assert {r["run"] for r in latest if r["scope"] == "draft"} == {"drafter-only"}
     assert all(r["run"] != "drafter-only" for r in latest if r["scope"] != "draft")
     assert {r["scope"] for r in latest} == {"layer", "step", "draft"}
@@ -250,6 +252,6 @@ def test_a_drafter_only_run_refreshes_the_draft_rows_alone(runs, tmp_path):
 def test_a_graph_round_takes_the_drafters_graph_time():
     row = {"drafter_seconds": "0.010", "drafter_graph_seconds": "0.002", "draft_topk_seconds": "1e-4",
            "tree_build_seconds": "2e-5", "accept_compact_seconds": ""}
-    assert bench_tp.draft_round_seconds(row, graph=True) == pytest.approx(0.002 + 1.2e-4)
-    assert bench_tp.draft_round_seconds(row, graph=False) == pytest.approx(0.010 + 1.2e-4)
-    assert bench_tp.draft_round_seconds({"drafter_seconds": "0.010"}, graph=True) == pytest.approx(0.010)
+    assert projection.draft_round_seconds(row, graph=True) == pytest.approx(0.002 + 1.2e-4)
+    assert projection.draft_round_seconds(row, graph=False) == pytest.approx(0.010 + 1.2e-4)
+    assert projection.draft_round_seconds({"drafter_seconds": "0.010"}, graph=True) == pytest.approx(0.010)

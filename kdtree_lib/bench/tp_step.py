@@ -1,5 +1,6 @@
 """A tensor-parallel DDTree verify step of K2.6 at its real shapes, timed per layer and component
-(notebook 12); the router-overlap model; and the CT200 projection calibrated on it (notebook 13).
+(notebook 12). What the rows are read for (calibration, the CT200 model) is kdtree_lib.projection's;
+the router-overlap study is kdtree_lib.routing's.
 
 Each rank (launched by kdtree_lib.model.tp.launch, or by torchrun) builds `layers` K2.6 layers with
 kdtree_lib.model from the config, with random weights generated on its own device: a weight's full
@@ -26,15 +27,12 @@ Rows go to data/results/tp_verify_step.csv, keyed by scope, tp, batch, nodes, co
     scope "step":  step_seconds (all `layers` layers and the head, timed in one piece), head_seconds
     scope "draft": drafter_seconds (eager), drafter_graph_seconds, draft_topk/tree_build/accept_compact_seconds
 
-Run on GPUs (rank r on cuda:r, NCCL):   python -m kdtree_lib.bench_tp --tp 1 2 --layers 3
-or under torchrun:  torchrun --nproc-per-node 8 -m kdtree_lib.bench_tp --layers 3
+Run on GPUs (rank r on cuda:r, NCCL):   python -m kdtree_lib.bench.tp_step --tp 1 2 --layers 3
+or under torchrun:  torchrun --nproc-per-node 8 -m kdtree_lib.bench.tp_step --layers 3
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
-import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -45,23 +43,23 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import results
-from .backend import resolve
-from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
-from .model import KVCache, ModelConfig, TensorParallel, Transformer, launch, load_config
-from .model.checkpoint import empty_target, load_weights
-from .model.model import MoE
-from .projection import (CT200, Efficiency, Hardware, _roofline, allreduce_time, calibrate,
-                         expected_distinct_experts, projected_speedup, step_costs)
-from .synthetic import zipf_draft_logits
-from .contracts import DraftTopK, Tree, tree_from_parents
-from .tree_build import build_tree, draft_topk
-from .paths import BF16_BYTES, K26_CONFIG
+from .. import results
+from ..backend import resolve
+from ..contracts import DraftTopK, Tree
+from ..dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
+from ..draft_topk import draft_topk
+from ..model import KVCache, ModelConfig, TensorParallel, Transformer, launch, load_config
+from ..model.model import MoE
+from ..model.tp import one_cpu_thread
+from ..paths import K26_CONFIG
+from ..projection import COMPONENTS, expected_distinct_experts
+from ..tree_accept import accept, compact_cache
+from ..tree_build import build_tree
+from .inputs import follow_posterior, random_cache, random_drafter, random_target, synthetic_tree
+from .timing import Clock, graph_seconds, time_segments
 
 TOPIC = "tp_verify_step"
-COMPONENTS = ("attention", "moe", "allreduce", "rest")
 MOE_PARTS = ("router", "experts", "shared")
-TREE_KERNEL_COLUMNS = ("draft_topk_seconds", "tree_build_seconds", "accept_compact_seconds")
 
 
 @dataclass(frozen=True)
@@ -107,67 +105,6 @@ def drafter_config(config: ModelConfig, *, layers: int = 6, heads: int = 64, kv_
                         vocab_size=config.vocab_size, block_size=block_size, mask_token_id=config.vocab_size - 1,
                         target_layer_ids=build_target_layer_ids(config.num_hidden_layers, feature_layers),
                         rope_theta=config.rope_theta)
-
-
-# ----------------------------------------------------------------------------------------------
-# the model with random weights, sharded per rank
-
-class RandomWeights:
-    """Stands in for CheckpointReader in load_weights: each tensor is drawn whole from a generator
-    seeded by its name (std 1/sqrt(fan-in); norms 1, router biases 0) and the requested slice is
-    returned, so every TP degree shards the same model."""
-
-    def __init__(self, device, dtype: torch.dtype, seed: int = 0):
-        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
-
-    def read(self, name: str, shape: tuple[int, ...], dim: int | None = None, start: int | None = None,
-             stop: int | None = None) -> torch.Tensor:
-        if name.endswith("e_score_correction_bias"):
-            full = torch.zeros(shape, device=self.device)
-        elif name.endswith("norm.weight"):
-            full = torch.ones(shape, device=self.device, dtype=self.dtype)
-        else:
-            digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-            generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:7], "little"))
-            full = torch.randn(shape, generator=generator, device=self.device, dtype=self.dtype)
-            full.mul_(shape[-1] ** -0.5)
-        return full if dim is None else full.narrow(dim, start, stop - start)
-
-
-def random_target(config: ModelConfig, tp: TensorParallel, *, device, dtype: torch.dtype,
-                  attention_backend: str = "auto", seed: int = 0) -> Transformer:
-    """This rank's shard of `config`'s model (absorbed attention, TP experts), random weights."""
-    model = empty_target(config, tp, device=device, dtype=dtype, attention_backend=attention_backend)
-    load_weights(model, RandomWeights(device, dtype, seed))
-    return model.eval()
-
-
-def random_drafter(config: DFlashConfig, target: Transformer, *, seed: int = 0) -> DFlashDrafter:
-    """A DFlash drafter with random weights on the target's device, bound to its embedding and LM head."""
-    with torch.device("meta"):
-        drafter = DFlashDrafter(config).to(target.embed_tokens.weight.dtype)
-    drafter = drafter.to_empty(device=target.device).requires_grad_(False)
-    torch.manual_seed(seed)
-    drafter.init_weights()
-    return drafter.bind(target).eval()
-
-
-def random_cache(model: Transformer, batch: int, context: int, capacity: int, *, seed: int = 0) -> KVCache:
-    """Every request holds `context` committed tokens of random latent entries; room for `capacity`."""
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    dtype = model.embed_tokens.weight.dtype
-    kv = [torch.randn(batch, capacity, model.config.cache_dim, generator=generator, device=model.device, dtype=dtype)
-          for _ in model.layers]
-    return KVCache(kv=kv, lengths=torch.full((batch,), context, dtype=torch.int32, device=model.device))
-
-
-def synthetic_tree(batch: int, nodes: int, *, depth: int, vocab: int, seed: int = 0) -> Tree:
-    """A best-first tree of `nodes` nodes (root included) per request from a Zipf-like draft;
-    nodes = 1 is the root alone (an autoregressive step)."""
-    if nodes == 1:
-        return tree_from_parents(np.full((batch, 1), -1), np.zeros((batch, 1), np.int32), max_depth=depth)
-    draft = draft_topk(zipf_draft_logits(batch, depth, vocab, seed=seed), min(nodes - 1, vocab), backend="numpy")
-    return build_tree(draft, nodes - 1, root=np.zeros(batch, np.int32), backend="numpy")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,43 +171,6 @@ def layer_segments(block, layer: int, step, kv, backend: str) -> list[Segment]:
     return [Segment(component, part, layer, run) for component, part, run in parts]
 
 
-class Clock:
-    """Marks on the GPU's clock (CUDA events) or, on a CPU run (synchronous), the host's."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def time_runs(runs: list[Callable], clock: Clock, *, repeats: int, warmup: int) -> np.ndarray:
-    """seconds [repeats, len(runs)]: the runs one after another, a clock mark between each."""
-    for _ in range(warmup):
-        for run in runs:
-            run()
-    trials = []
-    for _ in range(repeats):
-        marks = [clock.mark()]
-        for run in runs:
-            run()
-            marks.append(clock.mark())
-        trials.append(marks)
-    clock.sync()
-    return np.array([[clock.seconds(a, b) for a, b in zip(marks, marks[1:])] for marks in trials])
-
-
 def capture_graphs(segments: list[Segment], x0: torch.Tensor):
     """One CUDA graph per segment, chained through a state dict, and one graph of the whole step.
 
@@ -329,8 +229,8 @@ def time_verify_step(model: Transformer, cache: KVCache, tree: Tree, settings: B
     common = {**common, "attention_backend": backend}
     eager = {"x0": x0}
     runs = [partial(segment.run, eager) for segment in segments]
-    timed = {False: (time_runs(runs, clock, repeats=settings.repeats, warmup=settings.warmup),
-                     time_runs([lambda: [run() for run in runs]], clock, repeats=settings.repeats, warmup=0))}
+    timed = {False: (time_segments(runs, clock, repeats=settings.repeats, warmup=settings.warmup),
+                     time_segments([lambda: [run() for run in runs]], clock, repeats=settings.repeats, warmup=0))}
     batch, nodes = tree.tokens.shape
     touched = {s.layer: int(torch.unique(eager[f"ids{s.layer}"]).numel()) for s in segments if s.part == "router"}
     if graphs:
@@ -342,9 +242,9 @@ def time_verify_step(model: Transformer, cache: KVCache, tree: Tree, settings: B
             print(f"rank {tp.rank}: CUDA-graph capture failed, graph rows skipped: {error!r}", flush=True)
         if all_ranks(tp, captured is not None, model.device):
             segment_graphs, whole, graph_state = captured
-            timed[True] = (time_runs([g.replay for g in segment_graphs], clock, repeats=settings.repeats,
+            timed[True] = (time_segments([g.replay for g in segment_graphs], clock, repeats=settings.repeats,
                                      warmup=settings.warmup),
-                           time_runs([whole.replay], clock, repeats=settings.repeats, warmup=1))
+                           time_segments([whole.replay], clock, repeats=settings.repeats, warmup=1))
             graph_error = float((graph_state["logits"].float() - eager["logits"].float()).abs().max())
         else:
             graphs = False
@@ -383,7 +283,7 @@ def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: Ben
         drafter.draft(cache, features, bonus, static=static)
 
     def median_seconds(run) -> float:
-        return float(np.median(time_runs([run], clock, repeats=settings.repeats, warmup=settings.warmup)))
+        return float(np.median(time_segments([run], clock, repeats=settings.repeats, warmup=settings.warmup)))
 
     times = {"drafter_seconds": median_seconds(forward)}
     if graph:
@@ -397,20 +297,18 @@ def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: Ben
 
 
 def time_tree_kernels(cache: KVCache, batch: int, nodes: int, settings: BenchSettings, vocab: int) -> dict:
-    """GPU time (bench_tree.gpu_us: a CUDA graph of 20 calls) of the public kernel calls of one round:
-    draft top-k over the vocabulary (k = budget), tree build, accept + compaction of every layer."""
-    from .bench_tree import follow_posterior, gpu_us
-    from .tree_accept import accept, compact_cache
+    """GPU seconds (timing.graph_seconds: a CUDA graph of 20 calls) of the public kernel calls of one
+    round: draft top-k over the vocabulary (k = budget), tree build, accept + compaction of every layer."""
     budget, depth = nodes - 1, settings.draft_depth
     logits = torch.randn(batch, depth, vocab, device=cache.lengths.device) * 3                # (B, D, V)
     draft = draft_topk(logits, budget, backend="cupy")
     tree = build_tree(draft, budget, backend="cupy")
     host = build_tree(DraftTopK(draft.logp.cpu().numpy(), draft.ids.cpu().numpy()), budget, backend="numpy")
     posterior = torch.as_tensor(follow_posterior(host, np.random.default_rng(settings.seed)), device=logits.device)
-    timings = {"draft_topk": gpu_us(lambda: draft_topk(logits, budget, backend="cupy")),
-               "tree_build": gpu_us(lambda: build_tree(draft, budget, backend="cupy")),
-               "accept_compact": gpu_us(lambda: compact_cache(cache.kv, cache.lengths, accept(tree, posterior)))}
-    row = {f"{name}_seconds": us * 1e-6 for name, (us, _) in timings.items()}
+    timings = {"draft_topk": graph_seconds(lambda: draft_topk(logits, budget, backend="cupy")),
+               "tree_build": graph_seconds(lambda: build_tree(draft, budget, backend="cupy")),
+               "accept_compact": graph_seconds(lambda: compact_cache(cache.kv, cache.lengths, accept(tree, posterior)))}
+    row = {f"{name}_seconds": seconds for name, (seconds, _) in timings.items()}
     return {**row, "tree_timing": ",".join(sorted({method for _, method in timings.values()}))}
 
 
@@ -426,18 +324,6 @@ def verify_step_worker(tp: TensorParallel, settings: BenchSettings) -> dict:
         return _sweep(tp, settings, torch.device("cuda", torch.cuda.current_device()))
     with one_cpu_thread():
         return _sweep(tp, settings, torch.device("cpu"))
-
-
-@contextlib.contextmanager
-def one_cpu_thread():
-    """One torch intra-op thread inside: on a shared or busy CPU an OpenMP pool spinning for a core
-    turns a microsecond op (index_add_ in the expert loop) into tens of milliseconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _sweep(tp: TensorParallel, settings: BenchSettings, device: torch.device) -> dict:
@@ -508,7 +394,7 @@ def _ceilings(device: torch.device) -> dict:
     """This GPU's measured copy bandwidth and bf16 matmul rate (what calibration divides by)."""
     if device.type != "cuda":
         return {}
-    from .bench_verify_attn import measure_ceilings
+    from .ceilings import measure_ceilings
     measured = measure_ceilings()
     return {"copy_bandwidth": measured["copy_tbps"] * 1e12, "matmul_flops": measured["matmul_tflops"] * 1e12}
 
@@ -528,236 +414,6 @@ def _summary(rows: list[dict]) -> str:
 def _log(tp: TensorParallel, text: str) -> None:
     if tp.rank == 0:
         print(text, flush=True)
-
-
-def latest_rows(rows: list[dict]) -> list[dict]:
-    """The verify-step rows (scopes layer and step) of the newest run that has them, and the draft
-    rows of the newest run that has them (a --drafter-only run refreshes those alone)."""
-    return (results.latest_run([r for r in rows if r.get("scope") != "draft"])
-            + results.latest_run([r for r in rows if r.get("scope") == "draft"]))
-
-
-def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:
-    """Seconds per verify round of the whole model, per (tp, graph, batch, nodes, context): the
-    dense layer rows times first_k_dense_replace and the mean MoE layer row times the MoE layers
-    (per component), plus the head and, for a tree (N > 1), the drafter and the tree kernels."""
-    groups: dict[tuple, dict[str, list[dict]]] = {}
-    drafts: dict[tuple, list[dict]] = {}
-    for row in rows:
-        where = (int(row["tp"]), int(row["batch"]), int(row["nodes"]), int(row["context"]))
-        if row["scope"] == "draft":
-            drafts.setdefault(where, []).append(row)
-        else:
-            groups.setdefault((_flag(row["graph"]), *where), {}).setdefault(row["scope"], []).append(row)
-    out = []
-    for (graph, tp, batch, nodes, context), scoped in sorted(groups.items()):
-        layers = scoped.get("layer", [])
-        dense = [r for r in layers if not _flag(r["moe_layer"])]
-        moe = [r for r in layers if _flag(r["moe_layer"])]
-        if not dense or not moe or "step" not in scoped:
-            continue
-        counts = {config.first_k_dense_replace: dense, len(config.moe_layers): moe}
-        row = {"tp": tp, "graph": graph, "batch": batch, "nodes": nodes, "context": context}
-        for name in COMPONENTS:
-            row[name] = sum(count * float(np.mean([float(r[f"{name}_seconds"]) for r in picked]))
-                            for count, picked in counts.items())
-        row["head"] = float(np.mean([float(r["head_seconds"]) for r in scoped["step"]]))
-        draft = drafts.get((tp, batch, nodes, context), [])
-        row["draft"] = float(np.mean([draft_round_seconds(r, graph=graph) for r in draft])) if draft else 0.0
-        row["total"] = sum(row[name] for name in (*COMPONENTS, "head", "draft"))
-        out.append(row)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# how much the routing of one tree overlaps: measured on real text, modelled with a correlation
-
-def routed_experts(model: Transformer, tokens) -> list[np.ndarray]:
-    """The experts each MoE layer's router picks for every token of sequences tokens [S, T] (one
-    prefill through `model`): a list over MoE layers of int [S, T, k]."""
-    tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
-    picked = []
-    routers = [block.mlp.gate for block in model.layers if isinstance(block.mlp, MoE)]
-    hooks = [router.register_forward_hook(lambda module, args, out: picked.append(out[1])) for router in routers]
-    try:
-        with one_cpu_thread() if model.device.type == "cpu" else contextlib.nullcontext():
-            model.prefill(tokens.to(model.device), model.new_cache(*tokens.shape))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [ids.reshape(*tokens.shape, -1).cpu().numpy() for ids in picked]
-
-
-def union_curve(routes: list[np.ndarray], nodes, *, batch: int = 1, windows: int = 64, seed: int = 0) -> list[dict]:
-    """Distinct experts per MoE layer touched by `batch` windows of N consecutive tokens (N ∈ nodes),
-    each from a different sequence: a verify step's tokens share their request's context as a
-    window of text does. One row per (layer, N): mean and standard deviation over `windows` draws."""
-    sequences, length, _ = routes[0].shape
-    if not 1 <= batch <= sequences:
-        raise ValueError(f"batch: expected 1..{sequences} (the sequences routed), got {batch}")
-    rng = np.random.default_rng(seed)
-    rows = []
-    for n in nodes:
-        if not 1 <= n <= length:
-            raise ValueError(f"nodes: each must be in 1..{length} (the routed sequence length), got {n}")
-        draws = [(rng.choice(sequences, batch, replace=False), rng.integers(0, length - n + 1, batch))
-                 for _ in range(windows)]
-        for layer, ids in enumerate(routes):
-            counts = [len(np.unique(np.concatenate([ids[s, t:t + n].ravel() for s, t in zip(rows_, starts)])))
-                      for rows_, starts in draws]
-            rows.append({"moe_layer_index": layer, "nodes": int(n), "batch": batch, "tokens": int(n) * batch,
-                         "distinct_mean": float(np.mean(counts)), "distinct_std": float(np.std(counts))})
-    return rows
-
-
-def fit_correlation(rows: list[dict], n_experts: int, experts_per_token: int) -> float:
-    """The `correlation` of projection.expected_distinct_experts that best fits measured unions
-    (least squares in relative error over rows with tokens and distinct_mean), in [0, 0.999]."""
-    if not rows:
-        raise ValueError("rows: expected at least one measured union (tokens, distinct_mean)")
-    measured = [(int(r["tokens"]), float(r["distinct_mean"])) for r in rows]
-
-    def loss(correlation):
-        return sum((expected_distinct_experts(t, n_experts, experts_per_token, correlation) / m - 1) ** 2
-                   for t, m in measured)
-    grid = np.linspace(0.0, 0.999, 1000)
-    return float(grid[int(np.argmin([loss(c) for c in grid]))])
-
-
-# ----------------------------------------------------------------------------------------------
-# the CT200 projection (notebook 13), calibrated on the rows above
-
-def select_rows(rows: list[dict], scope: str, *, tp: int | None = None, graph: bool | None = None) -> list[dict]:
-    """Rows of one scope; of TP degree `tp` (default: the largest present) and graph flag."""
-    picked = [r for r in rows if r.get("scope") == scope]
-    if not picked:
-        return []
-    tp = max(int(r["tp"]) for r in picked) if tp is None else tp
-    return [r for r in picked if int(r["tp"]) == tp and (graph is None or _flag(r.get("graph")) == graph)]
-
-
-def measured_hardware(rows: list[dict], *, tp: int) -> Hardware:
-    """The GPU the rows ran on as a projection.Hardware: its measured copy bandwidth and bf16
-    matmul rate (medians), `tp` GPUs (its all-reduce numbers are not used by calibration)."""
-    bandwidth = [float(r["copy_bandwidth"]) for r in rows if r.get("copy_bandwidth") not in (None, "")]
-    flops = [float(r["matmul_flops"]) for r in rows if r.get("matmul_flops") not in (None, "")]
-    if not bandwidth or not flops:
-        raise ValueError("rows: expected copy_bandwidth and matmul_flops columns (a GPU run)")
-    return Hardware(name=rows[0].get("device", "GPU"), memory_bandwidth=float(np.median(bandwidth)),
-                    matmul_flops=float(np.median(flops)), gpus=tp, allreduce_latency=0.0,
-                    allreduce_bus_bandwidth=math.inf)
-
-
-def calibrate_on_rows(rows: list[dict], config: ModelConfig, *, tp: int | None = None,
-                      graph: bool = True) -> tuple[Efficiency, Hardware, list[dict]]:
-    """projection.calibrate on the layer rows of one TP degree (random weights route uniformly, so
-    correlation 0 and bf16 experts), and the head's efficiency from the step rows' head_seconds:
-    (efficiency, the measured hardware, the layer rows used)."""
-    layers = select_rows(rows, "layer", tp=tp, graph=graph)
-    if not layers:
-        raise ValueError(f"rows: no layer rows with tp={tp}, graph={graph}")
-    hardware = measured_hardware(layers, tp=int(layers[0]["tp"]))
-    efficiency = calibrate(layers, config, hardware, expert_bits=16, correlation=0.0)
-    heads = [step_costs(config, hardware, batch=int(r["batch"]), nodes=int(r["nodes"]), context=int(r["context"]))
-             ["rest"] / float(r["head_seconds"]) for r in select_rows(rows, "step", tp=hardware.gpus, graph=graph)
-             if r.get("head_seconds") not in (None, "")]
-    return (replace(efficiency, rest=float(np.median(heads))) if heads else efficiency), hardware, layers
-
-
-def drafter_seconds(config: DFlashConfig, hardware: Hardware, *, batch: int, context: int, new_tokens: int = 5,
-                    shards: int = 1, head_shards: int | None = None, efficiency: float = 1.0) -> float:
-    """One drafter forward: its weights (layers split over `shards` GPUs, the target's LM head over
-    `head_shards`) and its context cache read once, the FLOPs of the block and the new tokens, at
-    the roofline divided by `efficiency`; with shards > 1 also two all-reduces per layer and the
-    head's all-gather (latency-bound messages)."""
-    c = config
-    head_shards = shards if head_shards is None else head_shards
-    per_layer = (c.hidden_size * c.head_dim * 2 * (c.num_attention_heads + c.num_key_value_heads)
-                 + 3 * c.hidden_size * c.intermediate_size)
-    body = c.num_hidden_layers * per_layer + c.feature_size * c.hidden_size
-    head = c.vocab_size * c.hidden_size
-    tokens = batch * (c.block_size + new_tokens)
-    cache_bytes = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * BF16_BYTES / shards
-    attention_flops = 4 * batch * c.block_size * c.num_attention_heads * c.head_dim * context * c.num_hidden_layers
-    weight_bytes = (body / shards + head / head_shards) * BF16_BYTES
-    flops = 2 * tokens * body / shards + 2 * batch * (c.block_size - 1) * head / head_shards + attention_flops / shards
-    seconds = _roofline(weight_bytes + cache_bytes, flops, hardware) / efficiency
-    if shards > 1:
-        group = replace(hardware, gpus=shards)
-        seconds += (2 * c.num_hidden_layers + 1) * allreduce_time(tokens * c.hidden_size * BF16_BYTES, group)
-    return seconds
-
-
-def drafter_efficiency(rows: list[dict], config: DFlashConfig, hardware: Hardware, *, new_tokens: int = 5) -> float:
-    """Roofline / measured drafter time (median over rows): its layers replicated, LM head over tp.
-    The CUDA-graph time where a row has one (what a graph-captured decode pays), else the eager one."""
-    def measured(row) -> float:
-        return float(row.get("drafter_graph_seconds") or row["drafter_seconds"])
-    ratios = [drafter_seconds(config, hardware, batch=int(r["batch"]), context=int(r["context"]),
-                              new_tokens=new_tokens, head_shards=int(r["tp"])) / measured(r)
-              for r in rows if r.get("drafter_seconds") not in (None, "")]
-    if not ratios:
-        raise ValueError("rows: no drafter_seconds measured")
-    return float(np.median(ratios))
-
-
-def draft_round_seconds(row: dict, *, graph: bool) -> float:
-    """What a draft row adds to a round: the drafter forward (its CUDA-graph time in a graph round,
-    where measured) and the tree kernels."""
-    drafter = (row.get("drafter_graph_seconds") if graph else None) or row.get("drafter_seconds")
-    return float(drafter or 0.0) + sum(float(row[n]) for n in TREE_KERNEL_COLUMNS if row.get(n) not in (None, ""))
-
-
-def tree_kernel_seconds(rows: list[dict], batch: int) -> float:
-    """Median over budgets of draft top-k + tree build + accept/compaction, for `batch` (0 if absent)."""
-    sums = [sum(float(r[n]) for n in TREE_KERNEL_COLUMNS) for r in rows
-            if int(r["batch"]) == batch and all(r.get(n) not in (None, "") for n in TREE_KERNEL_COLUMNS)]
-    return float(np.median(sums)) if sums else 0.0
-
-
-def acceptance_curve(rows: list[dict], *, column: str = "mean_acceptance", **filters) -> dict[int, float]:
-    """Mean tokens per round per budget (root included) from acceptance rows, e.g.
-    data/results/acceptance.csv: the mean of `column` over the rows of each budget matching filters."""
-    picked = [r for r in rows if all(str(r.get(k)) == str(v) for k, v in filters.items())]
-    if not picked or column not in picked[0] or "budget" not in picked[0]:
-        raise ValueError(f"rows: expected rows with 'budget' and {column!r} matching {filters}")
-    curve: dict[int, list[float]] = {}
-    for row in picked:
-        curve.setdefault(int(float(row["budget"])), []).append(float(row[column]))
-    return {budget: float(np.mean(values)) for budget, values in sorted(curve.items())}
-
-
-def ct200_projection(config: ModelConfig, acceptance: dict[int, float], *, efficiency: Efficiency,
-                     hardware: Hardware = CT200, batches=(1, 8), contexts=(4096,), expert_bits: float = 4.5,
-                     correlation: float | dict[int, float] = 0.0,
-                     draft_seconds: float | Callable[[int, int], float] = 0.0) -> list[dict]:
-    """Per (context, batch, budget): step time, tokens/s and speedup over AR on `hardware`
-    (projection.projected_speedup). correlation may be per batch ({batch: c}); draft_seconds a
-    constant or draft_seconds(batch, context): what a DDTree round adds (drafter, tree kernels)."""
-    rows = []
-    for context in contexts:
-        for batch in batches:
-            corr = correlation[batch] if isinstance(correlation, dict) else correlation
-            draft = draft_seconds(batch, context) if callable(draft_seconds) else draft_seconds
-            for row in projected_speedup(config, hardware, acceptance, batch=batch, context=context,
-                                         draft_seconds=draft, expert_bits=expert_bits, correlation=corr,
-                                         efficiency=efficiency):
-                rows.append({"context": context, "batch": batch, "correlation": corr, "draft_seconds": draft, **row})
-    return rows
-
-
-def best_budgets(rows: list[dict]) -> dict[tuple[int, int], dict]:
-    """(context, batch) -> the projection row with the most tokens/s."""
-    best: dict[tuple[int, int], dict] = {}
-    for row in rows:
-        key = (row["context"], row["batch"])
-        if key not in best or row["tokens_per_second"] > best[key]["tokens_per_second"]:
-            best[key] = row
-    return best
-
-
-def _flag(value) -> bool:
-    return value in (True, 1, "1", "True", "true")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ tp_group instead.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import tempfile
 from dataclasses import dataclass
@@ -83,3 +85,15 @@ def _entry(rank, world_size, backend, rendezvous, result_path, worker, args):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_cpu_thread():
+    """One torch intra-op thread inside: on a shared or busy CPU an OpenMP pool spinning for a core
+    turns a microsecond op (index_add_ in the expert loop) into tens of milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

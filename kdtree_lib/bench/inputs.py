@@ -1,0 +1,107 @@
+"""Synthetic inputs the benchmarks share: models with random weights sharded per rank, latent caches,
+best-first trees from a Zipf-like draft, and posteriors that follow a tree like a real target.
+
+No checkpoint is read: a weight's full tensor is drawn from a generator seeded by its name and each
+rank keeps its slice, so every TP degree shards the same model.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from ..contracts import Tree, tree_from_parents
+from ..dflash import DFlashConfig, DFlashDrafter
+from ..draft_topk import draft_topk
+from ..model import KVCache, ModelConfig, TensorParallel, Transformer
+from ..model.checkpoint import empty_target, load_weights
+from ..synthetic import zipf_draft_logits
+from ..tree_build import build_tree
+
+FOLLOW_PROBABILITY = 0.8  # the target agrees with the drafter's best child this often (mean accept ~5)
+
+
+class RandomWeights:
+    """Stands in for CheckpointReader in load_weights: each tensor is drawn whole from a generator
+    seeded by its name (std 1/sqrt(fan-in); norms 1, router biases 0) and the requested slice is
+    returned, so every TP degree shards the same model."""
+
+    def __init__(self, device, dtype: torch.dtype, seed: int = 0):
+        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
+
+    def read(self, name: str, shape: tuple[int, ...], dim: int | None = None, start: int | None = None,
+             stop: int | None = None) -> torch.Tensor:
+        if name.endswith("e_score_correction_bias"):
+            full = torch.zeros(shape, device=self.device)
+        elif name.endswith("norm.weight"):
+            full = torch.ones(shape, device=self.device, dtype=self.dtype)
+        else:
+            digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+            generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:7], "little"))
+            full = torch.randn(shape, generator=generator, device=self.device, dtype=self.dtype)
+            full.mul_(shape[-1] ** -0.5)
+        return full if dim is None else full.narrow(dim, start, stop - start)
+
+
+def random_target(config: ModelConfig, tp: TensorParallel, *, device, dtype: torch.dtype,
+                  attention_backend: str = "auto", seed: int = 0) -> Transformer:
+    """This rank's shard of `config`'s model (absorbed attention, TP experts), random weights."""
+    model = empty_target(config, tp, device=device, dtype=dtype, attention_backend=attention_backend)
+    load_weights(model, RandomWeights(device, dtype, seed))
+    return model.eval()
+
+
+def random_drafter(config: DFlashConfig, target: Transformer, *, seed: int = 0) -> DFlashDrafter:
+    """A DFlash drafter with random weights on the target's device, bound to its embedding and LM head."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config).to(target.embed_tokens.weight.dtype)
+    drafter = drafter.to_empty(device=target.device).requires_grad_(False)
+    torch.manual_seed(seed)
+    drafter.init_weights()
+    return drafter.bind(target).eval()
+
+
+def random_cache(model: Transformer, batch: int, context: int, capacity: int, *, seed: int = 0) -> KVCache:
+    """Every request holds `context` committed tokens of random latent entries; room for `capacity`."""
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    dtype = model.embed_tokens.weight.dtype
+    kv = [torch.randn(batch, capacity, model.config.cache_dim, generator=generator, device=model.device, dtype=dtype)
+          for _ in model.layers]
+    return KVCache(kv=kv, lengths=torch.full((batch,), context, dtype=torch.int32, device=model.device))
+
+
+def synthetic_tree(batch: int, nodes: int, *, depth: int, vocab: int, seed: int = 0) -> Tree:
+    """A best-first tree of `nodes` nodes (root included) per request from a Zipf-like draft;
+    nodes = 1 is the root alone (an autoregressive step)."""
+    if nodes == 1:
+        return tree_from_parents(np.full((batch, 1), -1), np.zeros((batch, 1), np.int32), max_depth=depth)
+    draft = draft_topk(zipf_draft_logits(batch, depth, vocab, seed=seed), min(nodes - 1, vocab), backend="numpy")
+    return build_tree(draft, nodes - 1, root=np.zeros(batch, np.int32), backend="numpy")
+
+
+def follow_posterior(tree, rng, probability: float = FOLLOW_PROBABILITY) -> np.ndarray:
+    """Posterior tokens [B, N] (host tree): the first child's token with `probability`, else a token
+    no node carries, so acceptance lengths are geometric like a real drafter's."""
+    first_child = tree.first_child
+    rows = np.arange(tree.batch)[:, None]
+    child_token = tree.tokens[rows, np.maximum(first_child, 0)]
+    agree = (first_child >= 0) & (rng.random(first_child.shape) < probability)
+    return np.where(agree, child_token, int(tree.tokens.max()) + 1).astype(np.int32)
+
+
+def peaked_logits(batch: int, depth: int, vocab: int, *, scale: float = 5.0, seed: int = 0,
+                  device="cpu") -> torch.Tensor:
+    """float32 logits [B, D, V] of scale * N(0, 1). At scale 5 over a few thousand tokens the mean top-1
+    probability is near 0.5, so best-first trees are about 5 deep at budget 64, like a real drafter's."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(batch, depth, vocab, generator=generator, device=device) * scale
+
+
+def random_draft(batch: int, depth: int, k: int, *, seed: int = 0, device="cpu"):
+    """(DraftTopK [B, D, k], root tokens int32 [B]) on `device`: draft_topk of peaked logits over
+    4k + 4096 tokens (so the top-k never reaches the flat tail)."""
+    logits = peaked_logits(batch, depth, 4 * k + 4096, seed=seed, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed + 1)
+    root = torch.randint(0, 1000, (batch,), dtype=torch.int32, generator=generator, device=device)
+    return draft_topk(logits, k, backend="torch"), root

@@ -1,0 +1,102 @@
+"""Figures of the CT200 projection (notebook 13): the calibration, the router's overlap, the
+acceptance curve used, tokens/s and speedup against budget, and a round's components."""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+
+from ..projection import expected_distinct_experts, layer_costs
+from ..results import matches
+from .tp_step import COMPONENT_COLORS
+
+
+def plot_calibration(axes, used: list[dict], config, hardware, efficiency) -> None:
+    """Calibrated model against the measured layer times, for attention and the MoE."""
+    for ax, component in zip(axes, ("attention", "moe")):
+        measured = np.array([float(r[f"{component}_seconds"]) for r in used])
+        modelled = np.array([layer_costs(config, hardware, batch=int(r["batch"]), nodes=int(r["nodes"]),
+                                         context=int(r["context"]), moe_layer=matches(r["moe_layer"], True),
+                                         efficiency=efficiency)[component] for r in used])
+        ax.loglog(measured * 1e3, modelled * 1e3, "o", alpha=0.6)
+        span = [min(measured.min(), modelled.min()) * 1e3, max(measured.max(), modelled.max()) * 1e3]
+        ax.plot(span, span, "k--", label="model = measured")
+        ax.set_xlabel(f"measured ms per layer ({hardware.name})")
+        ax.set_ylabel("calibrated model, ms per layer")
+        ax.set_title(f"{component}: efficiency {getattr(efficiency, component):.2f}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+
+
+def plot_router_overlap(axes, curves: dict[int, list[dict]], correlation: dict[int, float], config) -> None:
+    """Distinct experts of windows of real text against tokens, with the uniform and fitted models."""
+    for ax, (batch, rows) in zip(axes, curves.items()):
+        tokens = np.array(sorted({r["tokens"] for r in rows}))
+        mean = [np.mean([r["distinct_mean"] for r in rows if r["tokens"] == t]) for t in tokens]
+        ax.plot(tokens, mean, "o", label="measured on text (mean over MoE layers)")
+        for c, style, label in ((0.0, "k--", "uniform, independent"),
+                                (correlation[batch], "C1-", f"fitted c = {correlation[batch]:.2f}")):
+            ax.plot(tokens, [expected_distinct_experts(int(t), config.n_routed_experts, config.num_experts_per_tok, c)
+                             for t in tokens], style, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens in the step (B x N)")
+        ax.set_ylabel("distinct experts per layer")
+        ax.set_title(f"stand-in target, batch {batch}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+
+
+def plot_acceptance_curve(ax, acceptance: dict[int, float], *, title: str) -> None:
+    """Tokens per round against budget: the curve the projection uses."""
+    ax.plot(list(acceptance), list(acceptance.values()), "o-", color="C2")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (draft nodes per tree)")
+    ax.set_ylabel("tokens per round")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
+def plot_speedup_vs_budget(fig, axes, projected: list[dict], best: dict, *, contexts, batches,
+                           assumptions: list[str]) -> None:
+    """Tokens/s (with AR as dotted lines) and speedup over AR against budget, a row per context, the
+    best budget starred; the assumptions printed under the figure."""
+    for row_axes, context in zip(axes, contexts):
+        for batch, color in zip(batches, ("C0", "C3", "C2", "C4")):
+            rows = [r for r in projected if (r["context"], r["batch"]) == (context, batch)]
+            budgets = [r["budget"] for r in rows]
+            top = best[context, batch]
+            row_axes[0].plot(budgets, [r["tokens_per_second"] for r in rows], "o-", color=color,
+                             label=f"DDTree, batch {batch}")
+            row_axes[0].axhline(rows[0]["ar_tokens_per_second"], color=color, linestyle=":", label=f"AR, batch {batch}")
+            row_axes[1].plot(budgets, [r["speedup"] for r in rows], "o-", color=color, label=f"batch {batch}")
+            for ax, key in zip(row_axes, ("tokens_per_second", "speedup")):
+                ax.plot([top["budget"]], [top[key]], "*", color=color, markersize=16)
+        for ax, label in zip(row_axes, ("tokens / s (all requests)", "speedup over AR")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (draft nodes per tree)")
+            ax.set_ylabel(label)
+            ax.set_title(f"CT200 projection, context {context} (star: best budget)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    wrapped = [part for line in assumptions for part in textwrap.wrap(line, 95, subsequent_indent="    ")]
+    half = (len(wrapped) + 1) // 2
+    for x, column in ((0.0, wrapped[:half]), (0.5, wrapped[half:])):
+        fig.text(x, -0.01, "\n".join(column), fontsize=7, va="top", family="monospace")
+
+
+def plot_round_components(axes, projected: list[dict], *, context: int, batches) -> None:
+    """Stacked ms per projected round by component against budget, an axis per batch."""
+    for ax, batch in zip(axes, batches):
+        rows = [r for r in projected if (r["context"], r["batch"]) == (context, batch)]
+        labels = [str(r["budget"]) for r in rows]
+        bottom = np.zeros(len(rows))
+        for name, color in COMPONENT_COLORS.items():
+            values = np.array([r[f"{name}_seconds"] for r in rows]) * 1e3
+            ax.bar(labels, values, bottom=bottom, color=color,
+                   label=name + (" (head, drafter, tree kernels)" if name == "rest" else ""))
+            bottom += values
+        ax.set_xlabel("budget")
+        ax.set_ylabel("ms per round, all layers")
+        ax.set_title(f"CT200 round, batch {batch}, context {context}")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)

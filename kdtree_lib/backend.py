@@ -1,15 +1,19 @@
 """Which implementation runs: the NumPy/torch references or the CuPy kernels.
 
-`backend="auto"` means: the kernels when the inputs already live on a GPU and CuPy can launch
-there, the reference otherwise. Asking for "cupy" where it cannot run is an error, never a silent
-fallback, so a benchmark always measures what it says.
+Every entry point takes the four names of BACKENDS:
+- "numpy": the reference; "torch": torch's implementation where the entry point has one, else its
+  reference (the references take torch tensors too), so "torch" always means "no kernel";
+- "cupy": the kernels. Asking for them where they cannot run is an error, never a silent fallback,
+  so a benchmark always measures what it says;
+- "auto": what runs for the inputs at hand: the kernels when the inputs live on a GPU CuPy can
+  launch on and are of a dtype the kernels take, the first supported path otherwise.
 """
 from __future__ import annotations
 
 import functools
 import platform
 
-from .checks import is_on_gpu
+from .checks import dtype_name, is_on_gpu
 
 BACKENDS = ("auto", "numpy", "torch", "cupy")
 
@@ -27,15 +31,19 @@ def cuda_available() -> bool:
         return False
 
 
-def resolve(backend: str, supported: tuple[str, ...], *arrays) -> str:
-    """Turn the user's `backend` into one of `supported`, given where the inputs live."""
+def resolve(backend: str, supported: tuple[str, ...], *arrays, kernel_dtypes: tuple[str, ...] | None = None) -> str:
+    """Turn the user's `backend` into one of `supported`, given where the inputs live and, when the
+    kernels take only some dtypes (`kernel_dtypes`), the dtype of the first input."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     on_gpu = any(is_on_gpu(x) for x in arrays)
     if backend == "auto":
-        if on_gpu and "cupy" in supported and cuda_available():
+        kernel_takes = kernel_dtypes is None or (arrays and dtype_name(arrays[0]) in kernel_dtypes)
+        if on_gpu and kernel_takes and "cupy" in supported and cuda_available():
             return "cupy"
         return supported[0]
+    if backend == "torch" and "torch" not in supported and "numpy" in supported:
+        return "numpy"
     if backend not in supported:
         raise ValueError(f"backend: {backend!r} is not available here; choose from {supported}")
     if backend == "cupy":

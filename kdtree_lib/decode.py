@@ -22,11 +22,13 @@ T > 0 the output has the target's sampling distribution (tests/test_decode.py ch
 prefill commits prompt[:-1], and a round commits n_accepted tokens (its root and the accepted
 drafts) to both caches.
 
-Backends (`backend`): "numpy" runs the reference tree ops on the host (any device, eager only);
-"cupy" runs the kernels (draft top-k, tree build, accept, compaction) on the GPU, where a step has
-no host synchronisation at all; "auto" picks "cupy" when the target is on a GPU CuPy can use. The
-verify attention is the target's own (`load_target(..., attention="absorbed",
-attention_backend="auto")` runs the verify kernel on a GPU, the torch reference on a CPU).
+Backends (`backend`, the tree ops'): "numpy" runs the reference tree ops on the host (any device,
+eager only); "torch" too (the tree ops have no torch implementation of their own: their reference is
+it); "cupy" runs the kernels (draft top-k, tree build, accept, compaction) on the GPU, where a step
+has no host synchronisation at all; "auto" picks "cupy" when the target is on a GPU CuPy can use.
+The verify attention is the target's own: `load_target(..., attention="absorbed",
+attention_backend="auto")` runs the verify kernel for a bf16 or fp16 target on a GPU and the torch
+attention for fp32 (the kernel takes 16-bit inputs only) or on a CPU.
 
 CUDA graphs: a Decoder preallocates everything a step touches (both caches at a fixed capacity,
 roots, features, output and acceptance buffers) and updates it in place, so the whole step, from
@@ -45,9 +47,10 @@ import numpy as np
 import torch
 
 from . import backend as _backend
-from .checks import check_positive_int, to_numpy
+from .checks import check_positive_int, dtype_name, to_numpy
 from .dflash import DFlashDrafter
 from .tree_accept import accept, compact_cache
+from .verify_attn import KERNEL_DTYPES
 from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
 from .draft_topk import draft_topk
 from .tree_build import build_tree
@@ -144,12 +147,15 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
 
 
 def resolve_backend(backend: str, target) -> str:
-    """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU)."""
-    if backend not in ("auto", "numpy", "cupy"):
-        raise ValueError(f"backend: expected 'auto', 'numpy' or 'cupy', got {backend!r}")
+    """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU;
+    "torch": the references, which are the tree ops' torch path)."""
+    if backend not in _backend.BACKENDS:
+        raise ValueError(f"backend: expected one of {_backend.BACKENDS}, got {backend!r}")
     on_gpu = target.device.type == "cuda"
     if backend == "auto":
         return "cupy" if on_gpu and _backend.cuda_available() else "numpy"
+    if backend == "torch":
+        return "numpy"
     if backend == "cupy" and not (on_gpu and _backend.cuda_available()):
         raise ValueError("backend: 'cupy' needs the target on a CUDA device and CuPy")
     return backend
@@ -158,9 +164,10 @@ def resolve_backend(backend: str, target) -> str:
 def _resolve_graph(cuda_graph, backend: str, target) -> bool:
     """A step can be captured when nothing in it synchronises: the tree kernels, and the target's
     absorbed attention on the verify kernel (its naive path and torch reference build the mask on
-    the host)."""
-    capturable = (backend == "cupy" and target.attention == "absorbed"
-                  and target.attention_backend in ("auto", "cupy"))
+    the host; "auto" runs the kernel only for the dtypes it takes)."""
+    kernel_attention = target.attention_backend == "cupy" or (
+        target.attention_backend == "auto" and dtype_name(target.embed_tokens.weight) in KERNEL_DTYPES)
+    capturable = backend == "cupy" and target.attention == "absorbed" and kernel_attention
     if cuda_graph == "auto":
         return capturable
     if cuda_graph not in (True, False):

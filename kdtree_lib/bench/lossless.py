@@ -1,0 +1,126 @@
+"""Where greedy DDTree and the DFlash chain part from greedy autoregressive decoding, and why.
+
+Every token a round emits is the target's argmax at its context, so the three methods give the same
+tokens as long as the tree step and the one-node step agree on every argmax:
+- in float32 they compute each logit to within float32 rounding, far below the top-2 gaps a greedy path
+  meets, so DDTree (any budget) and the chain equal AR token for token;
+- in bf16 each run's logits are rounded to bf16 (8 significant bits) along different paths, so two runs
+  may pick different tokens where the float32 top-2 gap is below bf16's spacing at that logit, and only
+  there.
+
+`lossless_rows` decodes held-out prompts with AR, the chain and DDTree at `budgets` and writes one row per
+(method, budget, prompt): whether the tokens equal AR's and, at the first difference, the float32 top-2 gap
+and bf16's spacing at the top logit (a float32 copy of the same checkpoint scores the common prefix).
+
+    python -m kdtree_lib.bench.lossless [--results-dir DIR]     # on a GPU; rows -> data/results/lossless.csv
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import torch
+
+from .. import results
+from ..checks import dtype_name
+from ..decode import generate
+from ..pairs import pair_with_prompts
+from ..verify_attn import KERNEL_DTYPES
+
+TOPIC = "lossless"
+BUDGETS = (8, 32, 128)
+BF16_MANTISSA_BITS = 7  # stored bits; 8 significant
+
+
+def bf16_spacing(value: float) -> float:
+    """The distance between adjacent bf16 numbers at |value|: what bf16 cannot tell apart there."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - BF16_MANTISSA_BITS) if value else 0.0
+
+
+def first_difference(want, got) -> int | None:
+    """The first position where two token lists differ (a shorter list differs where it ends); None if equal."""
+    for position, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            return position
+    return None if len(want) == len(got) else min(len(want), len(got))
+
+
+def divergence(fp32_target, prompt, want, got) -> dict:
+    """At the first difference of `got` from `want` (the AR tokens): the float32 logits of the common
+    prefix's next token, as the top-2 gap and bf16's spacing at the top logit; {} when they are equal."""
+    position = first_difference(want, got)
+    if position is None:
+        return {}
+    context = torch.as_tensor(np.concatenate([prompt, want[:position]]), device=fp32_target.device)[None]
+    logits = fp32_target.prefill(context, fp32_target.new_cache(1, context.shape[1])).logits[0, -1].float()
+    top2 = logits.topk(2)
+    top = float(top2.values[0])
+    return {"position": position, "top_logit": top, "top2_gap": top - float(top2.values[1]),
+            "bf16_spacing": bf16_spacing(top)}
+
+
+def lossless_rows(*, dtype=torch.bfloat16, device="cuda", block_size: int = 8, prompts_per_package: int = 4,
+                  prompt_tokens: int = 64, new_tokens: int = 64, budgets=BUDGETS, models_dir=None) -> list[dict]:
+    """One row per (method, budget, prompt): the run at `dtype` with default settings against AR at `dtype`."""
+    chosen = pair_with_prompts(block_size, prompts_per_package=prompts_per_package, prompt_tokens=prompt_tokens,
+                               models_dir=models_dir, device=device, dtype=dtype)
+    fp32 = chosen if dtype == torch.float32 else pair_with_prompts(
+        block_size, prompts_per_package=prompts_per_package, prompt_tokens=prompt_tokens, models_dir=models_dir,
+        device=device, dtype=torch.float32)
+    prompts = [prompt for group in chosen.packages.values() for prompt in group]
+    packages = [name for name, group in chosen.packages.items() for _ in group]
+    ar = [t.tolist() for t in generate(chosen.target, chosen.drafter, prompts, method="ar",
+                                       max_new_tokens=new_tokens).tokens]
+    depth = chosen.drafter.config.draft_depth
+    attention = "cupy" if chosen.target.device.type == "cuda" and dtype_name(
+        chosen.target.embed_tokens.weight) in KERNEL_DTYPES else "torch"
+    rows = []
+    for method, budget in [("chain", depth)] + [("ddtree", b) for b in budgets]:
+        run = generate(chosen.target, chosen.drafter, prompts, method=method, budget=budget, max_new_tokens=new_tokens)
+        for index, (prompt, want, got) in enumerate(zip(prompts, ar, run.tokens)):
+            parted = divergence(fp32.target, prompt, want, got.tolist())
+            rows.append({"pair": chosen.name, "dtype": dtype_name(chosen.target.embed_tokens.weight),
+                         "backend": run.backend, "attention_backend": attention, "cuda_graph": run.cuda_graph,
+                         "method": method, "budget": budget, "prompt": index, "package": packages[index],
+                         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "equal": not parted,
+                         "mean_acceptance": run.mean_acceptance, **parted})
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """The two facts the rows hold, per dtype: prompts, runs equal to AR, prompts that part from AR under
+    some method, and the first partings' float32 top-2 gaps against bf16's spacing there."""
+    facts = {}
+    for dtype in sorted({r["dtype"] for r in rows}):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        parted = [r for r in mine if not _true(r["equal"])]
+        facts[dtype] = {"prompts": len({r["prompt"] for r in mine}),
+                        "settings": sorted({f"{r['method']}/{int(float(r['budget']))}" for r in mine}),
+                        "runs": len(mine), "runs_equal": len(mine) - len(parted),
+                        "prompts_parted": len({r["prompt"] for r in parted}),
+                        "top2_gaps": [float(r["top2_gap"]) for r in parted],
+                        "bf16_spacings": [float(r["bf16_spacing"]) for r in parted],
+                        "device": mine[0].get("device", "this run"), "commit": mine[0].get("commit", "")}
+    return facts
+
+
+def _true(cell) -> bool:
+    return cell is True or str(cell) == "True"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.lossless", description=__doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--results-dir", default=None)
+    args = parser.parse_args(argv)
+    rows = (lossless_rows(dtype=torch.float32, prompts_per_package=8, new_tokens=args.new_tokens)
+            + lossless_rows(dtype=torch.bfloat16, prompts_per_package=4, new_tokens=args.new_tokens))
+    for dtype, facts in summary(rows).items():
+        print(dtype, facts)
+    print(f"{len(rows)} rows -> {results.append_rows(TOPIC, rows, results_dir=args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

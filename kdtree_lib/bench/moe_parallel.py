@@ -8,14 +8,25 @@ both end in the same all-reduce of [tokens, hidden]: communication does not deci
   the rank whose experts were hit most (load imbalance);
 - GEMM shapes and launches: "tp" runs up to E thin GEMMs per rank (width W/tp), "ep" E/tp wide ones.
 Each rank is simulated in turn on one GPU with random bf16 weights and balanced random routing.
+
+    python -m kdtree_lib.bench.moe_parallel [--tokens 1 16 128 1024] [--tp 8]    # on a GPU
+
+Rows go to data/results/model_moe_parallel.csv (notebook 08 plots them).
 """
 from __future__ import annotations
 
+import argparse
+import sys
+
 import torch
 
-from .config import ModelConfig
-from .model import Experts
-from .tp import TensorParallel
+from .. import results
+from ..model import ModelConfig, TensorParallel, load_config
+from ..model.model import Experts
+from ..paths import K26_CONFIG
+from .timing import gpu_seconds
+
+TOPIC = "model_moe_parallel"
 
 
 def balanced_routing(config: ModelConfig, tokens: int, generator: torch.Generator):
@@ -23,20 +34,6 @@ def balanced_routing(config: ModelConfig, tokens: int, generator: torch.Generato
     ids = torch.rand(tokens, config.n_routed_experts, generator=generator).topk(config.num_experts_per_tok).indices
     weights = torch.rand(tokens, config.num_experts_per_tok, generator=generator)
     return ids, weights
-
-
-def time_ms(fn, repeats: int) -> float:
-    """Median time of fn() in milliseconds, on the GPU's clock."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
@@ -60,7 +57,8 @@ def compare_moe_parallel(config: ModelConfig, token_counts, *, tp_size: int = 8,
                 ids, weights = (t.to(device) for t in routings[n])
                 hit = sum(int(e in experts.expert_ids) for e in torch.unique(ids).tolist())
                 for impl in ("grouped", "looped"):
-                    ms = time_ms(lambda: getattr(experts, impl)(inputs[n], ids, weights), repeats)
+                    ms = 1e3 * gpu_seconds(lambda: getattr(experts, impl)(inputs[n], ids, weights), reps=repeats,
+                                          flush="none")
                     times.setdefault((n, scheme, impl), []).append((ms, hit * per_expert))
             experts = None  # frees this rank's experts before the next scheme
             torch.cuda.empty_cache()
@@ -68,3 +66,23 @@ def compare_moe_parallel(config: ModelConfig, token_counts, *, tp_size: int = 8,
              "step_ms": max(ms for ms, _ in runs), "mean_rank_ms": sum(ms for ms, _ in runs) / len(runs),
              "max_rank_weight_bytes": max(b for _, b in runs)}
             for (n, scheme, impl), runs in times.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.moe_parallel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024], help="routed tokens per step")
+    parser.add_argument("--tp", type=int, default=8, help="ranks the experts are sharded over")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--results-dir", default=None, help="default: data/results/")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_parallel needs a CUDA GPU", file=sys.stderr)
+        return 1
+    rows = compare_moe_parallel(load_config(K26_CONFIG), args.tokens, tp_size=args.tp, repeats=args.repeats)
+    print(results.append_rows(TOPIC, rows, results_dir=args.results_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ both end in the same all-reduce of [tokens, hidden]: communication does not deci
 - GEMM shapes and launches: "tp" runs up to E thin GEMMs per rank (width W/tp), "ep" E/tp wide ones.
 Each rank is simulated in turn on one GPU with random bf16 weights and balanced random routing.
 
-    python -m kdtree_lib.bench.moe_parallel [--tokens 1 16 128 1024] [--tp 8]    # on a GPU
+    python -m kdtree_lib.bench.moe_parallel [--tokens 16 72 288 1088 2112] [--tp 8]    # on a GPU
 
 Rows go to data/results/model_moe_parallel.csv (notebook 08 plots them).
 """
@@ -71,7 +71,7 @@ def compare_moe_parallel(config: ModelConfig, token_counts, *, tp_size: int = 8,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.moe_parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024], help="routed tokens per step")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 72, 288, 1088, 2112], help="routed tokens per step")
     parser.add_argument("--tp", type=int, default=8, help="ranks the experts are sharded over")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results-dir", default=None, help="default: data/results/")

@@ -135,7 +135,7 @@ def manifest_dict(manifest: Manifest, built: list["PackageText"]) -> dict:
                          "files": sum(len(b.documents) for b in members),
                          "bytes": sum(b.n_bytes for b in members),
                          "sha256": combined_sha256(members)}
-    return {"description": "Training corpus of the stand-in pair (issue 6): .py source of pinned PyPI "
+    return {"description": "Training corpus of the stand-in pair: .py source of pinned PyPI "
                            "packages, split by whole package.",
             "rebuild": ["python -m kdtree_lib.corpus build --out data/corpus/build",
                         "python -m kdtree_lib.corpus build --out data/corpus/build --from-site-packages"],

@@ -1,4 +1,4 @@
-"""bench_decode.summary: the issue's two bars and the pair's draft-bound ceiling, from rows."""
+"""bench_decode.summary: two bars and the pair's draft-bound ceiling, from rows."""
 import pytest
 
 from kdtree_lib.bench import decode as bench_decode

@@ -18,7 +18,7 @@ warm-up compiles the kernels and captures the graph), with the same prompts and 
 
     python -m kdtree_lib.bench.decode [--quick] [--official DIR] [--results-dir DIR]    # on a GPU
 
-The summary checks the issue's targets from the rows: DDTree >= 5x the reference implementation's
+The summary checks two bars from the rows: DDTree >= 5x the reference implementation's
 tokens/s at the same budget (batch 1; the official code's rows, and the reference style's), and
 DDTree's speedup over AR >= 0.8 x its mean acceptance length.
 """

@@ -231,9 +231,9 @@ KERNEL_CONFIGS = {c.name: c for c in (
     KernelConfig(row_tiles=1, row_groups=1, keys=32, stages=2),  # fits 99 KB per block (sm_120)
     KernelConfig(row_tiles=2, row_groups=2, keys=64, stages=2, wgmma=True),  # sm_90a (compute capability 9.0)
 )}
-# Measured on an H200 (python -m kdtree_lib.bench.verify_attn --explore): two scoring warps win ~15% once compute-bound;
-# where the wgmma kernel runs (compute capability 9.0) it wins ~1.5x over those at N·H >= 128,
-# L >= 32k (data/results/verify_attn.csv; notebook 05 keeps the history of its schedules).
+# Per CTA size, the variants in the order the launcher tries them: the fastest on the H200 first (for
+# 64 rows: wgmma where it runs, then two scoring warps, then four), then ones that fit in less shared
+# memory; docs/kernel-notes.md has the measurements.
 PREFERRED = {64: ("rows64_keys64_wgmma_pipelined", "rows64_keys64_stages2_wide", "rows64_keys64_stages2"),
              32: ("rows32_keys64_stages2", "rows32_keys32_stages3", "rows32_keys32_stages2"),
              16: ("rows16_keys64_stages2", "rows16_keys32_stages4", "rows16_keys32_stages2")}

@@ -1,6 +1,16 @@
 // Tree-verify attention for absorbed MLA: bf16/f16 tensor cores (mma.sync m16n8k16 + ldmatrix),
 // one source for sm_90 and sm_120. Launched from kdtree_lib/verify_attn.py (_verify_attention_cupy).
 //
+// Versions (docs/kernel-notes.md: what each one measured, and the trials not kept):
+//   v1: one CTA per (row block, key split), Q in shared memory, KV tiles through a cp.async ring,
+//       the mask only on tiles reaching the tree slots, split partials merged by LSE
+//   v2: like v1, k-split accumulator chains for small warp tiles, the "wide" variant (two scoring
+//       warps with 32×32 tiles), deeper rings
+//   v3: like v2, the rows staged in shared memory and stored in 16-byte pieces; 16-bit split partials
+//   v4: like v3, warps of 16 rows hold their Q fragments in registers across tiles
+//   v5: like v4, those warps stage Q in the ring's last stage (no Q tile), so two groups of them
+//       (rows32_keys32_stages2) fit a 99 KB block
+//
 // Problem (DESIGN.md §3): request b has rows = N·H query rows (tree node × head, packed in that
 // order, 576 wide = q_latent 512 | q_rope 64) and one key/value stream shared by every head: cache
 // rows [0, len + N) (576-wide keys, their first 512 columns are the values). Row (node i) may see
@@ -23,8 +33,9 @@
 //     the A operand of O += P·V; V comes from the same KV tile with ldmatrix.trans.
 //   * Only tiles reaching the tree slots (or the split's end) evaluate the mask; prefix tiles run
 //     unmasked. Rows past N·H and keys past len + N are zero-filled, never read out of bounds.
-//   * With more than one split, each CTA writes normalised fp32 partial O and its LSE and
-//     verify_attn_merge_* combines them by LSE; with one split the CTA writes bf16/f16 O directly.
+//   * The normalised rows are staged in shared memory and stored in 16-byte pieces: with one split
+//     as the bf16/f16 output, with several as the split's partial O in the same 16-bit type (and
+//     its fp32 LSE), which verify_attn_merge_* combines by LSE.
 // Shared memory is XOR-swizzled in 16-byte chunks (chunk ^ row%8), so ldmatrix and cp.async are
 // free of bank conflicts; P rows are padded by 16 bytes instead.
 //
@@ -186,8 +197,8 @@ __device__ __forceinline__ void verify_attn_cta(
   const u32 p_lane = p_smem + (warp_row0 + (lane & 15)) * S::kPStride + (lane >> 4) * 16;
 
   // 16-row warps keep their Q fragments (36 × 4 registers) across tiles: S then reads only K from
-  // shared memory, a third of its ldmatrix traffic (measured 1.3-1.4x on the H200 for the sm_120
-  // configuration). The first step's barrier orders these reads before the ring reuses the stage.
+  // shared memory, a third of its ldmatrix traffic, which bounds S for these small warp tiles. The
+  // first step's barrier orders these reads before the ring reuses the stage.
   constexpr bool kQInRegisters = S::kQInRegisters;
   u32 q_frag[kQInRegisters ? kWidth / 16 : 1][4];
   if constexpr (kQInRegisters) {

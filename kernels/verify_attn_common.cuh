@@ -1,9 +1,15 @@
 // verify_attn_common.cuh — what the two verify-attention kernels share: the portable mma.sync one
 // (verify_attn.cu, sm_90 and sm_120) and the wgmma one (verify_attn_sm90a.cu, sm_90a only).
 //
-// Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2), the
-// key range one CTA covers, the tree-mask test, the epilogue's row destination and staged row
-// store, and the kernel that merges split partials by LSE.
+// Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2, the
+// mma.sync m16n8k16 that kernels/probes.cu also times), the key range one CTA covers, the tree-mask
+// test, the epilogue's row destination and staged row store, and the kernel that merges split
+// partials by LSE.
+//
+// Versions of the merge (docs/kernel-notes.md: the trials not kept):
+//   v1: a block per (output row, quarter of its columns), 8 warps each summing every 8th split after
+//       two block reductions of the splits' LSEs (max, then the sum of weights)
+//   v2: like v1, the partials in the output's 16-bit type (added in fp32)
 #pragma once
 
 typedef unsigned short u16;

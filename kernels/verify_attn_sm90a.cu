@@ -3,6 +3,15 @@
 // every other device; kdtree_lib/verify_attn.py picks this one on compute capability 9.0. Both
 // share verify_attn_common.cuh (key range, mask, epilogue, split merge).
 //
+// Versions (docs/kernel-notes.md: what each one measured, and the trials not kept):
+//   v1: 64 rows × 64-key tiles, two warpgroups splitting S = Q·Kᵀ by keys and owning the two halves
+//       of O, 128-byte-swizzled shared memory read by wgmma descriptors
+//   v2: like v1, one scorer: warpgroup 0 computes S as m64n64 and multiplies its P from registers
+//   v3: like v2, pipelined: warpgroup 1 issues every KV load, whose landing completes the stage's
+//       mbarrier phase, and its P·V trails warpgroup 0's S by a tile
+//   v4: like v3, each warpgroup stages its rows in shared memory and stores them in 16-byte pieces;
+//       16-bit split partials
+//
 // One CTA = 64 query rows (tree node × head) × one split of the key range, two warpgroups:
 //   * Q (64 × 576) stays in shared memory; KV tiles of 64 keys stream through two cp.async stages.
 //     Every 64-row × 576 tile is stored as nine 64-column blocks of 64 rows × 128 bytes, each row
@@ -16,8 +25,7 @@
 //     P from warpgroup 0's registers or, for warpgroup 1, from shared memory.
 //   * Warpgroup 1 also issues the KV loads; their landing completes the stage's mbarrier phase
 //     (cp.async.mbarrier.arrive), so warpgroup 1 never waits for memory and its P·V of tile t can
-//     overlap warpgroup 0's S of tile t + 1 (the "pipelined" schedule: measured 5-9% ahead of one
-//     scorer with a CTA barrier per step, which beat two warpgroups scoring 32 keys each).
+//     overlap warpgroup 0's S of tile t + 1, instead of idling while warpgroup 0 scores.
 //   * The contract is the portable kernel's: per-request lengths, mask only on tiles reaching the
 //     tree slots or the split's end, rows past N·H and keys past len + N zero-filled (never
 //     read), split partials (16-bit, fp32 LSE) merged by the merge kernels (VA_MERGE_KERNELS).

@@ -48,6 +48,15 @@ def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
     return _torch_topk_on_host(logits, k, torch_out=chosen == "torch" and framework(logits) == "torch")
 
 
+def torch_topk_logprobs(logits, k: int):
+    """The official formula on a torch tensor, on its device, in one call: (log-probabilities float32
+    [..., k], token ids int64 [..., k]) = topk(logits.float()) - logsumexp(logits.float())."""
+    import torch
+    x = logits.float()
+    values, ids = torch.topk(x, k, dim=-1)
+    return values - torch.logsumexp(x, dim=-1, keepdim=True), ids
+
+
 def _torch_topk_on_host(logits, k: int, *, torch_out: bool) -> DraftTopK:
     """The official formula with torch's CPU ops, per request; values checked first."""
     import torch
@@ -57,11 +66,10 @@ def _torch_topk_on_host(logits, k: int, *, torch_out: bool) -> DraftTopK:
         raise ValueError("logits: a row is entirely -inf (no token has any probability)")
     top = min(k, int(x.shape[-1]))
     logp = torch.empty(x.shape[:-1] + (top,), dtype=torch.float32)
-    ids = torch.empty(x.shape[:-1] + (top,), dtype=torch.int32)
+    ids = torch.empty(x.shape[:-1] + (top,), dtype=torch.int64)
     for b, request in enumerate(x):  # [D, V], as the official code calls the ops
-        values, token_ids = torch.topk(request, top, dim=-1)
-        logp[b] = values - torch.logsumexp(request, dim=-1, keepdim=True)
-        ids[b] = token_ids
+        logp[b], ids[b] = torch_topk_logprobs(request, top)
+    ids = ids.to(torch.int32)
     if torch_out:
         return DraftTopK(logp=logp, ids=ids)
     return DraftTopK(logp=logp.numpy(), ids=ids.numpy())
@@ -71,10 +79,8 @@ def _torch_topk_on_device(logits, k: int) -> DraftTopK:
     """The official formula with torch's CUDA ops on the whole batch; CuPy arrays are viewed zero-copy."""
     import torch
     x = logits if framework(logits) == "torch" else torch.as_tensor(logits, device=f"cuda:{logits.device.id}")
-    x = x.float()
-    top = min(k, int(x.shape[-1]))
-    values, token_ids = torch.topk(x, top, dim=-1)
-    logp, ids = values - torch.logsumexp(x, dim=-1, keepdim=True), token_ids.to(torch.int32)
+    logp, ids = torch_topk_logprobs(x, min(k, int(x.shape[-1])))
+    ids = ids.to(torch.int32)
     if framework(logits) == "cupy":
         import cupy
         return DraftTopK(logp=cupy.asarray(logp), ids=cupy.asarray(ids))

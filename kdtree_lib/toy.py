@@ -218,7 +218,7 @@ def mla_problem(tree: Tree, *, heads: int = 4, committed: int = 16, d_nope: int 
                 seed: int = 0) -> MLAProblem:
     """Random q, cache and kv_b_proj halves for `tree`, every request with `committed` cached tokens.
 
-    Scales keep the softmax neither flat nor one-hot. Rotary positions follow DESIGN.md §3:
+    Scales keep the softmax neither flat nor one-hot. Rotary positions follow docs/DESIGN.md §3:
     committed token t at position t, tree node i at position committed + depth(i).
     """
     import torch

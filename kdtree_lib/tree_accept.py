@@ -7,7 +7,7 @@ target's own tokens at each step, so the walk is lossless: greedy DDTree equals 
 autoregressive decoding, and with posterior tokens sampled from the target at T > 0 the output
 has exactly the target's sampling distribution (tests check both).
 
-Layouts (DESIGN.md §3): posterior int32 [B, N]; AcceptResult path int32 [B, D+1] (accepted node
+Layouts (docs/DESIGN.md §3): posterior int32 [B, N]; AcceptResult path int32 [B, D+1] (accepted node
 indices from the root, -1 padded), n_accepted int32 [B] (>= 1, the root counts), bonus int32 [B].
 """
 from __future__ import annotations

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 import warnings
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import backend as _backend
@@ -20,19 +23,76 @@ from . import cuda
 from .checks import check_array, check_finite, check_positive_int, check_same_device, dtype_name, framework, to_numpy
 from .contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, TREE_MODES, DraftTopK, Tree, tree_from_parents, tree_nodes
 
-TREE_POLICIES = ("paper",)  # the official best-first heap (mode "tree"); the chain is mode "chain"
+@dataclass(frozen=True)
+class PaperPolicy:
+    """The paper's best-first heap, exactly as the official code runs it."""
+    name = "paper"
 
-def build_tree(draft: DraftTopK, budget: int, *, root=None, policy: str = "paper", mode: str = "tree",
-               backend: str = "auto") -> Tree:
-    """DDTree's best-first tree of `budget` draft nodes (plus the root), or the DFlash chain.
 
-    mode="tree": the `policy`'s tree at capacity N = budget + 1. mode="chain": the top-1 path of depth
-    min(budget, D), capacity N = min(budget, D) + 1. `root` [B] holds the last committed tokens
-    (tokens[:, 0]); 0 when omitted.
+@dataclass(frozen=True)
+class SpineFirstPolicy:
+    """The full top-1 chain first, then side branches best-first (the paper's weights and tie order):
+    the chain is never displaced by a heavier branch, so the tree is always at least the chain."""
+    name = "spine_first"
+
+
+@dataclass(frozen=True)
+class SGLangPolicy:
+    """SGLang's DDTree build (its speculative/ddtree_utils.py), with its defaults.
+
+    - at most min(max(budget // D + 1, 2), max_topk) candidates per position;
+    - `depth_bonus` is added to every first child's weight (deeper trees);
+    - an entry off the top-1 spine whose weight is below root - log(budget) - `stop_margin` is dropped
+      without a node or pushes (the spine always grows);
+    - nodes are then relabelled breadth-first: depth-major, children grouped by their parent's new
+      index, in pop order within a parent;
+    - budget == D is the top-1 chain (SGLang's spine fast path).
+    SGLang reads max_topk and depth_bonus from SGLANG_DDTREE_MAX_TOPK and SGLANG_DDTREE_DEPTH_BONUS.
     """
-    logp, ids, budget, root = _check_build_args(draft, budget, root, policy, mode)
+    max_topk: int = 6
+    depth_bonus: float = 0.2
+    stop_margin: float = 1.0
+    name = "sglang"
+
+    def width(self, budget: int, depth: int) -> int:
+        """Candidates kept per position for this budget and draft depth."""
+        return min(max(budget // max(depth, 1) + 1, 2), self.max_topk)
+
+
+TREE_POLICIES = {"paper": PaperPolicy(), "spine_first": SpineFirstPolicy(), "sglang": SGLangPolicy()}
+
+
+def resolve_policy(policy):
+    """A policy object from its name (defaults) or an instance, its parameters checked."""
+    if isinstance(policy, str) and policy in TREE_POLICIES:
+        return TREE_POLICIES[policy]
+    if isinstance(policy, SGLangPolicy):
+        if isinstance(policy.max_topk, bool) or not isinstance(policy.max_topk, (int, np.integer)) \
+                or not 1 <= policy.max_topk <= MAX_TOPK:
+            raise ValueError(f"policy.max_topk: expected an integer in 1..{MAX_TOPK}, got {policy.max_topk!r}")
+        for field in ("depth_bonus", "stop_margin"):
+            value = getattr(policy, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"policy.{field}: expected a finite number, got {value!r}")
+        return policy
+    if isinstance(policy, (PaperPolicy, SpineFirstPolicy)):
+        return policy
+    raise ValueError(f"policy: expected one of {tuple(TREE_POLICIES)} or a policy object, got {policy!r}")
+
+
+def build_tree(draft: DraftTopK, budget: int, *, root=None, policy="paper", mode: str = "tree",
+               backend: str = "auto") -> Tree:
+    """DDTree's tree of at most `budget` draft nodes (plus the root) by `policy`, or the DFlash chain.
+
+    mode="tree": the policy's tree at capacity N = budget + 1 ("paper", "spine_first", "sglang", or
+    a policy object with its parameters). mode="chain": the top-1 path of depth min(budget, D),
+    capacity N = min(budget, D) + 1. `root` [B] holds the last committed tokens (tokens[:, 0]); 0
+    when omitted. The kernel builds the paper's policy.
+    """
+    logp, ids, budget, root, policy = _check_build_args(draft, budget, root, policy, mode)
     chosen = _backend.resolve(backend, ("numpy", "cupy"), logp)
     if chosen == "cupy":
+        _check_kernel_policy(policy, mode)
         return BuildLaunch(logp, ids, budget, root, mode, _empty_tree(logp, budget, mode))()
     logp, ids, root = to_numpy(logp), to_numpy(ids), to_numpy(root)
     check_draft_values(logp)
@@ -41,9 +101,8 @@ def build_tree(draft: DraftTopK, budget: int, *, root=None, policy: str = "paper
     parents = np.full((batch, capacity), -1, np.int32)
     tokens = np.zeros((batch, capacity), np.int32)
     log_weights = np.full((batch, capacity), -np.inf, np.float64)
-    pop = best_first_pops if mode == "tree" else _chain_pops
     for b in range(batch):
-        popped = pop(logp[b], budget)
+        popped = _chain_pops(logp[b], budget) if mode == "chain" else policy_pops(logp[b], budget, policy)
         tokens[b, 0] = root[b]
         log_weights[b, 0] = 0.0
         for i, (parent, depth, rank, log_w) in enumerate(popped, start=1):
@@ -51,6 +110,35 @@ def build_tree(draft: DraftTopK, budget: int, *, root=None, policy: str = "paper
             tokens[b, i] = ids[b, depth - 1, rank]
             log_weights[b, i] = log_w
     return tree_from_parents(parents, tokens, max_depth=depth_limit, log_weights=log_weights)
+
+
+def policy_pops(logp: np.ndarray, budget: int, policy) -> list[tuple[int, int, int, float]]:
+    """(parent, depth, rank, log w) of one request's nodes in the policy's node order; logp [D, K]."""
+    if isinstance(policy, PaperPolicy):
+        return best_first_pops(logp, budget)
+    if isinstance(policy, SpineFirstPolicy):
+        return best_first_pops(logp, budget, spine_first=True)
+    depth_limit = logp.shape[0]
+    if budget == depth_limit:
+        return _chain_pops(logp, budget)
+    width = policy.width(budget, depth_limit)
+    stop_below = float(logp[0, 0]) - math.log(max(budget, 1)) - policy.stop_margin
+    popped = best_first_pops(logp[:, :width], budget, child_bonus=policy.depth_bonus, stop_below=stop_below)
+    return breadth_first(popped)
+
+
+def breadth_first(popped: list[tuple[int, int, int, float]]) -> list[tuple[int, int, int, float]]:
+    """The same nodes relabelled breadth-first from the root: depth-major, each node's children
+    contiguous, in the order of their parents' new indices, a parent's children in pop order."""
+    children: list[list[int]] = [[] for _ in range(len(popped) + 1)]
+    for node, (parent, _, _, _) in enumerate(popped, start=1):
+        children[parent].append(node)
+    order, new_index = [0], {0: 0}
+    for node in order:  # grows while it is walked: a queue
+        for child in children[node]:
+            new_index[child] = len(order)
+            order.append(child)
+    return [(new_index[popped[old - 1][0]],) + popped[old - 1][1:] for old in order[1:]]
 
 
 def check_draft_values(logp: np.ndarray) -> None:
@@ -63,28 +151,38 @@ def check_draft_values(logp: np.ndarray) -> None:
         raise ValueError("draft.logp: each row must be sorted in descending order")
 
 
-def best_first_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, float]]:
-    """(parent, depth, rank, log w) of each node one request's heap pops, in pop order (DESIGN.md §3).
+def best_first_pops(logp: np.ndarray, budget: int, *, child_bonus: float = 0.0, spine_first: bool = False,
+                    stop_below: float | None = None) -> list[tuple[int, int, int, float]]:
+    """(parent, depth, rank, log w) of each node one request's heap pops, in pop order (docs/DESIGN.md §3).
 
-    logp [D, K] is the request's draft; this is the reference build's inner loop, and what the
-    serving worker's CPU build runs per request.
+    logp [D, K] is the request's draft; with the defaults this is the paper's heap, what the reference
+    build and the serving worker's CPU build run per request. The options are the other policies':
+    `child_bonus` added to every first child's weight, `spine_first` (top-1 chain entries pop before
+    any other), `stop_below` (an entry off the spine lighter than this is dropped: no node, no pushes).
     """
     depth_limit, k = logp.shape
     pops: list[tuple[int, int, int, float]] = []
     if logp[0, 0] == -np.inf:
         return pops
     first = float(logp[0, 0])
-    heap = [(-first, (0,), 0, 1, 0, first)]  # (key, rank tuple, parent, depth, rank, log w)
+    # (off the spine first?, key, rank tuple, parent, depth, rank, log w, on the spine)
+    heap = [(False, -first, (0,), 0, 1, 0, first, True)]
     while heap and len(pops) < budget:
-        _, ranks, parent, depth, rank, log_w = heapq.heappop(heap)
+        _, _, ranks, parent, depth, rank, log_w, spine = heapq.heappop(heap)
+        if stop_below is not None and not spine and log_w < stop_below:
+            continue
         pops.append((parent, depth, rank, log_w))
         node = len(pops)
         if rank + 1 < k and logp[depth - 1, rank + 1] != -np.inf:
             sibling_w = log_w - float(logp[depth - 1, rank]) + float(logp[depth - 1, rank + 1])
-            heapq.heappush(heap, (-sibling_w, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling_w))
+            heapq.heappush(heap, (spine_first, -sibling_w, ranks[:-1] + (rank + 1,), parent, depth, rank + 1,
+                                  sibling_w, False))
         if depth < depth_limit and logp[depth, 0] != -np.inf:
             child_w = log_w + float(logp[depth, 0])
-            heapq.heappush(heap, (-child_w, ranks + (0,), node, depth + 1, 0, child_w))
+            if child_bonus:
+                child_w += child_bonus
+            heapq.heappush(heap, (spine_first and not spine, -child_w, ranks + (0,), node, depth + 1, 0, child_w,
+                                  spine))
     return pops
 
 
@@ -101,11 +199,10 @@ def _chain_pops(logp: np.ndarray, budget: int) -> list[tuple[int, int, int, floa
 
 
 def _check_build_args(draft, budget, root, policy, mode):
-    """Metadata checks shared by every backend (no device read); returns (logp, ids, budget, root)."""
+    """Metadata checks shared by every backend (no device read); returns (logp, ids, budget, root, policy)."""
     if not isinstance(draft, DraftTopK):
         raise ValueError(f"draft: expected a DraftTopK, got {type(draft).__name__}")
-    if policy not in TREE_POLICIES:
-        raise ValueError(f"policy: expected one of {TREE_POLICIES}, got {policy!r}")
+    policy = resolve_policy(policy)
     if mode not in TREE_MODES:
         raise ValueError(f"mode: expected one of {TREE_MODES}, got {mode!r}")
     budget = check_positive_int("budget", budget)
@@ -122,7 +219,13 @@ def _check_build_args(draft, budget, root, policy, mode):
         root = _zeros_like_batch(logp, batch)
     check_array("root", root, dtypes=("int32", "int64"), shape=(batch,))
     check_same_device(**{"draft.logp": logp, "draft.ids": draft.ids, "root": root})
-    return logp, draft.ids, budget, root
+    return logp, draft.ids, budget, root, policy
+
+
+def _check_kernel_policy(policy, mode: str) -> None:
+    if mode == "tree" and not isinstance(policy, PaperPolicy):
+        raise ValueError(f"policy: the kernel builds the 'paper' policy (and the chain); {policy.name!r} "
+                         "runs on the host (backend='numpy')")
 
 
 def _zeros_like_batch(x, batch):
@@ -197,7 +300,8 @@ def prepare_build_launch(draft: DraftTopK, budget: int, *, root=None, policy: st
                          out: Tree | None = None) -> BuildLaunch:
     """The kernel build of build_tree's arguments on device arrays, prepared once; `out` may be given
     (tests poison it)."""
-    logp, ids, budget, root = _check_build_args(draft, budget, root, policy, mode)
+    logp, ids, budget, root, policy = _check_build_args(draft, budget, root, policy, mode)
+    _check_kernel_policy(policy, mode)
     _backend.resolve("cupy", ("cupy",), logp)
     if out is None:
         return BuildLaunch(logp, ids, budget, root, mode, _empty_tree(logp, budget, mode))

@@ -1,6 +1,6 @@
 // tree_build.cu — DDTree's draft tree on the GPU; launched from kdtree_lib/tree_build.py.
 //
-// One CTA per request: DESIGN.md §3's best-first heap, bit-identical to the NumPy reference (same
+// One CTA per request: docs/DESIGN.md §3's best-first heap, bit-identical to the NumPy reference (same
 // pops, same order, ties included), then the derived arrays (children lists, ancestor mask) in
 // parallel. The heap is replaced by "one pending entry per popped node": every pop of a child of
 // node p pushes p's next child (the sibling) and the new node's first child, so the live heap entries
@@ -453,7 +453,7 @@ __device__ __forceinline__ void pop_request(const float* __restrict__ draft, int
     }
 }
 
-// logp float32 [B, D, K], ids int32 [B, D, K], root int32|int64 [B] -> the Tree of DESIGN.md §3 at
+// logp float32 [B, D, K], ids int32 [B, D, K], root int32|int64 [B] -> the Tree of docs/DESIGN.md §3 at
 // capacity N (every output element is written). Dynamic shared memory: D * cached values, the first
 // `cached` ranks of every depth, float32, or float64 when staged_f64 (then every rank a pop can
 // read, cached >= min(K, budget + 2)). Warp 0 pops; the whole block (any multiple of 32 threads)

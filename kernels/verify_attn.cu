@@ -11,7 +11,7 @@
 //   v5: like v4, those warps stage Q in the ring's last stage (no Q tile), so two groups of them
 //       (rows32_keys32_stages2) fit a 99 KB block
 //
-// Problem (DESIGN.md §3): request b has rows = N·H query rows (tree node × head, packed in that
+// Problem (docs/DESIGN.md §3): request b has rows = N·H query rows (tree node × head, packed in that
 // order, 576 wide = q_latent 512 | q_rope 64) and one key/value stream shared by every head: cache
 // rows [0, len + N) (576-wide keys, their first 512 columns are the values). Row (node i) may see
 // every key < len and tree key len + j iff bit j of mask[b, i] is set.

@@ -3,7 +3,7 @@
     tokens -> embed_tokens -> [RMSNorm -> MLA -> +] -> [RMSNorm -> MoE (dense SwiGLU in the first
     layers) -> +] x num_hidden_layers -> norm -> lm_head -> logits
 
-Every forward is a verify step over a Tree (DESIGN.md §3): the T new tokens are the tree's nodes,
+Every forward is a verify step over a Tree (docs/DESIGN.md §3): the T new tokens are the tree's nodes,
 node i's cache entry goes to slot lengths[b] + i, its position is lengths[b] + depth, and it
 attends to the committed cache and to its ancestors. A prefill is the same step over a chain.
 

@@ -41,7 +41,7 @@ from .checks import check_array, check_positive_int, framework, to_numpy
 from .decode import Decoder, check_pair, decoder_capacity, generate, prompt_list, resolve_backend
 from .pairs import pair_with_prompts
 from .tree_accept import accept
-from .contracts import DraftTopK
+from .contracts import DraftTopK, tree_nodes
 from .tree_build import build_tree
 
 TOPIC = "acceptance"
@@ -230,8 +230,9 @@ def sampled_accepted(record: SampledRecord, budget: int, n_samples: int, rng: np
     budget = check_positive_int("budget", budget)
     if budget > record.budget:
         raise ValueError(f"budget: at most the recorded budget {record.budget}, got {budget}")
-    parents = record.parents[:, :budget + 1].astype(np.int64)                                  # (T, N)
-    probs = record.node_probs[:, :budget + 1].astype(np.float64)
+    nodes = tree_nodes(budget)
+    parents = record.parents[:, :nodes].astype(np.int64)                                       # (T, N)
+    probs = record.node_probs[:, :nodes].astype(np.float64)
     high = _cumulative_within_siblings(parents, probs)                                        # (T, N)
     low = high - probs
     positions, nodes = parents.shape

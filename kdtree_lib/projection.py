@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from . import results
+from .contracts import tree_nodes
 from .paths import BF16_BYTES
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def projected_speedup(config, hardware: Hardware, acceptance: dict[int, float], 
     ar = step_costs(config, hardware, batch=batch, nodes=1, context=context, **layer_options)["total"]
     rows = []
     for budget, tokens_per_round in sorted(acceptance.items()):
-        step = step_costs(config, hardware, batch=batch, nodes=budget + 1, context=context,
+        step = step_costs(config, hardware, batch=batch, nodes=tree_nodes(budget), context=context,
                           fixed_seconds=draft_seconds, **layer_options)
         rows.append({"budget": budget, "acceptance": tokens_per_round, "step_seconds": step["total"],
                      "tokens_per_second": batch * tokens_per_round / step["total"],

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend as _backend
-from .checks import check_array, dtype_name, framework, is_on_gpu
+from .checks import check_array, dtype_name, framework, is_on_gpu, to_numpy
 
 GROUP_SIZE = 32        # the checkpoint's quantization group (inputs per bf16 scale)
 CODES_PER_WORD = 8     # 4-bit codes per int32, along the input dimension
@@ -93,6 +93,12 @@ def dequantize(packed, scale):
     return (grouped * scale.float()[..., None]).reshape(*packed.shape[:2], -1)
 
 
+def layout_shapes(experts: int, rows: int, inputs: int) -> tuple[tuple, tuple]:
+    """The kernel layout's (codes, scales) shapes for `experts` stacked [rows, inputs] matrices."""
+    tiles, chunks = rows // TILE_ROWS, inputs // CHUNK
+    return (experts, tiles, chunks, LANES, 4), (experts, tiles, chunks, 8, 2, 2)
+
+
 # ----------------------------------------------------------------------------------------------
 # the experts
 
@@ -115,10 +121,10 @@ class Int4Experts:
     def __post_init__(self):
         h, w = _check_sizes(self.hidden, self.width)
         experts = int(self.gate_up_codes.shape[0]) if hasattr(self.gate_up_codes, "shape") else 0
-        check_array("gate_up_codes", self.gate_up_codes, dtypes="int32", shape=(experts, 2 * w // 16, h // 64, 32, 4))
-        check_array("gate_up_scales", self.gate_up_scales, dtypes="bfloat16", shape=(experts, 2 * w // 16, h // 64, 8, 2, 2))
-        check_array("down_codes", self.down_codes, dtypes="int32", shape=(experts, h // 16, w // 64, 32, 4))
-        check_array("down_scales", self.down_scales, dtypes="bfloat16", shape=(experts, h // 16, w // 64, 8, 2, 2))
+        for name, (rows, inputs) in (("gate_up", (2 * w, h)), ("down", (h, w))):
+            codes_shape, scales_shape = layout_shapes(experts, rows, inputs)
+            check_array(f"{name}_codes", getattr(self, f"{name}_codes"), dtypes="int32", shape=codes_shape)
+            check_array(f"{name}_scales", getattr(self, f"{name}_scales"), dtypes="bfloat16", shape=scales_shape)
         _check_expert_ids(self.first_expert, experts, self.total_experts)
 
     @classmethod
@@ -220,11 +226,11 @@ def random_experts(n_experts: int, hidden: int, width: int, *, seed: int = 0, de
     generator = torch.Generator(device=device).manual_seed(seed)
 
     def matrix(rows, inputs):
-        codes = torch.randint(-2 ** 31, 2 ** 31, (n_experts, rows // TILE_ROWS, inputs // CHUNK, LANES, 4),
-                              dtype=torch.int64, generator=generator, device=device).to(torch.int32)
+        codes_shape, scales_shape = layout_shapes(n_experts, rows, inputs)
+        codes = torch.randint(-2 ** 31, 2 ** 31, codes_shape, dtype=torch.int64, generator=generator,
+                              device=device).to(torch.int32)
         std_q = math.sqrt((16 ** 2 - 1) / 12)  # codes uniform over 0..15
-        scales = torch.rand((n_experts, rows // TILE_ROWS, inputs // CHUNK, 8, 2, 2), generator=generator,
-                            device=device) + 0.5
+        scales = torch.rand(scales_shape, generator=generator, device=device) + 0.5
         return codes, (scales / (std_q * math.sqrt(inputs))).to(torch.bfloat16)
 
     return Int4Experts(*matrix(2 * width, hidden), *matrix(hidden, width), hidden=hidden, width=width,
@@ -309,18 +315,13 @@ def _check_values(routes, weights, experts):
         summary = torch.stack([routes_t.min().long(), routes_t.max().long(),
                                (~torch.isfinite(weights_t)).any().long()]).tolist()
     else:
-        host_routes, host_weights = np.asarray(_host(routes)), np.asarray(_host(weights), dtype=np.float64)
+        host_routes, host_weights = to_numpy(routes), to_numpy(weights).astype(np.float64)
         summary = [int(host_routes.min()), int(host_routes.max()), int(not np.isfinite(host_weights).all())]
     low, high, bad_weights = summary
     if low < 0 or high >= total:
         raise ValueError(f"routes: expert ids must lie in [0, {total}), found {low if low < 0 else high}")
     if bad_weights:
         raise ValueError("weights: contains NaN or inf")
-
-
-def _host(a):
-    return a.detach().cpu().float().numpy() if framework(a) == "torch" and a.is_floating_point() else (
-        a.detach().cpu().numpy() if framework(a) == "torch" else a)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,7 +495,7 @@ def _device_smem_per_block() -> int:
 def touched_bytes(routes, experts) -> dict:
     """The bytes a call must move at least: the codes + scales of the distinct local experts its
     routes hit, and the activations (tokens in, outputs out, bf16). Reads routes on the host."""
-    ids = np.unique(np.asarray(_host(routes)).astype(np.int64) - experts.first_expert)
+    ids = np.unique(to_numpy(routes).astype(np.int64) - experts.first_expert)
     hit = int(((ids >= 0) & (ids < experts.n_experts)).sum())
     per_expert = experts.nbytes() // experts.n_experts
     tokens = int(routes.shape[0])

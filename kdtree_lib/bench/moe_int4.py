@@ -107,7 +107,8 @@ def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, log=print)
                                     "pct_roofline": round(100 * roofline / seconds, 1)})
                 log(f"tp={tp} {routing:10s} M={m:4d} hit={need['experts_hit']:3d} "
                     f"{n_bytes / 1e6:8.1f} MB: kernel {times['kernel'][0] * 1e6:8.1f} us "
-                    f"({100 * roofline / times['kernel'][0]:5.1f}% roof), 99 KB {times['kernel_99kb'][0] * 1e6:8.1f} us, "
+                    f"({100 * roofline / times['kernel'][0]:5.1f}% roof), "
+                    f"99 KB {times['kernel_99kb'][0] * 1e6:8.1f} us, "
                     f"torch bf16 {times['torch_bf16'][0] * 1e6:8.1f} us, roofline {roofline * 1e6:7.1f} us "
                     f"[{launch.plan.name}]")
         results.append_rows(TOPIC, tp_rows)

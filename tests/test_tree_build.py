@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from kdtree_lib.contracts import DraftTopK, pack_mask, root_to_node_paths, tree_from_parents, unpack_mask
 from kdtree_lib.draft_topk import draft_topk
-from kdtree_lib.tree_build import build_tree
+from kdtree_lib.tree_build import SGLangPolicy, build_tree, prepare_build_launch
 
 # Dyadic log-probabilities: float64 sums and differences of these are exact, so the heap's
 # subtract-then-add arithmetic equals the plain path sum and ties are real ties.
@@ -203,3 +203,53 @@ def test_build_tree_rejects_bad_input():
             build_tree(**kwargs)
     with pytest.raises(ValueError, match="backend: 'cupy' needs"):
         build_tree(good, 4, backend="cupy")
+
+
+# ----------------------------------------------------------------------------------------------
+# the other policies (docs/DESIGN.md, tree policies)
+
+@settings(max_examples=100, deadline=None)
+@given(tie_heavy_drafts())
+def test_spine_first_is_the_chain_then_the_papers_order(case):
+    logp, budget = case
+    draft = make_draft(logp)
+    tree = build_tree(draft, budget, policy="spine_first")
+    chain = build_tree(draft, budget, mode="chain")
+    for b in range(logp.shape[0]):
+        spine = int(chain.n_nodes[b]) - 1
+        assert list(tree.tokens[b, 1:spine + 1]) == list(chain.tokens[b, 1:spine + 1])
+        assert list(tree.parents[b, 1:spine + 1]) == list(range(spine))
+        # past the spine: every other path in the paper's (weight, rank tuple) order
+        rest = [ranks for ranks in brute_force_order(logp[b], 10 ** 6) if any(ranks)]
+        assert rank_tuples(tree, b)[spine:] == rest[:budget - spine]
+
+
+@settings(max_examples=100, deadline=None)
+@given(tie_heavy_drafts())
+def test_sglang_policy_keeps_its_invariants(case):
+    logp, budget = case
+    batch, depth_limit, k = logp.shape
+    policy = SGLangPolicy()
+    tree = build_tree(make_draft(logp), budget, policy=policy)
+    width = policy.width(budget, depth_limit)
+    for b in range(batch):
+        n = int(tree.n_nodes[b])
+        depths, parents = tree.depths[b, 1:n], tree.parents[b, 1:n]
+        assert (np.diff(depths) >= 0).all() and (np.diff(parents) >= 0).all(), "breadth-first, parent-grouped"
+        assert all(int(ranks[-1]) < width for ranks in rank_tuples(tree, b)), "at most `width` candidates"
+        if budget == depth_limit:
+            assert list(parents) == list(range(n - 1)), "budget == D: the top-1 chain"
+
+
+def test_policies_check_their_parameters():
+    good = make_draft(np.log(np.full((2, 3, 4), 0.25)))
+    cases = [(SGLangPolicy(max_topk=0), "policy.max_topk: expected an integer in 1..1024"),
+             (SGLangPolicy(max_topk=2.5), "policy.max_topk"),
+             (SGLangPolicy(depth_bonus=float("nan")), "policy.depth_bonus: expected a finite number"),
+             (SGLangPolicy(stop_margin=float("inf")), "policy.stop_margin: expected a finite number"),
+             ("beam", "policy: expected one of")]
+    for policy, match in cases:
+        with pytest.raises(ValueError, match=match):
+            build_tree(good, 4, policy=policy)
+    with pytest.raises(ValueError, match="policy: the kernel builds the 'paper' policy"):
+        prepare_build_launch(good, 4, policy="sglang")

@@ -17,6 +17,18 @@ Qwen3's (q/k RMSNorm per head, GQA, SwiGLU). Weight names and config keys are z-
 (`fc`, `hidden_norm`, `layers.N.self_attn.q_proj`, ..., `norm`; `block_size`, and `mask_token_id`,
 `target_layer_ids` at the top level or under `dflash_config`), so a real DFlash checkpoint loads.
 
+RoPE: default, or YaRN as transformers computes it for Qwen3 (`rope_parameters` / `rope_scaling`:
+factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, truncate,
+attention_factor) over the full head_dim with rotate_half; cos and sin are multiplied by the
+attention factor, so the logits by its square, with the softmax scale head_dim^-0.5 unchanged.
+Ports disagree on that factor when the config gives none: "transformers" (the default) takes
+transformers' value, mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set
+(1.0 for the real drafter's mscale = mscale_all_dim = 1); "legacy" takes 0.1 ln(factor) + 1
+(1.416 at factor 64), what the original YaRN code and some ports apply. An `attention_factor` key in
+the config wins over either (DFlashConfig.from_dict(raw, yarn_attention=...), load_drafter(...)).
+Keys z-lab's code defaults are defaulted the same way: block_size 16, target_layer_ids spread over
+num_target_layers (build_target_layer_ids).
+
 The context keys and values live in a cache that holds committed tokens only: each round appends
 the features of the tokens the target just accepted and the block's own keys are never stored, so
 the cache is back at the committed length after every round (z-lab's "crop to start").
@@ -36,9 +48,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .model.model import yarn_inv_freq, yarn_mscale
+
 SHARD_BYTES = 16 * 1024 * 1024
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids"})
+ZLAB_BLOCK_SIZE = 16     # z-lab's default when a config has no block_size
+YARN_ATTENTION = ("transformers", "legacy")
+YARN_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                       "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"})
 # keys that describe the file, the tokenizer or training, not the forward pass
 METADATA_KEYS = frozenset({
     "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
@@ -51,6 +69,55 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # ----------------------------------------------------------------------------------------------
 # config
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN's settings (the rope_parameters keys), its attention factor resolved to a number."""
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float          # multiplies cos and sin
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_parameters(cls, rope: dict, yarn_attention: str = "transformers") -> "YarnRope":
+        """From a rope_parameters dict; yarn_attention picks the attention factor the dict does not give."""
+        if yarn_attention not in YARN_ATTENTION:
+            raise ValueError(f"yarn_attention: expected one of {YARN_ATTENTION}, got {yarn_attention!r}")
+        unknown = set(rope) - YARN_KEYS
+        if unknown:
+            raise ValueError(f"config.rope_parameters: keys {sorted(unknown)} are not implemented for YaRN")
+        missing = {"factor", "original_max_position_embeddings"} - set(rope)
+        if missing:
+            raise ValueError(f"config.rope_parameters: YaRN needs {sorted(missing)}")
+        factor = float(rope["factor"])
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None and yarn_attention == "legacy":
+            attention_factor = yarn_mscale(factor)
+        elif attention_factor is None:
+            attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else yarn_mscale(factor))
+        return cls(factor=factor, original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                   attention_factor=float(attention_factor), beta_fast=float(rope.get("beta_fast") or 32),
+                   beta_slow=float(rope.get("beta_slow") or 1), mscale=mscale, mscale_all_dim=mscale_all_dim,
+                   truncate=bool(rope.get("truncate", True)))
+
+    def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
+        return yarn_inv_freq(head_dim, theta, self.factor, self.original_max_position_embeddings, self.beta_fast,
+                             self.beta_slow, self.truncate)
+
+    def to_parameters(self) -> dict:
+        raw = {"rope_type": "yarn", "factor": self.factor,
+               "original_max_position_embeddings": self.original_max_position_embeddings,
+               "beta_fast": self.beta_fast, "beta_slow": self.beta_slow, "mscale": self.mscale,
+               "mscale_all_dim": self.mscale_all_dim, "truncate": self.truncate,
+               "attention_factor": self.attention_factor}
+        return {key: value for key, value in raw.items() if value is not None}
+
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -68,6 +135,7 @@ class DFlashConfig:
     num_target_layers: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    yarn: YarnRope | None = None        # None: default RoPE
     attention_bias: bool = False
     is_causal: bool = False
     layer_types: tuple[str, ...] = ()   # empty: every layer full attention
@@ -105,8 +173,9 @@ class DFlashConfig:
         return self.sliding_window if sliding else None
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "DFlashConfig":
-        """Parse a z-lab config.json dict; a key this module does not know is an error."""
+    def from_dict(cls, raw: dict, *, yarn_attention: str = "transformers") -> "DFlashConfig":
+        """Parse a z-lab config.json dict; a key this module does not know is an error.
+        yarn_attention: YaRN's attention factor when the config gives none (module docstring)."""
         architectures = raw.get("architectures") or [ARCHITECTURE]
         if architectures != [ARCHITECTURE]:
             raise ValueError(f"config.architectures: only {ARCHITECTURE} is implemented, got {architectures}")
@@ -116,17 +185,21 @@ class DFlashConfig:
             raise ValueError(f"config.dflash_config: keys {sorted(unknown)} are not implemented")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.hidden_act: only 'silu' is implemented, got {raw['hidden_act']!r}")
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"yarn"}
         known = names | METADATA_KEYS | {"dflash_config", "hidden_act", "rope_parameters", "rope_scaling"}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"config: keys {sorted(unknown)} are not known to the DFlash drafter")
         values = {name: raw[name] for name in names if name in raw}
         values.update(nested)
+        values.setdefault("block_size", ZLAB_BLOCK_SIZE)
+        if "target_layer_ids" not in values and values.get("num_target_layers"):
+            values["target_layer_ids"] = build_target_layer_ids(values["num_target_layers"],
+                                                                raw.get("num_hidden_layers", 0))
         missing = DFLASH_KEYS - set(values)
         if missing:
             raise ValueError(f"config: {sorted(missing)} missing (top level or under dflash_config)")
-        values["rope_theta"] = _rope_theta(raw)
+        values["rope_theta"], values["yarn"] = _rope(raw, yarn_attention)
         values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
         values.setdefault("num_key_value_heads", raw["num_attention_heads"])
         values["target_layer_ids"] = tuple(int(i) for i in values["target_layer_ids"])
@@ -140,27 +213,33 @@ class DFlashConfig:
         raw = {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu"}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in DFLASH_KEYS or f.name in ("rope_theta", "layer_types", "sliding_window"):
+            if f.name in DFLASH_KEYS or f.name in ("rope_theta", "yarn", "layer_types", "sliding_window"):
                 continue
             raw[f.name] = value
         raw["block_size"] = self.block_size
         raw["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope = self.yarn.to_parameters() if self.yarn else {"rope_type": "default"}
+        raw["rope_parameters"] = rope | {"rope_theta": self.rope_theta}
         raw["layer_types"] = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
         raw["sliding_window"] = self.sliding_window
         return raw
 
     @classmethod
-    def load(cls, path) -> "DFlashConfig":
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+    def load(cls, path, *, yarn_attention: str = "transformers") -> "DFlashConfig":
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ValueError(f"path: no drafter config {file}")
+        return cls.from_dict(json.loads(file.read_text()), yarn_attention=yarn_attention)
 
 
-def _rope_theta(raw: dict) -> float:
+def _rope(raw: dict, yarn_attention: str) -> tuple[float, YarnRope | None]:
+    """(rope_theta, YaRN settings or None) from rope_parameters, rope_scaling or the top level."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"config.rope_parameters: only default RoPE is implemented, got {kind!r}")
-    return float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"config.rope_parameters.rope_type: only 'default' and 'yarn' are implemented, got {kind!r}")
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    return theta, YarnRope.from_parameters(rope, yarn_attention) if kind == "yarn" else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,6 +446,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.target: TargetHead | None = None
+        self.inv_freq = (config.yarn.inv_freq(config.head_dim, config.rope_theta) if config.yarn else
+                         yarn_inv_freq(config.head_dim, config.rope_theta))  # float32 [d/2]
 
     def bind(self, target) -> "DFlashDrafter":
         head = target if isinstance(target, TargetHead) else TargetHead.of(target)
@@ -388,13 +469,16 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def _rope(self, positions):
-        """cos, sin (B, N, d) at integer positions (B, N), computed in float32."""
+        """cos, sin (B, N, d) at integer positions (B, N), computed in float32 (times YaRN's
+        attention factor), over the full head_dim in rotate_half's layout."""
         c = self.config
-        inv_freq = c.rope_theta ** -(torch.arange(0, c.head_dim, 2, device=positions.device).float() / c.head_dim)
-        angles = positions.float()[..., None] * inv_freq                       # (B, N, d/2)
+        if self.inv_freq.device != positions.device:  # once: a graph cannot capture a host copy
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float()[..., None] * self.inv_freq                  # (B, N, d/2)
         angles = torch.cat([angles, angles], dim=-1)
+        scale = c.yarn.attention_factor if c.yarn else 1.0
         dtype = self.fc.weight.dtype
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
     def _head(self):
         if self.target is None:
@@ -594,10 +678,11 @@ def read_safetensors(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
-def load_drafter(path, target, *, device=None, dtype=None) -> DFlashDrafter:
-    """A DFlash checkpoint (z-lab format), bound to `target`, on the target's device and dtype."""
+def load_drafter(path, target, *, device=None, dtype=None, yarn_attention: str = "transformers") -> DFlashDrafter:
+    """A DFlash checkpoint (z-lab format), bound to `target`, on the target's device and dtype.
+    yarn_attention: YaRN's attention-factor convention (module docstring)."""
     path = Path(path)
-    drafter = DFlashDrafter(DFlashConfig.load(path))
+    drafter = DFlashDrafter(DFlashConfig.load(path, yarn_attention=yarn_attention))
     state = {name.removeprefix("model."): t for name, t in read_safetensors(path).items()}
     expected = set(drafter.state_dict())
     if set(state) != expected:

@@ -1,6 +1,9 @@
 """DFlash drafter: z-lab config/weight format, the cached decode path against an independent
-reference of z-lab's computation, the training path against the decode path, save/load."""
+reference of z-lab's computation (default RoPE and YaRN, transformers' Qwen3 RoPE), YaRN's
+frequencies and both attention-factor conventions against transformers, the training path against
+the decode path, save/load."""
 import json
+import math
 
 import pytest
 import torch
@@ -8,8 +11,9 @@ import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from kdtree_lib import dflash
-from kdtree_lib.dflash import (DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, load_drafter,
-                               save_drafter, split_kv_attention)
+from kdtree_lib.dflash import (DFlashConfig, DFlashDrafter, YarnRope, build_target_layer_ids, hf_features,
+                               load_drafter, save_drafter, split_kv_attention)
+from kdtree_lib.model.reference import qwen3_rope, zlab_block_logits
 
 VOCAB, HIDDEN = 96, 32
 LAYER_IDS = (1, 2)
@@ -45,44 +49,6 @@ def features_of(target, tokens):
     return hf_features(out.hidden_states, LAYER_IDS)
 
 
-def reference_block_logits(drafter, features, bonus):
-    """z-lab's computation for one request, written out: context and block concatenated before the
-    k/v projections, RoPE over positions 0..C+Q-1 (queries take the last Q), no mask unless windowed."""
-    c = drafter.config
-    q_len, ctx_len = c.block_size, features.shape[0]
-    ctx = drafter.hidden_norm(drafter.fc(features))
-    block = torch.tensor([bonus] + [c.mask_token_id] * (q_len - 1))
-    x = drafter.target.embed(block)
-    pos = torch.arange(ctx_len + q_len).float()
-    inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
-    ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
-    cos, sin = ang.cos(), ang.sin()
-
-    def rope(t, cos, sin):  # t (N, heads, d)
-        half = t.shape[-1] // 2
-        rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
-        return t * cos[:, None] + rotated * sin[:, None]
-
-    for i, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = rope(a.q_norm(a.q_proj(h).view(q_len, c.num_attention_heads, c.head_dim)), cos[-q_len:], sin[-q_len:])
-        both = torch.cat([ctx, h])
-        k = rope(a.k_norm(a.k_proj(both).view(-1, c.num_key_value_heads, c.head_dim)), cos, sin)
-        v = a.v_proj(both).view(-1, c.num_key_value_heads, c.head_dim)
-        group = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * c.head_dim ** -0.5
-        window = c.window(i)
-        if window is not None:
-            diff = pos[-q_len:, None] - pos[None, :]
-            scores = scores.masked_fill(~((diff < window) & (-diff < window)), float("-inf"))
-        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
-        x = x + a.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.target.lm_head(drafter.norm(x))[1:]
-
-
 def test_config_formats():
     zlab = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
             "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
@@ -104,11 +70,52 @@ def test_config_formats():
     for bad, match in ((zlab | {"architectures": ["DFlash2DraftModel"]}, "architectures"),
                        (zlab | {"dflash_config": {**zlab["dflash_config"], "output_multiplier": 0.2}}, "output_multiplier"),
                        (zlab | {"some_switch": True}, "some_switch"),
-                       (zlab | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                       (zlab | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position"),
+                       (zlab | {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type"),
+                       (zlab | {"rope_scaling": YARN | {"low_freq_factor": 1.0}}, "low_freq_factor"),
                        ({k: v for k, v in zlab.items() if k != "dflash_config"}, "mask_token_id"),
                        (zlab | {"block_size": 1}, "block_size")):
         with pytest.raises(ValueError, match=match):
             DFlashConfig.from_dict(bad)
+    with pytest.raises(ValueError, match="yarn_attention"):
+        DFlashConfig.from_dict(zlab | {"rope_scaling": YARN}, yarn_attention="paper")
+    defaults = DFlashConfig.from_dict({k: v for k, v in zlab.items() if k not in ("block_size", "dflash_config")}
+                                      | {"mask_token_id": 3})
+    assert (defaults.block_size, defaults.target_layer_ids) == (16, build_target_layer_ids(36, 5))
+
+
+# YaRN as the real drafter has it (rope_scaling, old-style "type"), at a short original context so
+# that the ramp and the interpolation act on the test's positions
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("rope, legacy_factor", [
+    (YARN, 0.1 * math.log(4.0) + 1),
+    (YARN | {"mscale": 0.707, "mscale_all_dim": 1.0, "factor": 64.0, "original_max_position_embeddings": 8}, None),
+    ({k: v for k, v in YARN.items() if k not in ("mscale", "mscale_all_dim")} | {"factor": 8.0}, None)])
+def test_yarn_rope_equals_transformers(rope, legacy_factor):
+    """cos/sin at positions 0..40 over head_dim 16: transformers' value by default; the legacy
+    0.1 ln(factor) + 1 equals transformers given that attention_factor explicitly."""
+    raw = {"architectures": ["DFlashDraftModel"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": VOCAB, "block_size": 4,
+           "mask_token_id": 1, "target_layer_ids": [1], "layer_types": ["full_attention"], "rope_theta": 10000.0,
+           "rope_scaling": rope}
+    positions = torch.arange(41)[None]
+    for convention in ("transformers", "legacy"):
+        drafter = DFlashDrafter(DFlashConfig.from_dict(raw, yarn_attention=convention))
+        cos, sin = drafter._rope(positions)
+        factor = {"transformers": None, "legacy": 0.1 * math.log(rope["factor"]) + 1}[convention]
+        explicit = raw if factor is None else raw | {"rope_scaling": rope | {"attention_factor": factor}}
+        want_cos, want_sin = qwen3_rope(explicit, positions[0])
+        torch.testing.assert_close(cos[0], want_cos, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin[0], want_sin, rtol=1e-6, atol=1e-6)
+        assert DFlashConfig.from_dict(drafter.config.to_dict()) == drafter.config
+    default_cos, _ = qwen3_rope(raw | {"rope_scaling": None}, positions[0])
+    assert (want_cos - default_cos).abs().max() > 0.1  # YaRN changes these positions' angles
+    if legacy_factor is not None:
+        assert drafter.config.yarn.attention_factor == pytest.approx(legacy_factor)
+        assert DFlashConfig.from_dict(raw).yarn.attention_factor == 1.0  # mscale == mscale_all_dim
 
 
 def test_weight_names_are_zlabs(target):
@@ -131,7 +138,9 @@ def attention_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"layer_types": ("sliding_attention", "full_attention"),
-                                             "sliding_window": 5}])
+                                             "sliding_window": 5},
+                                       {"yarn": YarnRope.from_parameters(YARN)},
+                                       {"yarn": YarnRope.from_parameters(YARN, "legacy")}])
 def test_draft_rounds_equal_reference(target, overrides, attention_path):
     drafter = make_drafter(target, **overrides)
     torch.manual_seed(2)
@@ -143,7 +152,7 @@ def test_draft_rounds_equal_reference(target, overrides, attention_path):
         bonus = int(tokens[0, committed + new])
         got = drafter.draft(cache, features[None, committed:committed + new], torch.tensor([bonus]))
         committed += new
-        want = reference_block_logits(drafter, features[:committed], bonus)
+        want = zlab_block_logits(drafter, features[:committed], bonus)
         assert got.shape == (1, 3, VOCAB) and int(cache.lengths[0]) == committed
         torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
 

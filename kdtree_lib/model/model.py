@@ -61,33 +61,42 @@ class RMSNorm(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # rotary position embedding (YaRN)
 
-def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """inv_freq float32 [rope/2] and the cos/sin scale: YaRN's blend of interpolated and original
-    frequencies (plain RoPE when rope_factor is 1)."""
-    dim, base, factor = config.qk_rope_head_dim, config.rope_theta, config.rope_factor
+def yarn_inv_freq(dim: int, base: float, factor: float = 1.0, original_max_position: int = 4096,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
+    """inv_freq float32 [dim/2]: YaRN's blend of interpolated (/ factor) and original frequencies,
+    ramped between the dimensions that rotate beta_fast and beta_slow times over the original
+    context (transformers' _compute_yarn_parameters); plain RoPE when factor <= 1."""
     steps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")  # cpu even when built on meta
     original = 1.0 / base ** (steps / dim)
     if factor <= 1:
-        return original, 1.0
+        return original
 
     def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times
-        return dim * math.log(config.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
-    if config.rope_truncate:
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     ramp = ((steps / 2 - low) / max(high - low, 1e-3)).clamp(0, 1)
-    inv_freq = original / factor * ramp + original * (1 - ramp)
+    return original / factor * ramp + original * (1 - ramp)
 
-    def mscale(scale):
-        return 0.1 * scale * math.log(factor) + 1.0
 
+def yarn_mscale(factor: float, scale: float = 1.0) -> float:
+    """YaRN's temperature term 0.1 * scale * ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq float32 [rope/2] and the cos/sin scale (YaRN's attention factor, as transformers)."""
+    factor = config.rope_factor
+    inv_freq = yarn_inv_freq(config.qk_rope_head_dim, config.rope_theta, factor, config.rope_original_max_position,
+                             config.rope_beta_fast, config.rope_beta_slow, config.rope_truncate)
+    if factor <= 1:
+        return inv_freq, 1.0
     if config.rope_mscale and config.rope_mscale_all_dim:
-        attention_factor = mscale(config.rope_mscale) / mscale(config.rope_mscale_all_dim)
-    else:
-        attention_factor = mscale(1.0)
-    return inv_freq, attention_factor
+        return inv_freq, yarn_mscale(factor, config.rope_mscale) / yarn_mscale(factor, config.rope_mscale_all_dim)
+    return inv_freq, yarn_mscale(factor)
 
 
 def apply_rope(x, cos, sin, interleave: bool):

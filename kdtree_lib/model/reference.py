@@ -1,4 +1,5 @@
-"""transformers' DeepseekV3ForCausalLM as the reference the target must equal (tests, notebook 08).
+"""transformers' DeepseekV3ForCausalLM as the reference the target must equal (tests, notebook 08),
+and an independent reference of z-lab's DFlash block forward with transformers' Qwen3 RoPE.
 
 Builds a tiny random DeepseekV3 with the K2.6 switches (sigmoid noaux_tc routing, YaRN,
 interleaved rope, one dense layer first; the MLA latent keeps K2.6's 512 + 64 widths, the verify
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.cache_utils import DynamicCache
 
 from ..checks import to_numpy
@@ -91,3 +93,58 @@ def save_kimi_checkpoint(model: DeepseekV3ForCausalLM, config: dict, path, *, in
                "text_config": config, "vision_config": {"hidden_size": 4}}
     return save_checkpoint(path, wrapper, {name: t.detach().clone() for name, t in tensors.items()}, shards=3,
                            prefix="language_model.", quantize=(lambda name: ".experts." in name) if int4 else None)
+
+
+def qwen3_rope(drafter_config: dict, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 (N, head_dim) of transformers' Qwen3RotaryEmbedding for a drafter's
+    config.json dict (rope_parameters or rope_scaling + rope_theta; YaRN's attention factor applied)."""
+    raw = dict(drafter_config)
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {"rope_type": "default"})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    config = Qwen3Config(hidden_size=raw["hidden_size"], num_attention_heads=raw["num_attention_heads"],
+                         head_dim=raw["head_dim"], rope_parameters=rope,
+                         max_position_embeddings=raw.get("max_position_embeddings", 4096))
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    cos, sin = Qwen3RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    return cos[0], sin[0]
+
+
+@torch.no_grad()
+def zlab_block_logits(drafter, features, bonus, rope=None) -> torch.Tensor:
+    """float32 [D, V]: z-lab's DFlash computation for one request, written out. The context and the
+    block are concatenated before the k/v projections, RoPE over positions 0..C+Q-1 (queries take
+    the last Q) with rotate_half, attention over everything (a sliding window by position where a
+    layer has one). rope(positions) -> (cos, sin) (N, d); default: transformers' Qwen3 RoPE of the
+    drafter's config."""
+    c = drafter.config
+    q_len, ctx_len = c.block_size, features.shape[0]
+    ctx = drafter.hidden_norm(drafter.fc(features))
+    block = torch.tensor([bonus] + [c.mask_token_id] * (q_len - 1))
+    x = drafter.target.embed(block)
+    pos = torch.arange(ctx_len + q_len)
+    cos, sin = (rope or (lambda p: qwen3_rope(c.to_dict(), p)))(pos)
+
+    def rotate(t, cos, sin):  # t (N, heads, d)
+        half = t.shape[-1] // 2
+        rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
+        return t * cos[:, None] + rotated * sin[:, None]
+
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = rotate(a.q_norm(a.q_proj(h).view(q_len, c.num_attention_heads, c.head_dim)), cos[-q_len:], sin[-q_len:])
+        both = torch.cat([ctx, h])
+        k = rotate(a.k_norm(a.k_proj(both).view(-1, c.num_key_value_heads, c.head_dim)), cos, sin)
+        v = a.v_proj(both).view(-1, c.num_key_value_heads, c.head_dim)
+        group = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * c.head_dim ** -0.5
+        window = c.window(i)
+        if window is not None:
+            diff = pos[-q_len:, None] - pos[None, :]
+            scores = scores.masked_fill(~((diff < window) & (-diff < window)), float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, -1)
+        x = x + a.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.target.lm_head(drafter.norm(x))[1:].float()

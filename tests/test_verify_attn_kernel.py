@@ -131,6 +131,25 @@ def test_summary_reads_the_launchers_choice_and_each_variant():
     assert [(r["length"], r["speedup"]) for r in bench.variant_ratios(rows, "b")] == [(32768, 1.25), (131072, 1.333)]
 
 
+def test_target_comparison_counts_where_a_kernel_leads():
+    def row(provider, nodes, length, pct, config):
+        return {"provider": provider, "batch": 1, "nodes": nodes, "heads": 8, "rows": 8 * nodes, "length": length,
+                "pct_roofline": pct, "config": config, "date": "d", "commit": "c", "device": "H200"}
+    rows = [row("kernel", 16, 32768, 50.0, "a"), row("kernel_variant", 16, 32768, 40.0, "b"),
+            row("kernel", 32, 32768, 70.0, "a"), row("kernel_variant", 32, 32768, 75.0, "b"),
+            row("kernel", 64, 32768, 80.0, "a"),  # timed alone: compared with nothing
+            row("kernel", 8, 32768, 10.0, "a")]   # N·H = 64: not a target shape
+    comparison = bench.target_comparison(rows)
+    assert [(c["nodes"], c["a"], c["b"], c["device"]) for c in comparison] == [
+        (16, 50.0, 40.0, "H200"), (32, 70.0, 75.0, "H200"), (64, 80.0, None, "H200")]
+    assert bench.leads(comparison, "a") == (1, 2) and bench.leads(comparison, "b") == (1, 2)
+    assert [(k["config"], k["min"], k["median"], k["shapes"]) for k in bench.comparison_spread(comparison)] == [
+        ("a", 50.0, 70.0, 3), ("b", 40.0, 57.5, 2)]
+    assert [r["nodes"] for r in bench.below_target(rows)] == [16]  # under 60%, worst first
+    assert [(r["nodes"], r["length"]) for r in bench.kernel_table(rows)] == [(8, 32768), (16, 32768), (32, 32768),
+                                                                            (64, 32768)]
+
+
 def test_run_over_run_compares_the_shapes_both_grid_runs_timed(monkeypatch):
     def row(run, date, nodes, time_us, provider="kernel"):
         return {"run": run, "date": date, "commit": run, "device": "H200", "provider": provider, "batch": "1",

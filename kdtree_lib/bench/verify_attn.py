@@ -28,6 +28,7 @@ import statistics
 
 import numpy as np
 
+from .. import results
 from ..contracts import tree_from_parents
 from ..verify_attn import (CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch,
                            runnable_configs, verify_attention)
@@ -201,7 +202,6 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
     column naming it), next to the launcher's own choice (provider kernel)."""
     import time
     import torch
-    from .. import results
     started = time.monotonic()
     run_stamp = run_stamp or results.stamp()["date"]  # every row of this run carries it (results.latest_run)
     shapes = benchmark_shapes() if shapes is None else shapes
@@ -301,16 +301,19 @@ def _time_baselines(q_latent, q_rope, cache, lengths, tree, *, reps: int) -> dic
 # ----------------------------------------------------------------------------------------------
 # reading the results (notebook 05)
 
+SHAPE_COLUMNS = ("batch", "nodes", "heads", "length")
+
+
 def _shape(row) -> tuple:
-    return row["batch"], row["nodes"], row["heads"], row["length"]
+    return tuple(row[column] for column in SHAPE_COLUMNS)
 
 
 def variant_ratios(rows, config: str) -> list[dict]:
     """Per shape of one run: the launcher's kernel and variant `config` timed beside it, and the
     variant's speed-up (kernel time / variant time)."""
-    variants = {_shape(r): r for r in select(rows, provider="kernel_variant", config=config)}
+    variants = {_shape(r): r for r in results.select(rows, provider="kernel_variant", config=config)}
     found = []
-    for r in select(rows, provider="kernel"):
+    for r in results.select(rows, provider="kernel"):
         v = variants.get(_shape(r))
         if v:
             found.append({"batch": r["batch"], "nodes": r["nodes"], "heads": r["heads"], "length": r["length"],
@@ -322,30 +325,25 @@ def variant_ratios(rows, config: str) -> list[dict]:
 def grid_runs(all_rows, count: int = 2) -> list[list[dict]]:
     """The `count` newest runs that timed the launcher's kernel on the whole grid, newest first
     (runs of a few A/B shapes are skipped)."""
-    from .. import results
     grid = len(benchmark_shapes())
-    return [run for run in results.recent_runs(all_rows) if len(select(run, provider="kernel")) >= grid][:count]
+    return [run for run in results.recent_runs(all_rows) if len(results.select(run, provider="kernel")) >= grid][:count]
 
 
 def run_over_run(new, old, **fixed) -> list[dict]:
     """The launcher's kernel per shape in two runs (`fixed` narrows the shapes): time before and
     after and the speed-up (old time / new time). Across runs, so run-to-run noise is in it."""
-    before = {_shape(r): r for r in select(old, provider="kernel", **fixed)}
+    before = {_shape(r): r for r in results.select(old, provider="kernel", **fixed)}
     return [{"batch": r["batch"], "nodes": r["nodes"], "heads": r["heads"], "length": r["length"], "rows": r["rows"],
              "old_us": before[_shape(r)]["time_us"], "new_us": r["time_us"],
              "speedup": round(before[_shape(r)]["time_us"] / r["time_us"], 3)}
-            for r in select(new, provider="kernel", **fixed) if _shape(r) in before]
-
-
-def select(rows, **fixed) -> list[dict]:
-    return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
+            for r in results.select(new, provider="kernel", **fixed) if _shape(r) in before]
 
 
 def kernel_rows(rows, config: str | None = None) -> list[dict]:
     """One row per shape timing the kernel: the launcher's choice (provider kernel), or `config`
     wherever it was timed (the launcher's row where it chose it, else its kernel_variant row)."""
     if config is None:
-        return select(rows, provider="kernel")
+        return results.select(rows, provider="kernel")
     by_shape = {}
     for r in rows:
         if r["provider"] in ("kernel_variant", "kernel") and r.get("config") == config:
@@ -356,17 +354,19 @@ def kernel_rows(rows, config: str | None = None) -> list[dict]:
 
 def variant_configs(rows) -> list[str]:
     """The kernel variants timed alongside the launcher's choice in these rows."""
-    return sorted({r["config"] for r in select(rows, provider="kernel_variant")})
+    return sorted({r["config"] for r in results.select(rows, provider="kernel_variant")})
 
 
-TABLE_COLUMNS = ("batch", "nodes", "heads", "length", "time_us", "tflops", "tbps", "pct_roofline", "pct_roofline_mma",
-                 "speedup_vs_fallback", "config", "splits")
+TABLE_COLUMNS = (*SHAPE_COLUMNS, "time_us", "tflops", "tbps", "pct_roofline", "pct_roofline_mma", "speedup_vs_fallback",
+                 "config", "splits")
 
 
 def kernel_table(rows) -> list[dict]:
-    """The launcher's kernel on every shape of a run, by heads, batch, nodes, length (TABLE_COLUMNS)."""
-    return [{key: r.get(key) for key in TABLE_COLUMNS}
-            for r in sorted(select(rows, provider="kernel"), key=lambda r: (r["heads"], r["batch"], r["nodes"], r["length"]))]
+    """The launcher's kernel on every shape of a run, by heads, batch, nodes, length: the run's stamp
+    (date, commit, device of the measurement) and TABLE_COLUMNS."""
+    kernel = sorted(results.select(rows, provider="kernel"),
+                    key=lambda r: (r["heads"], r["batch"], r["nodes"], r["length"]))
+    return [{key: r.get(key) for key in (*results.STAMP_COLUMNS, *TABLE_COLUMNS)} for r in kernel]
 
 
 def is_target_shape(row) -> bool:
@@ -375,37 +375,52 @@ def is_target_shape(row) -> bool:
 
 def below_target(rows) -> list[dict]:
     """The launcher's kernel rows at target shapes under TARGET_PCT_ROOFLINE % of the roofline, worst first."""
-    return sorted((r for r in select(rows, provider="kernel") if is_target_shape(r)
+    return sorted((r for r in results.select(rows, provider="kernel") if is_target_shape(r)
                    and r["pct_roofline"] < TARGET_PCT_ROOFLINE), key=lambda r: r["pct_roofline"])
 
 
 def format_table(rows) -> str:
     """Kernel rows as notebook 05 prints them: shape, time, rates, % of both rooflines, x fallback, config."""
-    lines = [f"{'B':>3s} {'N':>4s} {'H':>3s} {'L':>7s} {'us':>9s} {'TFLOP/s':>8s} {'TB/s':>6s} {'%roof':>6s} {'%mma':>6s} "
-             f"{'xfallback':>9s}  config"]
+    lines = [f"{'B':>3s} {'N':>4s} {'H':>3s} {'L':>7s} {'us':>9s} {'TFLOP/s':>8s} {'TB/s':>6s} {'%roof':>6s} "
+             f"{'%mma':>6s} {'xfallback':>9s}  config"]
     for r in rows:
-        lines.append(f"{r['batch']:3d} {r['nodes']:4d} {r['heads']:3d} {r['length']:7d} {r['time_us']:9.1f} {r['tflops']:8.1f} "
-                     f"{r['tbps']:6.2f} {r['pct_roofline']:6.1f} {r['pct_roofline_mma']:6.1f} "
+        lines.append(f"{r['batch']:3d} {r['nodes']:4d} {r['heads']:3d} {r['length']:7d} {r['time_us']:9.1f} "
+                     f"{r['tflops']:8.1f} {r['tbps']:6.2f} {r['pct_roofline']:6.1f} {r['pct_roofline_mma']:6.1f} "
                      f"{str(r.get('speedup_vs_fallback') or '-'):>9s}  {r['config']} x{r['splits']}")
     return "\n".join(lines)
 
 
 def target_comparison(rows) -> list[dict]:
     """Per target shape, the % of roofline of every kernel the run timed there (the launcher's configs
-    and the variants): {batch, nodes, heads, length, <config>: pct or None}."""
-    configs = sorted({r["config"] for r in select(rows, provider="kernel")} | set(variant_configs(rows)))
+    and the variants): {date, commit, device (the run's), batch, nodes, heads, length, <config>: pct or None}."""
+    configs = sorted({r["config"] for r in results.select(rows, provider="kernel")} | set(variant_configs(rows)))
     timed = {c: {_shape(r): r for r in kernel_rows(rows, c)} for c in configs}
     targets = sorted({s for by_shape in timed.values() for s, r in by_shape.items() if is_target_shape(r)})
     shown = [c for c in configs if any(s in timed[c] for s in targets)]
-    return [{"batch": s[0], "nodes": s[1], "heads": s[2], "length": s[3],
+    stamp = {key: rows[0].get(key) for key in results.STAMP_COLUMNS} if rows else {}
+    return [{**stamp, **dict(zip(SHAPE_COLUMNS, s)),
              **{c: timed[c][s]["pct_roofline"] if s in timed[c] else None for c in shown}} for s in targets]
+
+
+def _kernels_compared(comparison) -> list[str]:
+    return [c for c in (comparison[0] if comparison else {}) if c not in (*results.STAMP_COLUMNS, *SHAPE_COLUMNS)]
+
+
+def comparison_spread(comparison) -> list[dict]:
+    """Per kernel of a target_comparison: min, median and max % of roofline over the shapes it was timed on."""
+    spread = []
+    for config in _kernels_compared(comparison):
+        timed = [shape[config] for shape in comparison if shape[config] is not None]
+        spread.append({"config": config, "min": min(timed), "median": statistics.median(timed), "max": max(timed),
+                       "shapes": len(timed)})
+    return spread
 
 
 def leads(comparison, config: str) -> tuple[int, int]:
     """(shapes where `config` beats every other kernel timed there, shapes where it ran beside another)."""
     ahead = compared = 0
     for shape in comparison:
-        others = [v for c, v in shape.items() if c not in ("batch", "nodes", "heads", "length", config) and v is not None]
+        others = [shape[c] for c in _kernels_compared(comparison) if c != config and shape[c] is not None]
         if shape.get(config) is not None and others:
             compared += 1
             ahead += shape[config] > max(others)
@@ -415,7 +430,7 @@ def leads(comparison, config: str) -> tuple[int, int]:
 def summary(rows, config: str | None = None) -> dict:
     """The targets, read from one run's rows: for the launcher's choice, or for `config`."""
     kernel = kernel_rows(rows, config)
-    fallback = {_shape(r): r["time_us"] for r in select(rows, provider="torch_fallback")}
+    fallback = {_shape(r): r["time_us"] for r in results.select(rows, provider="torch_fallback")}
     big = [r for r in kernel if is_target_shape(r)]
     speedups = [fallback[_shape(r)] / r["time_us"] for r in kernel
                 if r["length"] >= TARGET_LENGTH and _shape(r) in fallback]
@@ -450,7 +465,7 @@ def fixed_cost(rows, config: str | None = None) -> list[dict]:
     from before it was measured).
     """
     kernel = kernel_rows(rows, config)
-    roofline = {_shape(r): r["time_us"] for r in select(rows, provider="roofline")}
+    roofline = {_shape(r): r["time_us"] for r in results.select(rows, provider="roofline")}
     table = []
     for r in kernel:
         if r["batch"] != 1 or not is_target_shape(r):

@@ -1,12 +1,12 @@
 """Notebook 05's figures: the verify-attention kernels' time and throughput from the benchmark rows
-(`kdtree_lib.bench.verify_attn`), beside the torch baselines, the roofline and the measured ceilings.
+(`kdtree_lib.bench.verify_attn` writes them), beside the torch baselines, the roofline and the measured ceilings.
 
 The axes carry no legend of their own: `legend_beside` draws one for the whole figure, right of the
 axes, so no legend covers a line.
 """
 from __future__ import annotations
 
-from ..bench.verify_attn import select
+from ..results import select
 
 PROVIDER_STYLE = {"kernel": ("C0", "o-"), "torch_fallback": ("C3", "s--"), "sdpa": ("C2", "^--"),
                   "roofline": ("k", ":"), "roofline_mma": ("0.5", ":")}

@@ -227,6 +227,14 @@ def test_cupy_backend_refuses_host_inputs():
         verify_attention(q, rope, cache, np.array([1, 2], np.int32), tree, backend="cupy")
 
 
+@pytest.mark.parametrize("probe, argument", [(ceilings.copy_bandwidth, "n_bytes"), (ceilings.matmul_rate, "size"),
+                                             (ceilings.mma_sync_rate, "iters")])
+def test_ceilings_refuse_a_size_that_is_not_a_positive_integer(probe, argument):
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=argument):
+            probe(bad)
+
+
 def test_the_error_check_rejects_known_wrong_answers():
     """gpu-mode style: ignoring the mask, or returning zeros, must fail the bounds the GPU tests use."""
     torch = pytest.importorskip("torch")

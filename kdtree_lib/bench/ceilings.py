@@ -24,6 +24,7 @@ FLOPS_PER_MMA = 2 * 16 * 8 * 16  # one m16n8k16
 
 def copy_bandwidth(n_bytes: int = COPY_BYTES) -> float:
     """Bytes/s of copying n_bytes on the device, counting bytes read plus written."""
+    _check_positive("n_bytes", n_bytes)
     import torch
     source = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
@@ -32,6 +33,7 @@ def copy_bandwidth(n_bytes: int = COPY_BYTES) -> float:
 
 def matmul_rate(size: int = MATMUL_SIZE) -> float:
     """FLOP/s of torch.mm (cuBLAS) on two bf16 size x size matrices."""
+    _check_positive("size", size)
     import torch
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -40,6 +42,7 @@ def matmul_rate(size: int = MATMUL_SIZE) -> float:
 
 def mma_sync_rate(iters: int = 8192) -> float:
     """FLOP/s of kernels/probes.cu's mma_sync_ceiling: 8 warps x 8 chains a block, 2 blocks per SM."""
+    _check_positive("iters", iters)
     import cupy
     from .. import cuda
     kernel = cuda.get_function(PROBES_FILE, "mma_sync_ceiling")
@@ -62,3 +65,8 @@ def measure_ceilings() -> dict:
     """All four, in the units of the benchmark rows: copy_tbps, matmul_tflops, mma_sync_tflops, launch_floor_us."""
     return {"copy_tbps": copy_bandwidth() / 1e12, "matmul_tflops": matmul_rate() / 1e12,
             "mma_sync_tflops": mma_sync_rate() / 1e12, "launch_floor_us": launch_floor_seconds() * 1e6}
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")

@@ -89,6 +89,42 @@ def check_tree_accept(values, figures):
                                                       "compaction")} <= figures
 
 
+def check_tree_build_cupy(values, figures):
+    assert values["serving_same_parents"] and values["serving_same_tokens"], "the serving build is the reference tree"
+    depths = [key.split()[0] for key in values if key.endswith("all kernel rows match the reference")]
+    assert depths and all(values[f"{d} all kernel rows match the reference"] for d in depths)
+    for key, growth in values.items():
+        if " kernel growth " in key:  # no faster than the budget: a constant cost per pop at most
+            assert 1 < growth <= values[key.replace("kernel growth", "budget ratio")], key
+        if " over B=" in key:
+            assert values[key] < 1.25, f"{key}: nearly flat in the batch"
+    assert values["serving_over_kernel_min"] > 1 and values["call_over_kernel_at_budget_64"] > 1
+    assert values["history_current_min_us"] <= values["history_current_max_us"]
+    if "ptxas_spilled_bytes" in values:
+        assert values["ptxas_spilled_bytes"] == 0 and values["build_shared_bytes"] <= 99 * 1024
+    if values.get("topk_fused_faster_from_rows") is not None:  # behind at batch 1: fewer rows than that
+        assert min(values["topk_rows_measured"]) < values["topk_fused_faster_from_rows"]
+    if "kernel_identical" in values:
+        assert all(values["kernel_identical"].values()), values["kernel_identical"]
+    assert "04_tree_build_cupy-time-vs-budget.png" in figures
+
+
+def check_tree_accept_cupy(values, figures):
+    source, destination = values["hazard_source"], values["hazard_destination"]
+    assert source.index(3) < destination.index(3), "slot 3 is read (k=1) before it is written (k=3)"
+    assert all(n >= 1 for n in values["demo_n_accepted"])
+    assert values["all walks match the reference"]
+    assert 1 <= values["mean_accepted_min"] <= values["mean_accepted_max"]
+    assert values["walk_below_compaction_from_b64"]
+    steps = {key: value for key, value in values.items() if key.endswith("accept+compact_us")}
+    assert steps and values["accept_kernel_max_us"] < max(steps.values())
+    if "ptxas_spilled_bytes" in values:
+        assert values["ptxas_spilled_bytes"] == 0
+    if "kernel_identical" in values:
+        assert all(values["kernel_identical"].values()), values["kernel_identical"]
+    assert "06_tree_accept_cupy-time-vs-batch.png" in figures
+
+
 def check_stand_in_pair(values, figures):
     assert values["pair_mb"] <= 48
     if "this_run" in values:  # this run's own measurement: in its own folder, and acceptance lengths possible
@@ -150,6 +186,8 @@ EXPECTATIONS = {
     "12_tp_verify_step": check_tp_decode,
     "13_ct200_projection": check_projection,
     "03_tree_accept": check_tree_accept,
+    "04_tree_build_cupy": check_tree_build_cupy,
+    "06_tree_accept_cupy": check_tree_accept_cupy,
 }
 
 

@@ -95,6 +95,46 @@ def accept_summary(rows: list[dict]) -> dict:
     return summary
 
 
+def accept_table(rows: list[dict]) -> list[dict]:
+    """One line per (budget, batch) of a run's rows: the walk, the compaction, both, the bytes moved
+    and the compaction's rate, and the host cost of the calls."""
+    lines = {}
+    for r in rows:
+        line = lines.setdefault((r["budget"], r["batch"]), dict(budget=r["budget"], batch=r["batch"],
+                                                                accepted=r["mean_accepted"], moved_mb=r["moved_bytes"] / 1e6))
+        line[f"{r['method']}_us"] = r["time_us"]
+    for line in lines.values():
+        if line.get("compact_kernel_us"):
+            line["compact_gb_per_s"] = round(line["moved_mb"] / line["compact_kernel_us"] * 1e3, 1)  # MB/us -> GB/s
+    return [lines[key] for key in sorted(lines)]
+
+
+def walk_matches_reference(tree, posterior) -> bool:
+    """The prepared kernel walk of a host tree and posterior (copied to the GPU as torch tensors, outputs
+    poisoned with -7) against the reference walk."""
+    import torch
+    launch = prepare_accept_launch(tree.to_torch("cuda"), torch.as_tensor(posterior, device="cuda"))
+    for x in (launch.out.path, launch.out.n_accepted, launch.out.bonus):
+        x.fill_(-7)
+    got, want = launch(), accept(tree, posterior, backend="numpy")
+    return all(np.array_equal(getattr(got, name).cpu().numpy(), getattr(want, name)) for name in ("path", "n_accepted", "bonus"))
+
+
+def compaction_matches_reference(result, lengths: np.ndarray, layers: int, budget: int, rng) -> bool:
+    """The kernel compaction of random bf16 caches [B, L, 576] (torch, on the GPU) against the reference
+    compaction of host copies, caches and new lengths."""
+    import torch
+    batch = result.path.shape[0]
+    slots = int(lengths.max()) + budget + 8
+    host_caches = [rng.integers(-2**15, 2**15, size=(batch, slots, MLA_WIDTH)).astype(np.int16) for _ in range(layers)]
+    caches = [torch.as_tensor(c, device="cuda").view(torch.bfloat16) for c in host_caches]
+    device_result = type(result)(*(torch.as_tensor(x, device="cuda") for x in (result.path, result.n_accepted, result.bonus)))
+    new_lengths = compact_cache(caches, torch.as_tensor(lengths, device="cuda"), device_result)
+    want_lengths = compact_cache(host_caches, lengths, result, backend="numpy")
+    return (all(np.array_equal(c.view(torch.int16).cpu().numpy(), w) for c, w in zip(caches, host_caches))
+            and np.array_equal(new_lengths.cpu().numpy(), want_lengths))
+
+
 def plot_accept_times(ax, rows: list[dict], *, budget: int) -> None:
     """Walk, compaction of every layer, and both (CUDA graph), vs batch size."""
     for method, label in (("accept_kernel", "accept (walk)"), ("compact_kernel", "compaction, all layers"),

@@ -33,7 +33,7 @@ import numpy as np
 from .. import results
 from ..contracts import DraftTopK
 from ..draft_topk import draft_topk, prepare_draft_topk
-from ..tree_build import BUILD_KERNEL, best_first_pops, build_tree, prepare_build_launch
+from ..tree_build import BUILD_KERNEL, TREE_OUTPUTS, best_first_pops, build_tree, prepare_build_launch
 from .ceilings import copy_bandwidth
 from .inputs import random_draft
 from .timing import gpu_seconds, graph_seconds, host_seconds, wall_seconds
@@ -147,26 +147,30 @@ def bench_draft_topk(batches=BATCHES, depths=DEPTHS, ks=TOPK_KS, vocab: int = K2
 # reading the rows back (notebook 04)
 
 def build_summary(rows: list[dict]) -> dict:
-    """What notebook 04 states, read from one run's build rows: per depth, the kernel's time and the
-    serving build's over it at B=64, budget 64; the kernel's growth over the run's budgets; the host
-    cost of the eager call and of a prepared launch at B=64, budget 64; whether every kernel row
-    matched the reference."""
+    """What notebook 04 states, read from one run's build rows: per depth, at batch 64 (else the run's
+    largest) and budget 64, the kernel's time, the serving build's over it and the host cost of the
+    eager call and of a prepared launch; the kernel's growth over the run's budgets there; and whether
+    every kernel row matched the reference."""
+    table = build_table(rows)
     summary = {}
-    for depth in sorted({r["depth"] for r in rows}):
-        at = dict(depth=depth, batch=max(r["batch"] for r in rows))
-        kernel = {r["budget"]: r["time_us"] for r in results.select(rows, method="kernel", **at)}
-        serving = {r["budget"]: r["time_us"] for r in results.select(rows, method="serving_cpu", **at)}
-        budget = 64 if 64 in kernel else max(kernel)
-        key = f"D={depth} B={at['batch']} budget={budget}"
-        summary[f"{key} kernel_us"] = kernel[budget]
-        summary[f"{key} serving_over_kernel"] = round(serving[budget] / kernel[budget], 1)
-        for method in ("kernel_call", "prepared_call"):
-            for r in results.select(rows, method=method, budget=budget, **at):
-                summary[f"{key} {method}_us"] = r["time_us"]
-        low, high = min(kernel), max(kernel)
-        summary[f"D={depth} B={at['batch']} kernel growth {low}->{high}"] = round(kernel[high] / kernel[low], 2)
+    for depth in sorted({line["depth"] for line in table}):
+        lines = [line for line in table if line["depth"] == depth]
+        batch = 64 if any(line["batch"] == 64 for line in lines) else max(line["batch"] for line in lines)
+        by_budget = {line["budget"]: line for line in lines if line["batch"] == batch and "kernel_us" in line}
+        budget = 64 if 64 in by_budget else max(by_budget)
+        key = f"D={depth} B={batch} budget={budget}"
+        for column in ("kernel_us", "serving_over_kernel", "kernel_call_us", "prepared_call_us"):
+            if column in by_budget[budget]:
+                summary[f"{key} {column}"] = by_budget[budget][column]
+        low, high = min(by_budget), max(by_budget)
+        summary[f"D={depth} B={batch} kernel growth {low}->{high}"] = round(
+            by_budget[high]["kernel_us"] / by_budget[low]["kernel_us"], 2)
+        summary[f"D={depth} B={batch} budget ratio {low}->{high}"] = high / low
+        at_budget = {line["batch"]: line["kernel_us"] for line in lines if line["budget"] == budget and "kernel_us" in line}
+        summary[f"D={depth} budget={budget} kernel B={max(at_budget)} over B={min(at_budget)}"] = round(
+            at_budget[max(at_budget)] / at_budget[min(at_budget)], 3)
         summary[f"D={depth} all kernel rows match the reference"] = all(
-            r["matches_reference"] for r in results.select(rows, method="kernel", depth=depth))
+            r["matches_reference"] for r in results.select(rows, stage="build", method="kernel", depth=depth))
     return summary
 
 
@@ -182,6 +186,60 @@ def topk_summary(rows: list[dict]) -> dict:
     for method in ("prepared_call", "eager_call"):
         summary[f"{method} max_us"] = max(r["time_us"] for r in results.select(rows, method=method))
     return summary
+
+
+def build_table(rows: list[dict]) -> list[dict]:
+    """One line per (depth, batch, budget) of a run's build rows: every method's time side by side."""
+    lines = {}
+    for r in results.select(rows, stage="build"):
+        line = lines.setdefault((r["depth"], r["batch"], r["budget"]),
+                                dict(depth=r["depth"], batch=r["batch"], budget=r["budget"]))
+        if r["method"] != "kernel" or r.get("version") in (None, "", 2):  # the kernel build_tree launches
+            line[f"{r['method']}_us"] = r["time_us"]
+    table = [lines[key] for key in sorted(lines)]
+    for line in table:
+        if "kernel_us" in line and "serving_cpu_us" in line:
+            line["serving_over_kernel"] = round(line["serving_cpu_us"] / line["kernel_us"], 1)
+    return table
+
+
+def kernel_history(rows: list[dict], *, batch: int = 64, budget: int = 64, depth: int = 15) -> list[dict]:
+    """Every measurement of the build kernel at one configuration, oldest first (all versions)."""
+    return [{key: results.parse_number(r.get(key)) for key in ("commit", "date", "device", "version", "time_us")}
+            for r in results.select(rows, stage="build", method="kernel", batch=batch, budget=budget, depth=depth)]
+
+
+def topk_table(rows: list[dict]) -> list[dict]:
+    """One line per (batch, depth, k) of a run's draft_topk rows: the fused kernel, torch and the roofline."""
+    lines = {}
+    for r in results.select(rows, stage="draft_topk"):
+        line = lines.setdefault((r["batch"], r["depth"], r["topk"]), dict(batch=r["batch"], depth=r["depth"], k=r["topk"],
+                                                                          roofline_us=r.get("roofline_us")))
+        line[f"{r['method']}_us"] = r["time_us"]
+    return [lines[key] for key in sorted(lines)]
+
+
+def format_table(table: list[dict]) -> str:
+    """Aligned text of table lines (their union of columns; empty where a line has no value)."""
+    columns = list(dict.fromkeys(key for line in table for key in line))
+    cell = lambda value: "" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)  # noqa: E731
+    widths = {c: max(len(c), *(len(cell(line.get(c))) for line in table)) for c in columns}
+    return "\n".join([" ".join(f"{c:>{widths[c]}}" for c in columns)]
+                     + [" ".join(f"{cell(line.get(c)):>{widths[c]}}" for c in columns) for line in table])
+
+
+def kernel_matches_reference(draft: DraftTopK, budget: int, root) -> bool:
+    """The prepared kernel build on device arrays, its outputs poisoned first (0xA5 bytes), against the
+    reference build of host copies: every field equal, log-weights bit for bit."""
+    import torch
+    launch = prepare_build_launch(draft, budget, root=root)
+    for name in TREE_OUTPUTS:
+        getattr(launch.out, name).view(torch.uint8).fill_(0xA5)
+    got = launch().to_numpy()
+    want = build_tree(DraftTopK(draft.logp.cpu().numpy(), draft.ids.cpu().numpy()), budget, root=root.cpu().numpy(),
+                      backend="numpy")
+    return all(np.array_equal(np.asarray(getattr(got, name)).view(np.uint8), np.asarray(getattr(want, name)).view(np.uint8))
+               for name in TREE_OUTPUTS)
 
 
 SERIES = {  # method -> (label, style) in the plots

@@ -1,4 +1,4 @@
-"""CuPy plumbing shared by the three kernels: compile, view torch tensors, share torch's stream.
+"""CuPy plumbing shared by the kernels: compile, view torch tensors, share torch's stream.
 
 - Kernels live in `kernels/*.cu` (device code only) with a shared header `kernels/common.cuh`.
   CuPy's compile cache keys on the source text alone and ignores `#include`d headers, so a hash of

@@ -8,7 +8,10 @@
 
 A notebook states the values it asserts with `record(notebook, **values)`: they are printed, and in a
 batch run (where $KDTREE_RUN_DIR names the run folder) written next to the executed notebook as
-<notebook>.json, which the tests read. Overrides use YAML semantics: `--set 01.budget=64` gives the
+<notebook>.json, which the tests read. The rows a notebook measures go to the run folder too
+(`store_rows`: <run dir>/results/<topic>.csv); they reach data/results/ only when the notebook's
+`append_results` parameter asks, so a run leaves the checkout as git had it.
+Overrides use YAML semantics: `--set 01.budget=64` gives the
 int 64, `--set 01.interactive=false` the bool False, `--set 01.name=abc` the string "abc".
 """
 from __future__ import annotations
@@ -57,6 +60,20 @@ def record(notebook: str, **values) -> dict:
         earlier = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps({**earlier, **plain}, indent=1, sort_keys=True))
     return plain
+
+
+def this_run_dir() -> Path:
+    """This run's folder: $KDTREE_RUN_DIR in a batch run, runs/interactive/ in an editor session."""
+    return Path(os.environ.get(RUN_DIR_ENV) or RUNS_DIR / "interactive")
+
+
+def store_rows(topic: str, rows: list[dict], *, append_results: bool = False) -> Path:
+    """Write a notebook's measured rows to this run's folder (<run dir>/results/<topic>.csv), or, only
+    when `append_results` asks, append them to data/results/ (a measurement to commit): a notebook run
+    never changes a committed file by default. Returns the file written."""
+    from .results import append_rows
+
+    return append_rows(topic, rows, results_dir=None if append_results else this_run_dir() / "results")
 
 
 def read_record(run_dir: Path, notebook: str) -> dict:

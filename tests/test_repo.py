@@ -1,6 +1,7 @@
 """Repository plumbing: committed notebooks are clean and well-formed, the batch runner reports pass/fail
 with the right exit code and applies overrides, and the set-up files agree with each other."""
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -135,6 +136,32 @@ def test_check_clean_and_strip(tmp_path, capsys):
     assert output_problems(path) == []
     stripped = nbformat.read(str(path), as_version=4)
     assert [cell.source for cell in stripped.cells] == ["a = 1  # value", "print(a)"], "sources are kept"
+
+
+def test_a_default_run_writes_only_what_git_ignores(tmp_path, capsys):
+    """`make notebooks` (no --output-dir): the executed copy, its record and its rows under runs/<time>/ and the
+    figures in data/figures/ are all ignored, so `git status` stays clean; each real notebook's run is checked
+    for the files git sees in tests/test_notebooks.py."""
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    write_notebook(folder / "00_writes.ipynb", "x = 1  # a value to record",
+                   "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+                   "from kdtree_lib.notebooks import record, store_rows\nfrom kdtree_lib.plots import save_figure\n"
+                   "record('00_writes', x=x)\nstore_rows('demo_topic', [{'x': x}])\n"
+                   "save_figure(plt.figure(), '00_writes', 'demo')")
+    assert main(["--notebooks-dir", str(folder), "--no-progress"]) == 0
+    run_dir = Path(capsys.readouterr().out.split("executed notebooks in ")[-1].strip())
+    written = [p for p in run_dir.rglob("*") if p.is_file()] + list((REPO_ROOT / "data" / "figures").glob("00_writes-*"))
+    try:
+        assert {p.name for p in written} >= {"00_writes.ipynb", "00_writes.json", "demo_topic.csv", "00_writes-demo.png"}
+        relative = [str(p.relative_to(REPO_ROOT)) for p in written]
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", *relative], cwd=REPO_ROOT, capture_output=True,
+                                 text=True).stdout.split()
+        assert sorted(ignored) == sorted(relative), set(relative) - set(ignored)
+    finally:
+        shutil.rmtree(run_dir)
+        for path in written:
+            path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from .tree_accept import accept, compact_cache
 from .verify_attn import KERNEL_DTYPES
 from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
 from .draft_topk import draft_topk
+from .model.model import PREFILL_CHUNK
 from .tree_build import build_tree
 
 METHODS = ("ar", "chain", "ddtree")
@@ -265,13 +266,14 @@ class Decoder:
     method "ar" | "chain" | "ddtree" as in generate; `topk` overrides K (the oracle recorder keeps
     a wider top-k than the tree needs); walk=False commits only the root each round (the root's
     posterior is the bonus), which is how the oracle records a plain autoregressive trajectory
-    while drafting at every position.
+    while drafting at every position. prefill_chunk: prompt tokens per prefill forward.
     """
 
     def __init__(self, target, drafter, *, method: str, budget: int, batch: int, capacity: int,
                  temperature: float, backend: str, topk: int | None = None, walk: bool = True,
-                 draft: bool | None = None):
+                 draft: bool | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.target, self.drafter = target, drafter
+        self.prefill_chunk = check_positive_int("prefill_chunk", prefill_chunk)
         self.method, self.budget, self.batch, self.capacity = method, budget, batch, capacity
         self.temperature, self.backend, self.walk = temperature, backend, walk
         self.tree_mode = TREE_MODES[method]
@@ -393,28 +395,9 @@ class Decoder:
         if int(committed.max()) + max_new_tokens + self.capacity_margin > self.capacity:
             raise ValueError(f"prompts: {int(committed.max())} prompt tokens + {max_new_tokens} new tokens do not "
                              f"fit this decoder's capacity {self.capacity}")
-        lengths = self.cache.lengths
-        lengths.zero_()
-        width = int(committed.max())
-        features = None
-        if width > 0:
-            tokens = torch.zeros(self.batch, width, dtype=torch.long)
-            for b, prompt in enumerate(prompts):
-                tokens[b, :len(prompt) - 1] = torch.from_numpy(prompt[:-1])
-            out = self.target.prefill(tokens.to(device), self.cache, n_valid=committed.to(torch.int32),
-                                      feature_layers=self.feature_layers)
-            lengths.copy_(self.cache.lengths)
-            self.cache.lengths = lengths
-            features = out.features
+        self._prefill(prompts, committed)
         self.root.copy_(torch.tensor([int(p[-1]) for p in prompts], device=device))
-        if self.drafting:  # the drafter's context: the prompt's features (this first draft is discarded)
-            if features is None:
-                features = self.features[:, :0]
-            draft_lengths = self.draft_cache.lengths
-            draft_lengths.zero_()
-            self.drafter.draft(self.draft_cache, features, self.root, committed)
-            draft_lengths.copy_(self.draft_cache.lengths)
-            self.draft_cache.lengths = draft_lengths
+        if self.drafting:
             self.features.zero_()
         self.n_features.zero_()
         self.active.fill_(True)
@@ -427,6 +410,29 @@ class Decoder:
         self.accepted.zero_()
         self.round.zero_()
         self.generator.manual_seed(seed)
+
+    def _prefill(self, prompts: list[np.ndarray], committed: torch.Tensor) -> None:
+        """Commit prompt[:-1] to the target's cache in chunks (no logits: the last prompt token is
+        the first root) and each chunk's features to the drafter's context; both caches' length
+        buffers stay the decoder's own (a captured graph reads them)."""
+        lengths = self.cache.lengths
+        lengths.zero_()
+        draft_lengths = self.draft_cache.lengths if self.drafting else None
+        if self.drafting:
+            draft_lengths.zero_()
+        width = int(committed.max())
+        tokens = torch.zeros(self.batch, width, dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            tokens[b, :len(prompt) - 1] = torch.from_numpy(prompt[:-1])
+        for chunk in self.target.prefill_chunks(tokens, self.cache, n_valid=committed.to(torch.int32),
+                                                feature_layers=self.feature_layers, chunk=self.prefill_chunk):
+            if self.drafting:
+                self.drafter.extend(self.draft_cache, chunk.features, chunk.committed)
+        lengths.copy_(self.cache.lengths)
+        self.cache.lengths = lengths
+        if self.drafting:
+            draft_lengths.copy_(self.draft_cache.lengths)
+            self.draft_cache.lengths = draft_lengths
 
     @property
     def capacity_margin(self) -> int:

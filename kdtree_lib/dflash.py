@@ -519,19 +519,15 @@ class DFlashDrafter(nn.Module):
                            lengths=torch.zeros(batch, dtype=torch.long, device=weight.device), capacity=capacity)
 
     @torch.no_grad()
-    def draft(self, cache: DFlashCache, features, bonus, n_new=None, *, static: bool = False):
-        """Append the newly committed tokens' features, then draft the block after `bonus`.
+    def extend(self, cache: DFlashCache, features, n_new=None, *, static: bool = False) -> None:
+        """Append the newly committed tokens' context keys and values to the cache.
 
         features (B, T, F): the target features of each request's next committed tokens (those at
         positions lengths[b] ... lengths[b] + n_new[b] - 1; rows past n_new[b] are ignored);
-        bonus int [B]: the token at position lengths[b] + n_new[b], not yet run by the target.
-        n_new int [B] (default T for every request); T may be 0.
-        static=True: fixed shapes and no host synchronisation (what a CUDA graph captures): the
-        block attends over the whole cache storage and the caller guarantees n_new and capacity.
-        Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus.
+        n_new int [B] (default T for every request); T may be 0. static: no checks (no host
+        synchronisation); the caller guarantees n_new and capacity.
         """
         c = self.config
-        head = self._head()
         batch, count, width = features.shape
         if width != c.feature_size or batch != cache.lengths.shape[0]:
             raise ValueError(f"features: expected (B={cache.lengths.shape[0]}, T, F={c.feature_size}), "
@@ -544,7 +540,6 @@ class DFlashDrafter(nn.Module):
             end = int(cache.lengths.max()) + count
             if end > cache.capacity:
                 raise ValueError(f"cache: {end} slots needed, capacity {cache.capacity}")
-
         slots = cache.lengths[:, None] + torch.arange(count, device=device)     # (B, T)
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, T, D)
         cos, sin = self._rope(slots)
@@ -555,6 +550,19 @@ class DFlashDrafter(nn.Module):
             cache.values[i].scatter_(2, index, v)
         cache.lengths = cache.lengths + n_new.long()
 
+    @torch.no_grad()
+    def draft(self, cache: DFlashCache, features, bonus, n_new=None, *, static: bool = False):
+        """Append the newly committed tokens' features (extend), then draft the block after `bonus`.
+
+        features, n_new, static: as extend; bonus int [B]: the token at position lengths[b] +
+        n_new[b], not yet run by the target. static=True: fixed shapes and no host synchronisation
+        (what a CUDA graph captures): the block attends over the whole cache storage.
+        Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus.
+        """
+        c = self.config
+        head = self._head()
+        self.extend(cache, features, n_new, static=static)
+        batch, device = features.shape[0], cache.lengths.device
         visible_slots = cache.attended_slots(static)
         key_slot = torch.arange(visible_slots, device=device)
         block_pos = cache.lengths[:, None] + torch.arange(c.block_size, device=device)      # (B, Q)

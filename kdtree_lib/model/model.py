@@ -28,13 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tree_accept import compact_cache
-from ..contracts import Tree, tree_from_parents
+from ..contracts import Tree, pack_mask
 from ..verify_attn import absorb_query, key_mask, project_output, verify_attention
 from .config import ModelConfig
 from .tp import TensorParallel
 
 ATTENTION_PATHS = ("naive", "absorbed")
 MOE_PARALLEL = ("tp", "ep")
+PREFILL_LOGITS = ("all", "last", "none")
+PREFILL_CHUNK = 256     # prompt tokens per prefill forward: its attention mask is [B, C, max(lengths) + C]
 LATENT_NORM_EPS = 1e-6  # q_a/kv_a layernorms use the RMSNorm default, not rms_norm_eps (as DeepSeek-V3)
 
 
@@ -144,8 +146,31 @@ class KVCache:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor          # float32 [B, T, V]
+    logits: torch.Tensor | None   # float32 [B, T, V] (a prefill's: [B, 1, V] with logits="last", None with "none")
     features: torch.Tensor | None  # [B, T, len(feature_layers) * D]: the requested layers' outputs
+
+
+@dataclass
+class PrefillChunk:
+    """One forward of a chunked prefill: prompt columns [start, start + T), already committed."""
+    start: int
+    hidden: torch.Tensor           # [B, T, D]: the last layer's output (before the final norm)
+    features: torch.Tensor | None  # [B, T, F] at the requested layers
+    committed: torch.Tensor        # int32 [B]: each request's tokens of this chunk now in the cache
+
+
+def chain_tree(tokens: torch.Tensor) -> Tree:
+    """The chain tokens[:, 0] -> tokens[:, 1] -> ... as a Tree on tokens' device, built directly
+    (tree_from_parents walks nodes on the host and holds a dense [N, N] ancestor matrix)."""
+    batch, width = tokens.shape
+    device = tokens.device
+    column = torch.arange(width, dtype=torch.int32, device=device).expand(batch, -1)
+    mask = torch.as_tensor(pack_mask(np.tri(width, dtype=bool)), device=device)          # (C, ceil(C/32))
+    return Tree(tokens=tokens.to(torch.int32), parents=column - 1, depths=column,
+                n_nodes=torch.full((batch,), width, dtype=torch.int32, device=device),
+                mask=mask.expand(batch, -1, -1),
+                first_child=torch.where(column + 1 < width, column + 1, -1), next_sibling=torch.full_like(column, -1),
+                log_weights=torch.zeros(batch, width, dtype=torch.float64, device=device), max_depth=width - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,18 +414,51 @@ class Transformer(nn.Module):
         return KVCache(kv=kv, lengths=torch.zeros(batch, dtype=torch.int32, device=device))
 
     @torch.no_grad()
-    def prefill(self, tokens, cache: KVCache, *, n_valid=None, feature_layers=()) -> TargetOutput:
-        """Run prompt tokens [B, T] after each request's committed tokens and commit them.
+    def prefill(self, tokens, cache: KVCache, *, n_valid=None, feature_layers=(), logits: str = "all",
+                chunk: int = PREFILL_CHUNK) -> TargetOutput:
+        """Run prompt tokens [B, T] after each request's committed tokens and commit them, `chunk`
+        tokens per forward (prefill_chunks).
 
         n_valid [B] (default T) commits only each request's first n_valid tokens (right padding).
+        logits: "all" [B, T, V]; "last" [B, 1, V] at each request's last committed token (the LM
+        head and the vocabulary gather run on those rows only); "none".
         """
+        if logits not in PREFILL_LOGITS:
+            raise ValueError(f"logits: expected one of {PREFILL_LOGITS}, got {logits!r}")
         tokens = torch.as_tensor(tokens)
-        batch, length = tokens.shape
-        parents = np.tile(np.arange(-1, length - 1, dtype=np.int32), (batch, 1))
-        out = self.forward(tree_from_parents(parents, tokens), cache, feature_layers=feature_layers)
-        added = length if n_valid is None else torch.as_tensor(n_valid, device=cache.lengths.device)
-        cache.lengths = (cache.lengths + added).to(torch.int32)
-        return out
+        batch = tokens.shape[0]
+        n_valid = torch.as_tensor(tokens.shape[1] if n_valid is None else n_valid, device=self.device)
+        last_row = (n_valid.expand(batch) - 1).long()                                       # (B,)
+        rows, features, last = [], [], None
+        for part in self.prefill_chunks(tokens, cache, n_valid=n_valid, feature_layers=feature_layers, chunk=chunk):
+            if logits == "all":
+                rows.append(self.logits(part.hidden))
+            elif logits == "last":
+                inside = (last_row - part.start).clamp(0, part.hidden.shape[1] - 1)
+                here = part.hidden[torch.arange(batch, device=self.device), inside]           # (B, D)
+                found = ((last_row >= part.start) & (last_row < part.start + part.hidden.shape[1]))[:, None]
+                last = here if last is None else torch.where(found, here, last)
+            if feature_layers:
+                features.append(part.features)
+        out = {"all": lambda: torch.cat(rows, dim=1), "last": lambda: self.logits(last[:, None]),
+               "none": lambda: None}[logits]()
+        return TargetOutput(logits=out, features=torch.cat(features, dim=1) if feature_layers else None)
+
+    def prefill_chunks(self, tokens, cache: KVCache, *, n_valid=None, feature_layers=(), chunk: int = PREFILL_CHUNK):
+        """Yield a PrefillChunk per `chunk` columns of tokens [B, T]: each chunk is a chain after the
+        committed cache, its attention mask [B, C, max(lengths) + C]; no logits are computed. A
+        request commits its first n_valid[b] tokens (default T); its later columns are padding."""
+        if not (isinstance(chunk, int) and chunk >= 1):
+            raise ValueError(f"chunk: expected a positive number of tokens, got {chunk!r}")
+        tokens = torch.as_tensor(tokens).to(self.device)
+        length = tokens.shape[1]
+        n_valid = torch.as_tensor(length if n_valid is None else n_valid, device=cache.lengths.device)
+        for start in range(0, length, chunk):
+            part = tokens[:, start:start + chunk]
+            hidden, features = self.hidden_states(chain_tree(part), cache, feature_layers=feature_layers)
+            committed = (n_valid - start).clamp(0, part.shape[1]).to(torch.int32).expand(len(part))
+            cache.lengths = (cache.lengths + committed).to(torch.int32)
+            yield PrefillChunk(start=start, hidden=hidden, features=features, committed=committed)
 
     @torch.no_grad()
     def verify(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False) -> TargetOutput:
@@ -409,6 +467,15 @@ class Transformer(nn.Module):
         return self.forward(tree, cache, feature_layers=feature_layers, static=static)
 
     def forward(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False) -> TargetOutput:
+        hidden, features = self.hidden_states(tree, cache, feature_layers=feature_layers, static=static)
+        return TargetOutput(logits=self.logits(hidden), features=features)
+
+    def logits(self, hidden) -> torch.Tensor:
+        """float32 [..., V]: the final norm and this rank's LM head rows, gathered over the vocabulary."""
+        return self.tp.all_gather_last(self.lm_head(self.norm(hidden))).float()
+
+    def hidden_states(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False):
+        """The tree's nodes through every layer: ([B, T, D] before the final norm, features or None)."""
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {self.attention!r}")
         tree = tree.to_torch(self.device)
@@ -419,9 +486,8 @@ class Transformer(nn.Module):
             x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend)
             if i in feature_layers:
                 outputs[i] = x
-        logits = self.tp.all_gather_last(self.lm_head(self.norm(x))).float()  # (B, T, V)
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return TargetOutput(logits=logits, features=features)
+        return x, features
 
     def step(self, tree: Tree, cache: KVCache, *, static: bool = False) -> Step:
         """static=True: fixed shapes and no host synchronisation (what a CUDA graph captures): keys

@@ -205,6 +205,11 @@ class DenseExperts:
         return self.gate_up[local].to(dtype), self.down[local].to(dtype)
 
 
+def fits_kernel_layout(hidden: int, width: int) -> bool:
+    """Whether experts of this hidden size and (per-rank) width have a kernel layout."""
+    return hidden > 0 and width > 0 and hidden % CHUNK == 0 and width % CHUNK == 0
+
+
 def _check_sizes(hidden, width) -> tuple[int, int]:
     for name, value in (("hidden", hidden), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0 or value % CHUNK:

@@ -224,6 +224,66 @@ def relative_error(out, ref) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
+# CPU: load_target keeps a pack-quantized checkpoint's routed experts INT4
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory):
+    """A made-to-format K2.6 checkpoint (INT4 routed experts) whose TP=2 expert slices fit the kernel
+    layout (hidden 128, width 128 = 2 x 64)."""
+    from kdtree_lib.model.reference import random_model, save_kimi_checkpoint
+    from kdtree_lib.pairs import tiny_config
+    config = tiny_config(hidden_size=128, moe_intermediate_size=128)
+    return save_kimi_checkpoint(random_model(config, seed=3), config, tmp_path_factory.mktemp("int4"), int4=True)
+
+
+def test_int4_experts_stay_int4_and_give_the_dequantized_models_logits(int4_checkpoint):
+    from kdtree_lib.model import load_target
+    from kdtree_lib.model.model import Experts
+    resident = load_target(int4_checkpoint, dtype=torch.float32)
+    dequantized = load_target(int4_checkpoint, dtype=torch.float32, dequantize_experts=True)
+    experts = [m for m in resident.modules() if isinstance(m, Experts)]
+    assert experts and all(e.int4 and not hasattr(e, "gate_up_proj") for e in experts)
+    config = resident.config
+    weights = 3 * config.hidden_size * config.moe_intermediate_size * config.n_routed_experts
+    for e in experts:  # 4.5 bits per weight, kept through a cast of the model
+        assert sum(t.numel() * t.element_size() for t in e.buffers()) * 8 == 4.5 * weights
+        assert (e.gate_up_codes.dtype, e.down_scales.dtype) == (torch.int32, torch.bfloat16)
+    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(8))
+    ours = resident.prefill(tokens, resident.new_cache(1, 9)).logits
+    theirs = dequantized.prefill(tokens, dequantized.new_cache(1, 9)).logits
+    # the same fp32 weights; only the experts' summation order may differ
+    bound = 64 * torch.finfo(torch.float32).eps * float(theirs.abs().max())
+    assert float((ours - theirs).abs().max()) <= bound
+
+
+def test_each_rank_reads_only_its_int4_slices(int4_checkpoint):
+    from kdtree_lib.model import CheckpointReader, TensorParallel, load_config
+    from kdtree_lib.model.checkpoint import empty_target, load_weights
+    config = load_config(int4_checkpoint)
+
+    class ExpertBytes(CheckpointReader):
+        """Counts the bytes of routed-expert codes and scales apart (not the [2] shape records)."""
+        expert_bytes = 0
+
+        def read_raw(self, name, *args):
+            tensor = super().read_raw(name, *args)
+            if ".experts." in name and not name.endswith("_shape"):
+                self.expert_bytes += tensor.numel() * tensor.element_size()
+            return tensor
+
+    def bytes_read(tp, int4):
+        model = empty_target(config, tp, device="cpu", dtype=torch.float32, int4_experts=int4)
+        reader = ExpertBytes(int4_checkpoint, config.quantization)
+        load_weights(model, reader)
+        return reader.expert_bytes, reader.bytes_read
+
+    whole = bytes_read(TensorParallel(), True)
+    ranks = [bytes_read(TensorParallel(rank=r, size=2), True) for r in range(2)]
+    assert ranks[0][0] == ranks[1][0] == whole[0] / 2  # each rank: half of every expert's codes and scales
+    assert ranks[0] == bytes_read(TensorParallel(rank=0, size=2), False)  # what the dequantizing load reads
+
+
+# ----------------------------------------------------------------------------------------------
 # CPU: the plan and the builds
 
 @pytest.mark.parametrize("tp", [1, 8])

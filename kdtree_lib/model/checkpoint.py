@@ -6,7 +6,9 @@
 - bf16/fp32 weights, and compressed-tensors pack-quantized INT4 (K2.6's routed experts):
   `X.weight_packed` int32 [out, in/8] holds eight 4-bit codes q+8 per int32 along the input
   dimension (code j in bits 4j..4j+3), `X.weight_scale` bf16 [out, in/group] one scale per group of
-  32 inputs, `X.weight_shape` [2] = (out, in); weight = (code - 8) * scale. Dequantized at load.
+  32 inputs, `X.weight_shape` [2] = (out, in); weight = (code - 8) * scale. Routed experts stay
+  INT4 (repacked into the MoE kernel's layout, docs/moe-int4.md) unless the caller asks for them
+  dequantized; any other INT4 tensor is dequantized at load.
 
 Each tensor-parallel rank reads only its shard: `safe_open(...).get_slice(name)[rows or columns]`.
 """
@@ -19,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..moe import fits_kernel_layout
 from .config import ModelConfig, QuantConfig, load_config
 from .model import Experts, Transformer
 from .tp import TensorParallel
@@ -30,20 +33,36 @@ INT4_CODES_PER_WORD = 8
 
 
 def load_target(path, *, device="cpu", dtype=torch.bfloat16, tp_group=None, moe_parallel: str = "tp",
-                attention: str = "absorbed", attention_backend: str = "auto") -> Transformer:
-    """The target model from a checkpoint directory; with tp_group, this rank's shard only."""
+                attention: str = "absorbed", attention_backend: str = "auto",
+                dequantize_experts: bool = False) -> Transformer:
+    """The target model from a checkpoint directory; with tp_group, this rank's shard only.
+
+    A pack-quantized checkpoint's routed experts stay INT4 on `device` (4.5 bits per weight, run by
+    kdtree_lib.moe) when this rank's expert shapes fit the kernel layout (hidden and expert width
+    multiples of 64: K2.6 at TP up to 32); dequantize_experts=True (parity tests) or a shape that
+    does not fit loads them dequantized to `dtype`.
+    """
     config = load_config(path)
-    model = empty_target(config, TensorParallel.from_group(tp_group), device=device, dtype=dtype,
-                         moe_parallel=moe_parallel, attention=attention, attention_backend=attention_backend)
+    tp = TensorParallel.from_group(tp_group)
+    width = config.moe_intermediate_size // (tp.size if moe_parallel == "tp" else 1)
+    int4 = config.quantization is not None and not dequantize_experts and fits_kernel_layout(config.hidden_size, width)
+    model = empty_target(config, tp, device=device, dtype=dtype, int4_experts=int4, moe_parallel=moe_parallel,
+                         attention=attention, attention_backend=attention_backend)
     load_weights(model, CheckpointReader(path, config.quantization))
     return model.eval()
 
 
-def empty_target(config: ModelConfig, tp: TensorParallel, *, device, dtype, **options) -> Transformer:
-    """The rank's model with uninitialized weights on `device` (built on meta: no wasted init)."""
+def empty_target(config: ModelConfig, tp: TensorParallel, *, device, dtype, int4_experts: bool = False,
+                 **options) -> Transformer:
+    """The rank's model with uninitialized weights on `device` (built on meta: no wasted init);
+    int4_experts: routed experts as INT4 buffers (Experts.keep_int4), no float stack on the way."""
     with torch.device("meta"):
-        model = Transformer(config, tp, **options)
-    return model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)  # router bias stays fp32
+        model = Transformer(config, tp, **options).to(dtype=dtype)  # router bias stays fp32
+    if int4_experts:
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.keep_int4()
+    return model.to_empty(device=device).requires_grad_(False)
 
 
 @torch.no_grad()
@@ -67,10 +86,16 @@ def load_weights(model: Transformer, reader: "CheckpointReader") -> None:
 
 
 def load_experts(experts: Experts, reader: "CheckpointReader", prefix: str, hidden: int, width: int) -> None:
-    """Stack this rank's experts (or expert-width slices) from the per-expert tensors."""
+    """Stack this rank's experts (or expert-width slices) from the per-expert tensors: packed as
+    stored into INT4 experts, dequantized (where stored INT4) into float ones."""
     lo, hi = experts.width_range
     for local, expert in enumerate(experts.expert_ids):
         base = f"{prefix}.{expert}"
+        if experts.int4:
+            gate, up = (reader.read_int4(f"{base}.{p}_proj.weight", (width, hidden), 0, lo, hi) for p in ("gate", "up"))
+            down = reader.read_int4(f"{base}.down_proj.weight", (hidden, width), 1, lo, hi)
+            experts.load_int4(local, torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]]), *down)
+            continue
         gate = reader.read(f"{base}.gate_proj.weight", (width, hidden), 0, lo, hi)
         up = reader.read(f"{base}.up_proj.weight", (width, hidden), 0, lo, hi)
         experts.gate_up_proj[local].copy_(torch.cat([gate, up]))
@@ -140,10 +165,13 @@ class CheckpointReader:
                 raise ValueError(f"checkpoint: tensor {name} has shape {list(stored)}, the config implies {list(shape)}")
             return self.read_raw(name, dim, start, stop)
         if name.endswith(".weight") and f"{name}_packed" in self:
-            return self._read_int4(name, shape, dim, start, stop)
+            return dequantize_int4(*self.read_int4(name, shape, dim, start, stop), self.quantization.group_size)
         raise ValueError(f"checkpoint: tensor {name} is missing")
 
-    def _read_int4(self, name, shape, dim, start, stop):
+    def read_int4(self, name: str, shape: tuple[int, int], dim: int | None = None, start: int | None = None,
+                  stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack-quantized weight `name` of full `shape` (checked), or its [start:stop) slice along dim,
+        as stored: (packed int32 [out, in/8], scale bf16 [out, in/group])."""
         group = self.quantization.group_size
         out, inputs = shape
         packed, scale, recorded = f"{name}_packed", f"{name}_scale", f"{name}_shape"
@@ -164,7 +192,7 @@ class CheckpointReader:
             scales = self.read_raw(scale, 1, start // group, stop // group)
         else:
             codes, scales = self.read_raw(packed, dim, start, stop), self.read_raw(scale, dim, start, stop)
-        return dequantize_int4(codes, scales, group)
+        return codes, scales
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe import Int4Experts, layout_shapes, moe_forward, repack
 from ..tree_accept import compact_cache
 from ..contracts import Tree, pack_mask
 from ..verify_attn import absorb_query, key_mask, project_output, verify_attention
@@ -283,9 +284,16 @@ class Router(nn.Module):
         return self
 
 
+INT4_BUFFERS = ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")
+
+
 class Experts(nn.Module):
     """The routed experts' SwiGLU weights, stacked. moe_parallel "tp": every expert, a 1/tp slice
-    of its width; "ep": 1/tp of the experts, whole. Either way forward returns a partial sum."""
+    of its width; "ep": 1/tp of the experts, whole. Either way forward returns a partial sum.
+
+    Float stacks (gate_up_proj, down_proj) by default; after keep_int4(), INT4 buffers in the MoE
+    kernel's layout (kdtree_lib.moe.Int4Experts, 4.5 bits per weight) that forward runs through
+    moe_forward: the kernel for bf16 CUDA tokens, the dequantizing reference elsewhere."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, moe_parallel: str):
         super().__init__()
@@ -297,13 +305,53 @@ class Experts(nn.Module):
             first, last = tp.split(experts, "n_routed_experts")
             self.width_range = (0, width)
         self.expert_ids = range(first, last)
-        local = self.width_range[1] - self.width_range[0]
-        self.gate_up_proj = nn.Parameter(torch.empty(len(self.expert_ids), 2 * local, config.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(len(self.expert_ids), config.hidden_size, local))
+        self.total_experts, self.hidden = experts, config.hidden_size
+        self.width = self.width_range[1] - self.width_range[0]
+        self.int4 = False
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.expert_ids), 2 * self.width, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(self.expert_ids), config.hidden_size, self.width))
+
+    def keep_int4(self) -> None:
+        """Hold the experts INT4 instead of as float stacks. Call it on a model built on the meta
+        device (checkpoint.empty_target does), so no float stack is ever allocated."""
+        device = self.gate_up_proj.device
+        del self.gate_up_proj, self.down_proj
+        for name, (rows, inputs) in (("gate_up", (2 * self.width, self.hidden)), ("down", (self.hidden, self.width))):
+            codes, scales = layout_shapes(len(self.expert_ids), rows, inputs)
+            self.register_buffer(f"{name}_codes", torch.empty(codes, dtype=torch.int32, device=device))
+            self.register_buffer(f"{name}_scales", torch.empty(scales, dtype=torch.bfloat16, device=device))
+        self.int4 = True
+
+    def int4_experts(self) -> Int4Experts:
+        """This rank's INT4 experts as moe_forward takes them (views of the buffers)."""
+        return Int4Experts(*(getattr(self, name) for name in INT4_BUFFERS), hidden=self.hidden, width=self.width,
+                           first_expert=self.expert_ids.start, total_experts=self.total_experts)
+
+    @torch.no_grad()
+    def load_int4(self, local: int, gate_up_packed, gate_up_scale, down_packed, down_scale) -> None:
+        """Local expert `local` from the checkpoint's packed layout, repacked into the buffers."""
+        for name, packed, scale in (("gate_up", gate_up_packed, gate_up_scale), ("down", down_packed, down_scale)):
+            codes, scales = repack(packed[None], scale[None])
+            getattr(self, f"{name}_codes")[local].copy_(codes[0])
+            getattr(self, f"{name}_scales")[local].copy_(scales[0])
+
+    def _apply(self, fn, recurse=True):
+        """INT4 codes and bf16 scales move with the model but keep their dtypes when it is cast."""
+        if not self.int4:
+            return super()._apply(fn, recurse)
+        kept = {name: self._buffers.pop(name) for name in INT4_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            moved = fn(tensor)
+            self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
+        return self
 
     def forward(self, x, ids, weights):                                # x (N, D), ids/weights (N, k)
-        """Weighted sum of each token's experts (this rank's share): one grouped GEMM per
-        projection in bf16 where torch has it, else a loop over the experts hit."""
+        """Weighted sum of each token's experts (this rank's share): INT4 through moe_forward; float
+        stacks by one grouped GEMM per projection in bf16 where torch has it, else a loop over the
+        experts hit."""
+        if self.int4:
+            return moe_forward(x, ids, weights, self.int4_experts())
         if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return self.grouped(x, ids, weights)
         return self.looped(x, ids, weights)

@@ -317,6 +317,46 @@ def test_nvcc_builds_every_configuration_without_spills(arch, tmp_path):
         assert resources.registers <= 255
 
 
+def test_the_benchmark_reads_its_targets_from_rows():
+    from kdtree_lib.bench import moe_int4 as bench
+
+    def row(provider, tokens, time_us, pct=None, **extra):
+        return {"provider": provider, "tp": 8, "routing": "uniform", "tokens": tokens, "time_us": time_us,
+                "pct_roofline": pct, "launch_floor_us": 4.0, **extra}
+    rows = [row("roofline", 1, 6.0), row("kernel", 1, 14.0, 42.9), row("kernel", 8, 50.0, 80.0),
+            row("kernel", 64, 900.0, 65.0), row("kernel_ep", 8, 75.0, ep_rank_experts_hit=12),
+            row("kernel", 8, 1.0, 99.0, tp=1)]  # another TP: not a target
+    summary = bench.summary(rows)
+    assert (summary["pct_roofline_min"], summary["shapes_at_target"], summary["target_shapes"]) == (65.0, 1, 2)
+    assert summary["single_token_bound_us"] == [15.0] and summary["single_token_ok"]  # 1.5 x (6 + 4)
+    [entry] = bench.parallel_comparison(rows)
+    assert (entry["tokens"], entry["tp_us"], entry["ep_us"], entry["ep_over_tp"]) == (8, 50.0, 75.0, 1.5)
+
+
+def test_the_benchmark_plots_draw_every_provider(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from kdtree_lib.bench import moe_int4 as bench
+    rows = [{"provider": provider, "tp": 8, "routing": routing, "tokens": m, "time_us": 10.0 * m,
+             "experts_hit": min(384, 8 * m)}
+            for provider in bench.PROVIDER_STYLE for routing in bench.ROUTINGS for m in (1, 8, 64)]
+    fig, (left, right) = plt.subplots(1, 2)
+    bench.plot_time(left, rows, tp=8, routing="uniform")
+    bench.plot_union(right, rows, tp=8)
+    assert len(left.lines) == len(bench.PROVIDER_STYLE) and len(right.lines) == len(bench.ROUTINGS)
+    plt.close(fig)
+
+
+def test_correlated_routing_shrinks_the_union():
+    from kdtree_lib.bench import moe_int4 as bench
+    uniform, _ = bench.make_routing(256, 384, 8, "uniform", seed=0, device="cpu")
+    correlated, weights = bench.make_routing(256, 384, 8, "correlated", seed=0, device="cpu")
+    assert correlated.shape == weights.shape == (256, 8) and correlated.dtype == torch.int32
+    assert all(len(set(r.tolist())) == 8 for r in correlated)  # distinct experts per token, as a router picks
+    assert len(torch.unique(correlated)) < len(torch.unique(uniform))
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: against the dequantized fp32 reference at K2.6's per-rank shapes
 

@@ -7,6 +7,8 @@ Rows go to data/results/moe_int4.csv ($KDTREE_RESULTS_DIR overrides), one per (t
 provider), with date, commit, device and every parameter. Providers, timed in the same run:
 - `kernel`: the launcher's plan for this device;
 - `kernel_99kb`: the plan for 99 KB of shared memory per block (the sm_120 box's limit);
+- `kernel_ep` (TP > 1): the same layer sharded EP instead, tp ranks of 384/tp whole experts, each rank
+  timed in turn on the same tokens; the step waits for the slowest (its hits and bytes in the row);
 - `torch_bf16`: model.Experts.grouped (torch._grouped_mm) on bf16 experts of the same shapes (random
   values: a GEMM's time does not depend on them, and the weights are not zeros);
 - `roofline`: the bytes a call must move (codes + scales of the distinct experts hit, tokens in and
@@ -76,6 +78,9 @@ def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, log=print)
     for tp in tps:
         width = config.moe_intermediate_size // tp
         experts = moe.random_experts(config.n_routed_experts, config.hidden_size, width, seed=tp, device="cuda")
+        # EP: tp ranks of n/tp whole experts; one set of weights serves every rank (times do not depend on values)
+        ep_share = None if tp == 1 else moe.random_experts(config.n_routed_experts // tp, config.hidden_size,
+                                                            config.moe_intermediate_size, seed=tp + 1, device="cuda")
         baseline = torch_baseline(config, tp)
         tp_rows = []
         for routing in routings:
@@ -86,36 +91,53 @@ def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, log=print)
                 need = moe.touched_bytes(routes, experts)
                 n_bytes = need["weight_bytes"] + need["activation_bytes"]
                 roofline = n_bytes / bandwidth
-                launch = moe.prepare_moe_launch(x, routes, weights, experts)
-                box_plan = moe.plan_moe(m, experts.hidden, width, smem_per_block=moe.SM120_SMEM_PER_BLOCK)
-                box = moe.prepare_moe_launch(x, routes, weights, experts, plan=box_plan)
-                long_routes = routes.long()
-                times = {"kernel": (timing.gpu_seconds(launch, reps=reps), launch.plan.name),
-                         "kernel_99kb": (timing.gpu_seconds(box, reps=reps), box_plan.name),
-                         "torch_bf16": (timing.gpu_seconds(lambda: baseline.grouped(x, long_routes, weights),
-                                                           reps=reps), None),
-                         "roofline": (roofline, None)}
                 common = {"run": run_stamp, "tp": tp, "hidden": experts.hidden, "width": width,
                           "experts": experts.n_experts, "top_k": config.num_experts_per_tok, "routing": routing,
                           "correlation": CORRELATION if routing == "correlated" else 0.0, "tokens": m,
                           "experts_hit": need["experts_hit"], "weight_bytes": need["weight_bytes"],
                           "activation_bytes": need["activation_bytes"], "bytes": n_bytes, "reps": reps,
                           "copy_tbps": round(bandwidth / 1e12, 3), "launch_floor_us": round(floor * 1e6, 2)}
-                for provider, (seconds, plan) in times.items():
+                times = _time_providers(x, routes, weights, experts, baseline, ep_share, reps=reps)
+                times["roofline"] = (roofline, None, {})
+                for provider, (seconds, plan, extra) in times.items():
                     tp_rows.append({**common, "provider": provider, "plan": plan, "time_us": round(seconds * 1e6, 2),
                                     "tbps": round(n_bytes / seconds / 1e12, 3),
-                                    "pct_roofline": round(100 * roofline / seconds, 1)})
-                log(f"tp={tp} {routing:10s} M={m:4d} hit={need['experts_hit']:3d} "
-                    f"{n_bytes / 1e6:8.1f} MB: kernel {times['kernel'][0] * 1e6:8.1f} us "
-                    f"({100 * roofline / times['kernel'][0]:5.1f}% roof), "
-                    f"99 KB {times['kernel_99kb'][0] * 1e6:8.1f} us, "
-                    f"torch bf16 {times['torch_bf16'][0] * 1e6:8.1f} us, roofline {roofline * 1e6:7.1f} us "
-                    f"[{launch.plan.name}]")
+                                    "pct_roofline": round(100 * roofline / seconds, 1), **extra})
+                log(f"tp={tp} {routing:10s} M={m:4d} hit={need['experts_hit']:3d} {n_bytes / 1e6:8.1f} MB: "
+                    + ", ".join(f"{provider} {seconds * 1e6:.1f} us" for provider, (seconds, _, _) in times.items())
+                    + f" ({100 * roofline / times['kernel'][0]:.1f}% roof) [{times['kernel'][1]}]")
         results.append_rows(TOPIC, tp_rows)
         rows += tp_rows
-        del experts, baseline
+        del experts, ep_share, baseline
         torch.cuda.empty_cache()
     return rows
+
+
+def _time_providers(x, routes, weights, experts, baseline, ep_share, *, reps: int) -> dict:
+    """{provider: (seconds, plan name, extra row fields)} on one input: the kernel at this TP slice,
+    its 99 KB plan, torch's bf16 grouped matmul and, with ep_share, the EP step: the slowest of the
+    ranks holding ep_share's whole experts, each timed in turn."""
+    import dataclasses
+    launch = moe.prepare_moe_launch(x, routes, weights, experts)
+    box_plan = moe.plan_moe(len(x), experts.hidden, experts.width, smem_per_block=moe.SM120_SMEM_PER_BLOCK)
+    box = moe.prepare_moe_launch(x, routes, weights, experts, plan=box_plan)
+    long_routes = routes.long()
+    times = {"kernel": (timing.gpu_seconds(launch, reps=reps), launch.plan.name, {}),
+             "kernel_99kb": (timing.gpu_seconds(box, reps=reps), box_plan.name, {}),
+             "torch_bf16": (timing.gpu_seconds(lambda: baseline.grouped(x, long_routes, weights), reps=reps), None, {})}
+    if ep_share is not None:
+        ranks = experts.n_experts // ep_share.n_experts
+        steps = []
+        for rank in range(ranks):
+            shard = dataclasses.replace(ep_share, first_expert=rank * ep_share.n_experts,
+                                        total_experts=experts.n_experts)
+            rank_launch = moe.prepare_moe_launch(x, routes, weights, shard)
+            steps.append((timing.gpu_seconds(rank_launch, reps=reps), moe.touched_bytes(routes, shard), rank_launch))
+        seconds, need, rank_launch = max(steps, key=lambda step: step[0])
+        slowest = {"ep_ranks": ranks, "ep_rank_experts_hit": need["experts_hit"],
+                   "ep_rank_weight_bytes": need["weight_bytes"]}
+        times["kernel_ep"] = (seconds, rank_launch.plan.name, slowest)
+    return times
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,8 +163,18 @@ def summary(rows, provider: str = "kernel") -> dict:
             "single_token_ok": all(r["time_us"] <= b for r, b in zip(single, bounds)) if single else None}
 
 
-PROVIDER_STYLE = {"kernel": ("C0", "o-"), "kernel_99kb": ("C1", "x:"), "torch_bf16": ("C3", "s--"),
-                  "roofline": ("k", "--")}
+def parallel_comparison(rows, *, tp: int = TARGET_TP) -> list[dict]:
+    """Per (routing, M) at TP=tp: the TP slice's kernel time against the EP step's (slowest rank)."""
+    tp_times = {(r["routing"], r["tokens"]): r["time_us"] for r in select(rows, provider="kernel", tp=tp)}
+    return [{"routing": r["routing"], "tokens": r["tokens"], "tp_us": tp_times[(r["routing"], r["tokens"])],
+             "ep_us": r["time_us"], "ep_over_tp": round(r["time_us"] / tp_times[(r["routing"], r["tokens"])], 3),
+             "ep_rank_experts_hit": r["ep_rank_experts_hit"]}
+            for r in sorted(select(rows, provider="kernel_ep", tp=tp), key=lambda r: (r["routing"], r["tokens"]))
+            if (r["routing"], r["tokens"]) in tp_times]
+
+
+PROVIDER_STYLE = {"kernel": ("C0", "o-"), "kernel_99kb": ("C1", "x:"), "kernel_ep": ("C4", "d-."),
+                  "torch_bf16": ("C3", "s--"), "roofline": ("k", "--")}
 
 
 def plot_time(ax, rows, *, tp: int, routing: str):

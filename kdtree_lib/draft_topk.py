@@ -42,7 +42,7 @@ def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
         backend = "torch" if is_on_gpu(logits) else "numpy"
     chosen = _backend.resolve(backend, ("numpy", "torch", "cupy"), logits)
     if chosen == "cupy":
-        return prepare_draft_topk(cuda.contiguous(logits, "float32"), k)()
+        return prepare_draft_topk(cuda.contiguous(logits, "float32"), k, backend="cupy")()
     if chosen == "torch" and is_on_gpu(logits):
         return _torch_topk_on_device(logits, k)
     return _torch_topk_on_host(logits, k, torch_out=chosen == "torch" and framework(logits) == "torch")
@@ -114,16 +114,49 @@ class TopKLaunch:
         return self.out
 
 
-def prepare_draft_topk(logits, k: int, *, out: DraftTopK | None = None) -> TopKLaunch:
-    """The fused kernel's launch for C-contiguous float32 device logits [B, D, V], read in place by
-    every call; `out` may be given (tests poison it)."""
+class ExactTopKLaunch:
+    """draft_topk's exact path on the GPU (torch's topk - logsumexp for the batch) into fixed buffers:
+    the same values, with no allocation per call, so it can be replayed in a CUDA graph beside the build.
+
+    Calling it enqueues torch's ops on the current stream over the logits it was prepared with and
+    returns `out`; passing `logits` checks that it is that same buffer.
+    """
+
+    def __init__(self, logits, k: int, out: DraftTopK):
+        import torch
+        self.logits, self.out, self.k = logits, out, k
+        self._signature = (int(cuda.pointer(logits)), tuple(logits.shape), str(logits.dtype))
+        self._x = logits if framework(logits) == "torch" else torch.as_tensor(logits, device=f"cuda:{logits.device.id}")
+        self._logp = out.logp if framework(out.logp) == "torch" else torch.as_tensor(out.logp, device=self._x.device)
+        self._ids = out.ids if framework(out.ids) == "torch" else torch.as_tensor(out.ids, device=self._x.device)
+        self._values = torch.empty(self._logp.shape, dtype=torch.float32, device=self._x.device)
+        self._indices = torch.empty(self._logp.shape, dtype=torch.int64, device=self._x.device)
+        self._log_z = torch.empty(self._logp.shape[:-1] + (1,), dtype=torch.float32, device=self._x.device)
+
+    def __call__(self, logits=None) -> DraftTopK:
+        import torch
+        if logits is not None and (int(cuda.pointer(logits)), tuple(logits.shape), str(logits.dtype)) != self._signature:
+            raise ValueError("logits: not the buffer this launch was prepared with (same address, shape and dtype)")
+        torch.topk(self._x, self.k, dim=-1, out=(self._values, self._indices))
+        torch.logsumexp(self._x, dim=-1, keepdim=True, out=self._log_z)
+        torch.sub(self._values, self._log_z, out=self._logp)
+        self._ids.copy_(self._indices)
+        return self.out
+
+
+def prepare_draft_topk(logits, k: int, *, backend: str = "auto", out: DraftTopK | None = None):
+    """A prepared draft top-k for C-contiguous float32 device logits [B, D, V], read in place by every
+    call: backend "torch" (or "auto") the exact path (ExactTopKLaunch), "cupy" the fused kernel
+    (TopKLaunch); `out` may be given (tests poison it)."""
     check_array("logits", logits, dtypes="float32", ndim=3)
     k = check_positive_int("k", k)
+    if backend not in ("auto", "torch", "cupy"):
+        raise ValueError(f"backend: a prepared launch is 'torch' (exact, the default) or 'cupy' (fused), got {backend!r}")
     batch, depth, vocab = (int(n) for n in logits.shape)
     if vocab < 1:
         raise ValueError("logits: the vocabulary axis is empty")
     top = min(k, vocab)
-    if top > MAX_TOPK:
+    if backend == "cupy" and top > MAX_TOPK:
         raise ValueError(f"k: the GPU top-k keeps at most {MAX_TOPK} per position, got {k}")
     _backend.resolve("cupy", ("cupy",), logits)
     if not cuda.is_contiguous(logits):
@@ -133,4 +166,4 @@ def prepare_draft_topk(logits, k: int, *, out: DraftTopK | None = None) -> TopKL
                         ids=cuda.device_empty(logits, (batch, depth, top), "int32"))
     check_array("out.logp", out.logp, dtypes="float32", shape=(batch, depth, top))
     check_array("out.ids", out.ids, dtypes="int32", shape=(batch, depth, top))
-    return TopKLaunch(logits, top, out)
+    return TopKLaunch(logits, top, out) if backend == "cupy" else ExactTopKLaunch(logits, top, out)

@@ -6,7 +6,7 @@ build_eagle_tree_format must equal SGLang's element for element on the same logi
 and its environment knobs. Without it: the EAGLE conversion against the Tree contract's own children
 lists, the lazy child maps, the policy's invariants, and install() on stand-in modules.
 """
-import importlib.util
+import importlib
 import os
 import sys
 import types
@@ -24,35 +24,9 @@ needs_sglang = pytest.mark.skipif(not SGLANG_FILE, reason="KDTREE_SGLANG_DDTREE_
 OUTPUTS = ("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "actual_tree_sizes")
 
 
-class _Knob:
-    """One of SGLang's environment knobs, read at each call as its envs object does."""
-
-    def __init__(self, name, default):
-        self.name, self.default = name, default
-
-    def get(self):
-        return os.environ.get(self.name, self.default)
-
-
 @pytest.fixture(scope="module")
 def sglang_utils():
-    """SGLang's module from the local copy; its `sglang.srt.environ` is SGLang's own when installed,
-    else a stand-in that reads the same two variables with the defaults SGLang's source documents."""
-    try:
-        importlib.import_module("sglang.srt.environ")
-    except ImportError:
-        envs = types.SimpleNamespace(SGLANG_DDTREE_MAX_TOPK=_Knob("SGLANG_DDTREE_MAX_TOPK", dropin.DEFAULT_MAX_TOPK),
-                                     SGLANG_DDTREE_DEPTH_BONUS=_Knob("SGLANG_DDTREE_DEPTH_BONUS",
-                                                                     dropin.DEFAULT_DEPTH_BONUS))
-        for name in ("sglang", "sglang.srt"):
-            sys.modules.setdefault(name, types.ModuleType(name))
-        environ = types.ModuleType("sglang.srt.environ")
-        environ.envs = envs
-        sys.modules["sglang.srt.environ"] = environ
-    spec = importlib.util.spec_from_file_location("sglang_ddtree_utils_copy", SGLANG_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return dropin.load_sglang_module(SGLANG_FILE)
 
 
 def draft_logits(style: str, batch: int, depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -189,6 +163,13 @@ def test_install_patches_the_module_and_its_importers(monkeypatch):
     assert utils.build_ddtree_tree is original and worker.build_ddtree_tree is original
     with pytest.raises(ValueError, match="modules: .* holds none of"):
         dropin.install(types.ModuleType("empty"))
+
+
+def test_load_sglang_module_refuses_other_files(tmp_path):
+    other = tmp_path / "other.py"
+    other.write_text("def build_ddtree_tree(*a):\n    return 1\n")
+    with pytest.raises(ValueError, match="path: .* defines none or only some of"):
+        dropin.load_sglang_module(other)
 
 
 def test_patch_on_import_patches_sglangs_module_when_it_loads(tmp_path, monkeypatch):

@@ -141,7 +141,7 @@ def test_build_checks_arguments_before_launch(change, message):
 
 def test_draft_topk_kernel_limits():
     with pytest.raises(ValueError, match="at most 1024"):
-        prepare_draft_topk(np.zeros((1, 1, 2000), np.float32), 1500)
+        prepare_draft_topk(np.zeros((1, 1, 2000), np.float32), 1500, backend="cupy")
     with pytest.raises(ValueError, match="vocabulary"):
         prepare_draft_topk(np.zeros((1, 1, 0), np.float32), 4)
 
@@ -267,10 +267,11 @@ def test_prepared_launches_refuse_other_buffers():
     with pytest.raises(ValueError, match="draft, root: not the buffers"):
         build(root=torch.zeros(2, dtype=torch.int64, device="cuda"))
     logits = torch.randn(2, 3, 100, device="cuda")
-    topk = prepare_draft_topk(logits, 8)
-    topk(logits)
-    with pytest.raises(ValueError, match="logits: not the buffer"):
-        topk(logits[:1])
+    for backend in ("torch", "cupy"):
+        topk = prepare_draft_topk(logits, 8, backend=backend)
+        topk(logits)
+        with pytest.raises(ValueError, match="logits: not the buffer"):
+            topk(logits[:1])
     posterior = torch.zeros(2, 9, dtype=torch.int32, device="cuda")
     walk = prepare_accept_launch(build.out, posterior)
     walk(posterior)
@@ -351,7 +352,7 @@ def topk_logits(rng, shape, style):
 def test_fused_topk_kernel_selects_exactly(batch, depth, vocab, k, style, kind):
     rng, seed = fresh_rng()
     logits = topk_logits(rng, (batch, depth, vocab), style)
-    launch = prepare_draft_topk(to_device(logits, kind), k)
+    launch = prepare_draft_topk(to_device(logits, kind), k, backend="cupy")
     poison(launch.out.logp, launch.out.ids)
     assert_fused_topk_matches(launch(), logits, k, f"seed={seed} {style} {kind}")
 
@@ -375,6 +376,19 @@ def test_auto_on_the_gpu_is_torchs_cuda_formula(kind, dtype):
     want = (values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).cpu().numpy()
     assert np.array_equal(host(got.logp).view(np.uint32), want.view(np.uint32)), f"seed={seed}"
     assert np.array_equal(host(got.ids), ids.int().cpu().numpy()), f"seed={seed}"
+    if dtype == "float32":  # the prepared exact path: the same values from fixed buffers, also replayed in a graph
+        launch = prepare_draft_topk(given, 256, backend="torch")
+        poison(launch.out.logp, launch.out.ids)
+        graph = torch.cuda.CUDAGraph()
+        launch()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            launch()
+        poison(launch.out.logp, launch.out.ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(host(launch.out.logp).view(np.uint32), want.view(np.uint32)), f"seed={seed} prepared"
+        assert np.array_equal(host(launch.out.ids), ids.int().cpu().numpy()), f"seed={seed} prepared"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,7 +520,7 @@ def test_kernels_follow_torch_current_stream():
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         logits = torch.randn(16, 15, 32_768, device="cuda") * 3
-        fused = prepare_draft_topk(logits, 64)()
+        fused = prepare_draft_topk(logits, 64, backend="cupy")()
         draft = draft_topk(logits, 64)
         tree = build_tree(draft, 64)
     stream.synchronize()

@@ -21,7 +21,14 @@ stage "draft_topk" (K2.6's vocabulary, normal logits):
   eager draft_topk (the exact path);
 - `roofline_us`: the logits' bytes over the measured copy bandwidth (bench.ceilings; reading once).
 
-    python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk] [--results-dir DIR]
+stage "tree_stage" (the same K2.6-vocabulary logits on the device to tree tensors there, eager, each call
+synchronised): "sglang" is SGLang's build_ddtree_tree + build_eagle_tree_format from a local copy of its
+source (--sglang-utils, never committed), "dropin" the same two calls of kdtree_lib.integrations.sglang
+(`matches_sglang`: its outputs equal SGLang's), "kdtree" the project's own stage, draft_topk then
+build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph.
+
+    python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk,stage] [--sglang-utils PATH]
+                                          [--results-dir DIR]
 """
 from __future__ import annotations
 
@@ -140,6 +147,49 @@ def bench_draft_topk(batches=BATCHES, depths=DEPTHS, ks=TOPK_KS, vocab: int = K2
                       f"(flushed {timings['kernel_flushed'][0] * 1e6:8.1f}, roofline {roofline * 1e6:7.1f})  torch "
                       f"{timings['torch'][0] * 1e6:8.1f} us  host: prepared {timings['prepared_call'][0] * 1e6:5.1f} "
                       f"eager {timings['eager_call'][0] * 1e6:5.1f} us  max|diff| {error:.1e}", flush=True)
+    return rows
+
+
+def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=BUDGETS, vocab: int = K26_VOCAB,
+                     device: str = "cuda") -> list[dict]:
+    """The tree stage from draft logits [B, D, V] to tree tensors, SGLang's way, the drop-in's and kdtree's."""
+    import torch
+    from ..integrations import sglang as dropin
+    finish = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for depth in depths:
+        for batch in batches:
+            generator = torch.Generator(device=device).manual_seed(batch * 100 + depth)
+            logits = torch.randn(batch, depth, vocab, device=device, generator=generator) * 3
+            for budget in budgets:
+                def sglang_path(module):
+                    tree = module.build_ddtree_tree(logits, budget, logits.device)
+                    return tree, module.build_eagle_tree_format(tree[2], tree[5], budget + 1, logits.device)
+
+                paths = {"dropin": lambda: sglang_path(dropin),
+                         "kdtree": lambda: build_tree(draft_topk(logits, budget), budget)}
+                if sglang_utils is not None:
+                    paths["sglang"] = lambda: sglang_path(sglang_utils)
+                timings = {name: (wall_seconds(lambda: (path(), finish())), "wall") for name, path in paths.items()}
+                if device == "cuda":
+                    exact = prepare_draft_topk(logits, budget, backend="torch")
+                    build = prepare_build_launch(exact(), budget)
+                    timings["kdtree_graph"] = graph_seconds(lambda: (exact(), build()))
+                matches = ""
+                if sglang_utils is not None:
+                    (ours, our_eagle), (theirs, their_eagle) = paths["dropin"](), paths["sglang"]()
+                    matches = all(list(a) == list(b) if name == 3 else bool(torch.equal(a, b))
+                                  for name, (a, b) in enumerate(zip(ours, theirs))) and all(
+                        bool(torch.equal(a, b)) for a, b in zip(our_eagle, their_eagle))
+                sglang_seconds = timings.get("sglang", (None,))[0]
+                for name, (seconds, timing) in timings.items():
+                    rows.append(dict(stage="tree_stage", batch=batch, depth=depth, vocab=vocab, budget=budget,
+                                     method=name, backend="torch" if name in ("sglang", "dropin") else "cupy",
+                                     time_us=round(seconds * 1e6, 3), timing=timing, matches_sglang=matches,
+                                     speedup_vs_sglang=round(sglang_seconds / seconds, 2) if sglang_seconds else ""))
+                print(f"tree stage D={depth:2d} B={batch:3d} budget={budget:4d}: " + "  ".join(
+                    f"{name} {seconds * 1e6:9.1f} us" for name, (seconds, _) in timings.items())
+                    + f"  dropin == sglang: {matches}", flush=True)
     return rows
 
 
@@ -283,7 +333,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few small configurations (a smoke test)")
     parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
-    parser.add_argument("--only", default="build,topk", help="comma-separated subset of build,topk")
+    parser.add_argument("--only", default="build,topk", help="comma-separated subset of build,topk,stage")
+    parser.add_argument("--sglang-utils", type=Path, default=None,
+                        help="a local copy of SGLang's ddtree_utils.py: times its build beside the drop-in (stage)")
     parser.add_argument("--batches", type=_int_list, default=BATCHES)
     parser.add_argument("--depths", type=_int_list, default=DEPTHS)
     parser.add_argument("--budgets", type=_int_list, default=BUDGETS)
@@ -297,6 +349,11 @@ def main(argv=None) -> None:
     if "topk" in parts:
         ks = (64,) if args.quick else args.ks
         results.append_rows("tree_build", bench_draft_topk(**grid, ks=ks), results_dir=args.results_dir)
+    if "stage" in parts:
+        from ..integrations.sglang import load_sglang_module
+        utils = load_sglang_module(args.sglang_utils) if args.sglang_utils else None
+        budgets = (8, 64) if args.quick else args.budgets
+        results.append_rows("tree_build", bench_tree_stage(utils, **grid, budgets=budgets), results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,45 @@ def build_eagle_tree_format(parents, actual_tree_sizes, draft_token_num: int, de
     return retrive_index.to(device), next_token.to(device), next_sibling.to(device)
 
 
+def load_sglang_module(path):
+    """SGLang's ddtree_utils from a local copy of the file (tests and the benchmark compare with it; it is
+    never committed). Where SGLang is not installed, its `sglang.srt.environ` is stood in for by one that
+    reads the same two knobs with the defaults SGLang's source documents."""
+    try:
+        importlib.import_module("sglang.srt.environ")
+    except ImportError:
+        _stand_in_environ()
+    spec = importlib.util.spec_from_file_location("sglang_ddtree_utils_copy", path)
+    if spec is None:
+        raise ValueError(f"path: not a Python file: {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not all(hasattr(module, name) for name in PATCHED_NAMES):
+        raise ValueError(f"path: {path} defines none or only some of {PATCHED_NAMES}")
+    return module
+
+
+class _Knob:
+    """One of SGLang's environment knobs, read at each call as its `envs` object does."""
+
+    def __init__(self, name: str, default):
+        self.name, self.default = name, default
+
+    def get(self):
+        return os.environ.get(self.name, self.default)
+
+
+def _stand_in_environ() -> None:
+    import types
+    for name in ("sglang", "sglang.srt"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = types.SimpleNamespace(SGLANG_DDTREE_MAX_TOPK=_Knob("SGLANG_DDTREE_MAX_TOPK", DEFAULT_MAX_TOPK),
+                                         SGLANG_DDTREE_DEPTH_BONUS=_Knob("SGLANG_DDTREE_DEPTH_BONUS",
+                                                                         DEFAULT_DEPTH_BONUS))
+    sys.modules["sglang.srt.environ"] = environ
+
+
 # ----------------------------------------------------------------------------------------------
 # patching a worker
 

@@ -1,9 +1,10 @@
 """The W4A16 MoE of a verify step (kdtree_lib/moe.py, kernels/moe_int4.cu).
 
-CPU: the kernel layout is a lossless permutation of the checkpoint's (and its fragment mapping is
-the one docs/moe-int4.md and the kernel read), the reference equals dequantize-then-matmul, TP and EP
-shards sum to the whole, bad inputs are refused naming the tensor, the launch plan fits both targets,
-and nvcc builds the kernels for sm_90 and sm_120 without spills.
+CPU: the kernel layout is a lossless permutation of the checkpoint's, and the MMA fragments the
+kernel builds from it give the tile product; the reference equals dequantize-then-matmul; TP and EP
+shards sum to the whole; load_target keeps INT4 experts INT4, each rank reading its slices only; bad
+inputs are refused naming the tensor; the launch plan fits both targets; the benchmark's readers work
+on synthetic rows; nvcc builds the kernels for sm_90 and sm_120 without spills.
 GPU (`-m gpu`): the kernel against the dequantized fp32 reference at K2.6's per-rank shapes (TP=1 and
 the TP=8 slice), M from 1 to 4096 with ragged loads, outputs poisoned, error at most twice torch bf16's
 on the same dequantized weights; CUDA-graph replay equals eager bit for bit.
@@ -54,29 +55,46 @@ def test_repack_is_a_lossless_permutation():
                        dequantize_int4(gate_up_packed[2], gate_up_scale[2], moe.GROUP_SIZE))
 
 
-def test_fragment_mapping_matches_the_kernel():
-    """Emulate what lane (g, c) of kernels/moe_int4.cu reads: A register i of word b holds, low half
-    then high half, nibbles i and i + 4 = (row g + 8·(i % 2), input 16c + 4b + 2·(i // 2) + {0, 1}),
-    scaled by that row's group 2·chunk + c // 2; the B register pair of step b is activations
-    16c + 4b + {0, 1} and {2, 3}, which the same k order makes consecutive."""
-    rows, inputs = 128, 128
-    packed, scale, *_ = checkpoint_experts(1, inputs, rows // 2)
-    weight = moe.dequantize(packed, scale)[0]                                  # [rows, inputs]
+def test_mma_data_flow_computes_the_tile_product():
+    """The tile product as kernels/moe_int4.cu runs it, with mma.sync m16n8k16's documented fragments.
+    Lane (g, c), step b: A register i holds, low half then high half, nibbles i and i + 4 of word b =
+    (row g + 8·(i % 2), input 16c + 4b + 2·(i // 2) + {0, 1}) scaled by that row's group
+    2·chunk + c // 2 (docs/moe-int4.md's order: checked weight by weight); B registers b0, b1 are
+    token g's activations 16c + 4b + {0, 1} and {2, 3}; accumulator r is (row g + 8·(r // 2), token
+    2c + r % 2). Together they must give W·xᵀ for a 16-row tile and 8 tokens."""
+    inputs = 128
+    packed, scale, *_ = checkpoint_experts(1, inputs, 64)
+    weight = moe.dequantize(packed, scale)[0, :16].double().numpy()             # tile 0: [16, inputs]
     codes, scales = moe.repack(packed, scale)
-    words = codes[0].numpy().view(np.uint32)                                   # [tiles, chunks, 32, 4]
-    pairs = scales[0].reshape(rows // 16, inputs // 64, 8, 2, 2).float().numpy()
-    for tile in range(rows // 16):
-        for chunk in range(inputs // 64):
+    words = codes[0, 0].numpy().view(np.uint32)                                # [chunks, 32, 4]
+    pairs = scales[0, 0].float().numpy()                                       # [chunks, 8, 2, 2]
+    x = np.random.default_rng(9).standard_normal((8, inputs))
+    acc = np.zeros((32, 4))
+    for chunk in range(inputs // 64):
+        for b in range(4):
+            a_tile, b_tile = np.zeros((16, 16)), np.zeros((16, 8))  # the MMA's A [m, k] and B [k, n]
             for lane in range(32):
                 g, c = lane // 4, lane % 4
-                for b in range(4):
-                    for i in range(4):
-                        row = 16 * tile + g + 8 * (i % 2)
-                        s = pairs[tile, chunk, g, c // 2, i % 2]
-                        for half in range(2):
-                            code = (int(words[tile, chunk, lane, b]) >> (4 * (i + 4 * half))) & 0xF
-                            column = 64 * chunk + 16 * c + 4 * b + 2 * (i // 2) + half
-                            assert (code - 8) * s == weight[row, column]
+                for i in range(4):
+                    for half in range(2):
+                        code = (int(words[chunk, lane, b]) >> (4 * (i + 4 * half))) & 0xF
+                        row, k = g + 8 * (i % 2), 2 * c + 8 * (i // 2) + half
+                        a_tile[row, k] = (code - 8) * pairs[chunk, g, c // 2, i % 2]
+                        assert a_tile[row, k] == weight[row, 64 * chunk + 16 * c + 4 * b + 2 * (i // 2) + half]
+                activations = x[g, 64 * chunk + 16 * c:64 * chunk + 16 * c + 16]
+                for register in range(2):  # b0, b1
+                    for half in range(2):
+                        b_tile[2 * c + 8 * register + half, g] = activations[4 * b + 2 * register + half]
+            product = a_tile @ b_tile
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                for r in range(4):
+                    acc[lane, r] += product[g + 8 * (r // 2), 2 * c + r % 2]
+    expected = weight @ x.T                                                    # [16 rows, 8 tokens]
+    for lane in range(32):
+        g, c = lane // 4, lane % 4
+        for r in range(4):
+            assert acc[lane, r] == pytest.approx(expected[g + 8 * (r // 2), 2 * c + r % 2], rel=1e-12, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

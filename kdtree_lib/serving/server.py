@@ -29,11 +29,12 @@ import asyncio
 import contextlib
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import deque
@@ -119,6 +120,7 @@ class Engine:
         self.waiting: deque[Job] = deque()
         self.running = 0
         self.finished = 0
+        self.cancelled = 0
         self.tokens_served = 0
         self.rounds_served = 0
         self._wakeup: asyncio.Event | None = None
@@ -135,7 +137,7 @@ class Engine:
     def states(self) -> dict:
         """Queue counts and the mean acceptance so far (what /get_server_info reports)."""
         return {"waiting": sum(not job.cancelled for job in self.waiting), "running": self.running,
-                "finished": self.finished,
+                "finished": self.finished, "cancelled": self.cancelled,
                 "avg_spec_accept_length": self.tokens_served / self.rounds_served if self.rounds_served else None}
 
     async def run(self) -> None:
@@ -166,14 +168,14 @@ class Engine:
 
     def _take_batch(self) -> list[Job]:
         """The oldest live request and up to max_batch - 1 more with its sampling settings."""
-        while self.waiting and self.waiting[0].cancelled:
-            self.waiting.popleft()
-        if not self.waiting:
+        live = [job for job in self.waiting if not job.cancelled]
+        self.cancelled += len(self.waiting) - len(live)
+        if not live:
+            self.waiting.clear()
             return []
-        key = self.waiting[0].sampling
-        batch = [job for job in self.waiting if job.sampling == key and not job.cancelled][:self.settings.max_batch]
+        batch = [job for job in live if job.sampling == live[0].sampling][:self.settings.max_batch]
         taken = set(map(id, batch))
-        self.waiting = deque(job for job in self.waiting if id(job) not in taken and not job.cancelled)
+        self.waiting = deque(job for job in live if id(job) not in taken)
         return batch
 
     @torch.no_grad()
@@ -199,6 +201,7 @@ class Engine:
                     if len(tokens[index]) > sent[index]:
                         _post(loop, job, ("tokens", tokens[index][sent[index]:].tolist()))
                         sent[index] = len(tokens[index])
+            self.cancelled += sum(job.cancelled for job in batch)
             per_round = decoder.accepted[:, :rounds].cpu().numpy()
             for index, job in enumerate(batch):
                 accepted = per_round[index][per_round[index] > 0]
@@ -612,14 +615,17 @@ def running_server(*arguments: str, startup_timeout_s: float = 120.0, stop_timeo
 
 
 def _await_ready(process: subprocess.Popen, timeout_s: float, log: Path) -> str:
+    """The URL of READY_LINE; a reader thread keeps draining the server's stdout afterwards."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if selector.select(timeout=min(0.5, max(deadline - time.monotonic(), 0))):
-                line = process.stdout.readline()
-                if line.startswith(READY_LINE):
-                    return line[len(READY_LINE):].strip()
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
             if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}") from None
+            continue
+        if line.startswith(READY_LINE):
+            return line[len(READY_LINE):].strip()
     raise RuntimeError(f"the server did not listen within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")

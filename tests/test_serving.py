@@ -1,0 +1,294 @@
+"""The serving client against this engine's server in a subprocess on 127.0.0.1 (a tiny random pair with a
+64-symbol tokenizer, so that drafts are accepted and text round-trips), and against stand-in servers that
+fail or stall. Every request loop is bounded in count and time."""
+import asyncio
+import http.server
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models
+
+from kdtree_lib.decode import generate
+from kdtree_lib.pairs import random_pair
+from kdtree_lib.results import read_rows
+from kdtree_lib.serving import client
+from kdtree_lib.serving.server import running_server
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
+SHARPNESS, BUDGET, CONTEXT, MAX_BATCH = 0.3, 32, 96, 4
+PROMPTS = ["def load fn", "import numpy as np", "class Tree:", "for x in range 7:", "return a b c d e"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    """A character-level tokenizer of 64 symbols (the random pair's vocabulary)."""
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer_path):
+    with running_server("--random-pair", "--tokenizer", str(tokenizer_path), "--draft-sharpness", str(SHARPNESS),
+                        "--budget", str(BUDGET), "--max-batch", str(MAX_BATCH), "--context-length", str(CONTEXT),
+                        startup_timeout_s=60) as local:
+        yield local
+
+
+def states(url) -> dict:
+    return httpx.get(url + "/get_server_info", timeout=5).json()["internal_states"][0]
+
+
+def wait_idle(url, timeout_s=20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = states(url)
+        if now["waiting"] == 0 and now["running"] == 0:
+            return now
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not go idle within {timeout_s} s: {now}")
+
+
+def rss_bytes(pid) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+# ----------------------------------------------------------------------------------------------
+# against this engine's server
+
+def test_sweep_rows_and_acceptance_equal_generate(server, tokenizer_path, tmp_path):
+    new_tokens = 6
+    rows = client.run_sweep(server.url, PROMPTS[:4], concurrencies=(1, 4), max_new_tokens=new_tokens, timeout_s=30,
+                            budget_label=None, progress=False,
+                            store=lambda batch: client.append_rows(client.TOPIC, batch, results_dir=tmp_path))
+    on_disk = read_rows(client.TOPIC, results_dir=tmp_path)
+    assert len(rows) == len(on_disk) == 8
+    assert all(row["ok"] for row in rows), [row.get("error") for row in rows]
+    assert {row["date"] and row["commit"] and row["device"] for row in on_disk} != {""}
+    assert sorted(int(r["concurrency"]) for r in on_disk) == [1] * 4 + [4] * 4
+    assert {r["budget_label"] for r in on_disk} == {str(BUDGET)} and {r["server_url"] for r in on_disk} == {server.url}
+    assert json.loads(on_disk[0]["server_config"])["ddtree_budget"] == BUDGET
+    assert {r["cache_flushed"] for r in on_disk} == {"True"} and {r["endpoint"] for r in on_disk} == {"generate"}
+
+    target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    expected = {}
+    for index, text in enumerate(PROMPTS[:4]):
+        alone = generate(target, drafter, [tokenizer.encode(text).ids], budget=BUDGET, max_new_tokens=new_tokens)
+        expected[index] = (len(alone.tokens[0]), len(alone.acceptance[0]))
+    for row in rows:
+        tokens, rounds = expected[row["prompt_index"]]
+        assert (row["completion_tokens"], row["spec_verify_ct"]) == (tokens, rounds), row
+        assert row["spec_accept_length"] == pytest.approx(tokens / rounds)
+    assert max(row["spec_accept_length"] for row in rows) > 1, "the drafts must be accepted for this to test anything"
+    assert len({row["spec_accept_length"] for row in rows}) > 1, "per-request acceptance, not one batch mean"
+
+
+def test_concurrent_requests_share_decode_batches_up_to_the_limit(server):
+    async def burst():
+        async with httpx.AsyncClient(timeout=30) as http:
+            bodies = [{"text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+                      for text in PROMPTS + PROMPTS[:1]]
+            return await asyncio.gather(*(http.post(server.url + "/generate", json=body) for body in bodies))
+
+    answers = [response.json() for response in asyncio.run(burst())]
+    sizes = [answer["meta_info"]["batch_size"] for answer in answers]
+    assert max(sizes) > 1 and max(sizes) <= MAX_BATCH, sizes
+    assert answers[0]["output_ids"] == answers[-1]["output_ids"], "a prompt decodes the same in any batch"
+    assert all(answer["text"] for answer in answers)
+
+
+def test_streaming_endpoints_give_ttft_and_tpot(server, tmp_path):
+    rows = client.run_sweep(server.url, PROMPTS[:2], concurrencies=(2,), endpoints=("completions", "chat"),
+                            max_new_tokens=6, timeout_s=30, warmup_requests=0, progress=False,
+                            store=lambda batch: client.append_rows(client.TOPIC, batch, results_dir=tmp_path))
+    assert len(rows) == 4 and all(row["ok"] for row in rows), [row.get("error") for row in rows]
+    for row in rows:
+        assert row["completion_tokens"] == 6
+        assert 0 < row["ttft_s"] < row["latency_s"] and row["tpot_s"] > 0, row
+
+
+def test_bad_input_gets_a_4xx_with_a_message_and_the_server_keeps_serving(server):
+    url = server.url
+    cases = [("/generate", b"{not json", "malformed JSON"),
+             ("/generate", json.dumps({"input_ids": [1] * (CONTEXT + 10)}).encode(), "context length"),
+             ("/generate", json.dumps({"text": "ab", "top_p": 0.5}).encode(), "unknown parameter(s) top_p"),
+             ("/generate", json.dumps({"text": "ab", "sampling_params": {"top_k": 3}}).encode(),
+              "unknown parameter(s) top_k"),
+             ("/generate", json.dumps({"input_ids": [1, len(ALPHABET)]}).encode(), "token ids must lie in"),
+             ("/v1/completions", json.dumps({"prompt": "ab", "max_tokens": 0}).encode(), "max_new_tokens"),
+             ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), "messages")]
+    for path, body, message in cases:
+        response = httpx.post(url + path, content=body, timeout=10)
+        text = client._error_message(response)
+        assert 400 <= response.status_code < 500 and message in text, (path, response.status_code, text)
+    good = httpx.post(url + "/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+    assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] >= 1
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled(server):
+    before = states(server.url)["cancelled"]
+    body = {"prompt": "a", "max_tokens": CONTEXT - 2, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        first = next(line for line in response.iter_lines() if line.startswith("data:"))
+        assert json.loads(first[len("data:"):])["choices"][0]["text"]
+    after = wait_idle(server.url)
+    assert after["cancelled"] == before + 1, after
+    good = httpx.post(server.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                      timeout=30)
+    assert good.status_code == 200
+
+
+def test_under_load_every_request_is_answered_and_memory_returns(server, tmp_path):
+    prompts = [[(7 * i + j) % 60 for j in range(3 + i % 5)] for i in range(64)]
+    settings = dict(concurrencies=(16,), max_new_tokens=3, timeout_s=30, warmup_requests=0, progress=False,
+                    store=lambda batch: client.append_rows(client.TOPIC, batch, results_dir=tmp_path))
+    client.run_sweep(server.url, prompts[:16], **settings)  # the allocator's high-water mark for this load
+    wait_idle(server.url)
+    baseline = rss_bytes(server.process.pid)
+    started = time.monotonic()
+    rows = client.run_sweep(server.url, prompts, **settings)
+    assert len(rows) == 64 and time.monotonic() - started < 60
+    assert all(row["ok"] or row["error"] for row in rows)
+    assert sum(row["ok"] for row in rows) == 64, [row.get("error") for row in rows if not row["ok"]][:3]
+    idle = wait_idle(server.url)
+    assert idle["waiting"] == idle["running"] == 0
+    growth = rss_bytes(server.process.pid) - baseline
+    assert growth < 32 * 2**20, f"the server kept {growth / 2**20:.1f} MiB after the load"
+
+
+# ----------------------------------------------------------------------------------------------
+# against servers that fail, stall or are not there
+
+class FailingHandler(http.server.BaseHTTPRequestHandler):
+    """/generate answers 500, the streamed endpoints stall past any client timeout, nothing else exists."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path == "/generate":
+            self._reply(500, {"error": {"message": "the worker crashed"}})
+        elif self.path.startswith("/v1/"):
+            time.sleep(4.0)
+            self._reply(200, {})
+        else:
+            self._reply(404, {"detail": "Not Found"})
+
+    def do_GET(self):
+        self._reply(404, {"detail": "Not Found"})
+
+    def _reply(self, status, body):
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def failing_server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingHandler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_server_errors_and_timeouts_are_rows_and_the_sweep_ends(failing_server, tmp_path):
+    started = time.monotonic()
+    rows = client.run_sweep(failing_server, ["ab", "cd"], concurrencies=(1, 2), endpoints=("generate", "completions"),
+                            max_new_tokens=4, timeout_s=1.0, warmup_requests=1, progress=False,
+                            store=lambda batch: client.append_rows(client.TOPIC, batch, results_dir=tmp_path))
+    assert time.monotonic() - started < 9, "a stalled server must not stall the sweep"
+    assert len(rows) == len(read_rows(client.TOPIC, results_dir=tmp_path)) == 8
+    generated = [row for row in rows if row["endpoint"] == "generate"]
+    streamed = [row for row in rows if row["endpoint"] == "completions"]
+    assert all(not r["ok"] and r["status"] == 500 and "worker crashed" in r["error"] for r in generated), \
+        [(r["status"], r["error"]) for r in generated]
+    assert all(not r["ok"] and r["status"] == "timeout" and r["latency_s"] < 2.5 for r in streamed), \
+        [(r["status"], r["error"], r["latency_s"]) for r in streamed]
+    assert {row["cache_flushed"] for row in rows} == {None} and {row["budget_label"] for row in rows} == {"ar"}
+
+
+def test_a_server_that_is_not_there_gives_transport_errors():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rows = client.run_sweep(f"http://127.0.0.1:{port}", ["ab"], concurrencies=(1,), timeout_s=2, progress=False,
+                            store=lambda batch: None)
+    assert len(rows) == 1 and rows[0]["status"] == "transport" and "ConnectError" in rows[0]["error"]
+
+
+def test_rows_measured_before_a_failure_are_on_disk(failing_server, tmp_path):
+    def store(batch):
+        if len(read_rows(client.TOPIC, results_dir=tmp_path)) == 3:
+            raise KeyboardInterrupt
+        client.append_rows(client.TOPIC, batch, results_dir=tmp_path)
+
+    with pytest.raises(KeyboardInterrupt):
+        client.run_sweep(failing_server, ["ab"] * 6, concurrencies=(1,), max_new_tokens=2, timeout_s=1,
+                         warmup_requests=0, progress=False, store=store)
+    assert len(read_rows(client.TOPIC, results_dir=tmp_path)) == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# the client's pieces
+
+def test_reported_config_and_budget_labels():
+    sglang = {"model_path": "/models/kimi", "speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 9,
+              "tp_size": 8, "mem_fraction_static": 0.85, "internal_states": [{}]}
+    assert client.reported_config(sglang) == {"model_path": "/models/kimi", "speculative_algorithm": "DFLASH",
+                                              "speculative_num_draft_tokens": 9, "tp_size": 8}
+    assert client.budget_label_of(sglang) == "8"
+    assert client.budget_label_of({"ddtree_budget": 32, "speculative_num_draft_tokens": 33}) == "32"
+    assert client.budget_label_of({}) == "ar"
+
+
+def test_prompt_sets_and_sweep_arguments(tmp_path):
+    committed = client.load_prompt_texts(count=2, max_chars=50)
+    assert len(committed) == 2 and all(0 < len(text) <= 50 for text in committed)
+    own = tmp_path / "mine.jsonl"
+    own.write_text('{"prompt": "hello"}\n\n{"text": "world"}\n')
+    assert client.load_prompt_texts(own, count=2, max_chars=3) == ["hel", "wor"]
+    with pytest.raises(ValueError, match="count"):
+        client.load_prompt_texts(own, count=3, max_chars=3)
+    own.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="path"):
+        client.load_prompt_texts(own, count=1, max_chars=3)
+    for bad, name in [(dict(concurrencies=(0,)), "concurrencies"), (dict(endpoints=("nope",)), "endpoints"),
+                      (dict(max_new_tokens=0), "max_new_tokens"), (dict(timeout_s=0), "timeout_s"),
+                      (dict(warmup_requests=-1), "warmup_requests")]:
+        with pytest.raises(ValueError, match=name):
+            client.run_sweep("http://127.0.0.1:9", ["ab"], progress=False, **bad)
+    with pytest.raises(ValueError, match="chat"):
+        client.run_sweep("http://127.0.0.1:9", [[1, 2]], endpoints=("chat",), progress=False)
+
+
+def test_arm_summaries_read_csv_text():
+    rows = [{"run": "r", "budget_label": "8", "endpoint": "generate", "concurrency": "2", "ok": "True",
+             "started_s": str(s), "finished_s": str(s + 1), "completion_tokens": "10", "tokens_per_second": "10",
+             "spec_accept_length": str(a), "ttft_s": "", "tpot_s": ""} for s, a in ((0, 2.0), (0.5, 3.0))]
+    rows.append({**rows[0], "ok": "False", "completion_tokens": "", "tokens_per_second": "", "spec_accept_length": ""})
+    (summary,) = client.arm_summaries(rows)
+    assert summary["requests"] == 3 and summary["failed"] == 1 and summary["accept_length"] == 2.5
+    assert summary["aggregate_tokens_per_second"] == pytest.approx(20 / 1.5) and summary["ttft_s"] is None

@@ -329,9 +329,11 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def load_int4(self, local: int, gate_up_packed, gate_up_scale, down_packed, down_scale) -> None:
-        """Local expert `local` from the checkpoint's packed layout, repacked into the buffers."""
+        """Local expert `local` from the checkpoint's packed layout, repacked into the buffers (on their
+        device: the permutation's transient byte-per-code tensors are one expert's)."""
+        device = self.gate_up_codes.device
         for name, packed, scale in (("gate_up", gate_up_packed, gate_up_scale), ("down", down_packed, down_scale)):
-            codes, scales = repack(packed[None], scale[None])
+            codes, scales = repack(packed[None].to(device), scale[None].to(device))
             getattr(self, f"{name}_codes")[local].copy_(codes[0])
             getattr(self, f"{name}_scales")[local].copy_(scales[0])
 

@@ -389,18 +389,19 @@ def token_tiles(tokens: int) -> int:
 
 def plan_moe(tokens: int, hidden: int, width: int, *, smem_per_block: int) -> MoePlan:
     """The gate_up and down configurations for M tokens at these sizes on a device with this much
-    shared memory per block: token tiles by M, down split by the width."""
+    shared memory per block: token tiles by M (fewer where a small layer's rows do not divide by a
+    larger configuration's CTA; more passes then), down split by the width."""
     tt = token_tiles(tokens)
     split_down = 1 if width // CHUNK <= SHORT_DOWN_CHUNKS else WARPS
 
     def pick(gate_up: bool, split: int | None, rows: int) -> str:
-        fits = [c for c in GEMM_CONFIGS.values() if c.gate_up == gate_up and c.token_tiles == tt
+        fits = [c for c in GEMM_CONFIGS.values() if c.gate_up == gate_up and c.token_tiles <= tt
                 and (split is None or c.split == split) and c.smem_bytes <= smem_per_block
                 and rows % c.rows_per_cta == 0]
         if not fits:
             raise ValueError(f"width: no {'gate_up' if gate_up else 'down'} configuration takes hidden {hidden}, "
                              f"width {width} with {smem_per_block} bytes of shared memory per block")
-        return max(fits, key=lambda c: c.depth).name
+        return max(fits, key=lambda c: (c.token_tiles, c.depth)).name
 
     return MoePlan(pick(True, None, width), pick(False, split_down, hidden))
 

@@ -319,6 +319,11 @@ def test_plan_fits_the_shapes_and_both_targets(tp, tokens, smem):
     assert down.split == (1 if tp == 8 else moe.WARPS)  # the TP=8 slice's 256 inputs: whole rows per warp
 
 
+def test_plan_takes_fewer_token_tiles_where_a_small_layer_needs_them():
+    plan = moe.plan_moe(40, 128, 128, smem_per_block=SM120_LIMITS)  # 128 rows: no 256-row down CTA
+    assert moe.GEMM_CONFIGS[plan.down].token_tiles == 1 and moe.GEMM_CONFIGS[plan.gate_up].token_tiles == 4
+
+
 def test_plan_refuses_sizes_no_configuration_divides():
     with pytest.raises(ValueError, match="width"):
         moe.plan_moe(4, 7168, 64 + 8, smem_per_block=SM120_LIMITS)
@@ -460,6 +465,23 @@ def test_graph_replay_equals_eager(k26_experts):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(launch.out, eager)
+
+
+@pytest.mark.gpu
+def test_an_int4_checkpoint_runs_through_the_kernel(int4_checkpoint):
+    """load_target on the GPU in bf16: INT4 experts through the kernel, logits against the fp32
+    dequantized model, at most twice the error of the bf16 dequantized model (torch's grouped GEMM)."""
+    from kdtree_lib.model import load_target
+    tokens = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(SEED)).cuda()
+
+    def logits(**options):
+        model = load_target(int4_checkpoint, device="cuda", **options)
+        return model.prefill(tokens, model.new_cache(1, tokens.shape[1])).logits.float()
+    ref = logits(dtype=torch.float32, dequantize_experts=True)
+    kernel_error = relative_error(logits(dtype=torch.bfloat16), ref)
+    torch_error = relative_error(logits(dtype=torch.bfloat16, dequantize_experts=True), ref)
+    print(f"tiny INT4 model, bf16 logits: kernel experts {kernel_error:.2e}, torch bf16 experts {torch_error:.2e}")
+    assert kernel_error <= 2 * torch_error
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from .verify_attn import KERNEL_DTYPES
 from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
 from .draft_topk import draft_topk
 from .model.model import PREFILL_CHUNK
+from .model.tp import TensorParallel, launch
 from .tree_build import build_tree
 
 METHODS = ("ar", "chain", "ddtree")
@@ -110,7 +112,7 @@ class StepOutputs:
 
 def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int = 32, temperature: float = 0.0,
              max_new_tokens: int = 64, stop_tokens=(), backend: str = "auto", cuda_graph="auto", seed: int = 0,
-             profile_stages: bool = False, sync_every: int = 4) -> DecodeResult:
+             profile_stages: bool = False, sync_every: int = 4, prefill_chunk: int = PREFILL_CHUNK) -> DecodeResult:
     """Decode every prompt with the target (and the drafter for "chain"/"ddtree"); lossless.
 
     prompt_ids: one sequence of ids, a list of sequences (lengths may differ), or an int array
@@ -118,7 +120,9 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     captures the step where the kernels run (backend "cupy"), True insists, False runs eagerly.
     profile_stages: CUDA-event (or host-clock) times per stage, eager only ("auto" then runs
     eagerly). sync_every: steps
-    between the host's stop checks (its only synchronisation).
+    between the host's stop checks (its only synchronisation). prefill_chunk: prompt tokens per
+    prefill forward. A tensor-parallel target (load_target(..., tp_group=...)) runs the same call
+    on every rank of its group, in lockstep (generate_tp, main).
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -142,7 +146,8 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     nodes = {"ar": 1, "chain": budget + 1, "ddtree": budget + 1}[method]
     capacity = decoder_capacity(prompts, max_new_tokens, nodes, depth)
     decoder = _cached_decoder(target, drafter if method != "ar" else None, method=method, budget=budget,
-                              batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen)
+                              batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen,
+                              prefill_chunk=check_positive_int("prefill_chunk", prefill_chunk))
     return decoder.run(prompts, max_new_tokens=max_new_tokens, stop_tokens=stops, seed=seed, cuda_graph=graph,
                        profile_stages=profile_stages, sync_every=sync_every)
 
@@ -559,3 +564,159 @@ def _now(device) -> float:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor-parallel decode: every rank runs generate over its shard, in lockstep (DESIGN.md §9)
+#
+# The target's layers end in all-reduces and its LM head in an all-gather, so every rank holds the
+# same hidden states, features and logits (bitwise: a collective hands every rank the same
+# result). The drafter is replicated and its inputs are those, so the draft, the tree, the accept
+# and the commit are computed identically on every rank without a broadcast; at T > 0 each rank's
+# sampler is seeded alike. check_lockstep compares the ranks' tokens once, at the end.
+
+def generate_tp(target_path, drafter_path, prompt_ids, *, tp: int = 2, device: str = "cpu",
+                dtype: torch.dtype = torch.float32, runs=None, yarn_attention: str = "transformers",
+                gpu_bytes: int | None = None, **options):
+    """generate over the checkpoint at target_path sharded on `tp` spawned ranks (gloo on CPUs;
+    device "cuda": rank r on cuda:r over NCCL), the drafter at drafter_path replicated on each.
+
+    options: generate's keywords; runs: a list of such dicts, all decoded by the same ranks (one
+    load), returning a list of DecodeResults (else one DecodeResult). tp=1 runs in this process.
+    Before loading, every rank plans its memory (model.memory.plan, printed by rank 0) and on a GPU
+    refuses to load what does not fit in gpu_bytes (default: the GPU's free memory).
+    """
+    tp = check_positive_int("tp", tp)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    args = (str(target_path), None if drafter_path is None else str(drafter_path), prompt_ids,
+            [options] if runs is None else list(runs), device, dtype, yarn_attention, gpu_bytes)
+    _check_paths(*args[:2])
+    results = (decode_rank(TensorParallel(), *args) if tp == 1 else
+               launch(decode_rank, tp, *args, backend="nccl" if device == "cuda" else "gloo"))
+    return results[0] if runs is None else results
+
+
+def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, prompt_ids, runs: list[dict],
+                device: str, dtype: torch.dtype, yarn_attention: str, gpu_bytes: int | None) -> list[DecodeResult]:
+    """One rank's work: plan memory, load its shard of the target and the whole drafter, run each
+    of `runs` through generate, check the ranks stayed in lockstep."""
+    from .dflash import DFlashConfig, load_drafter
+    from .model import load_config, load_target
+    from .model.memory import plan
+    _check_paths(target_path, drafter_path)
+    on_gpu = device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    config = load_config(target_path)
+    drafter_config = DFlashConfig.load(drafter_path, yarn_attention=yarn_attention) if drafter_path else None
+    prompts = prompt_list(prompt_ids, config.vocab_size)
+    defaults = generate.__kwdefaults__
+    longest = max(len(p) for p in prompts) + max(run.get("max_new_tokens", defaults["max_new_tokens"]) for run in runs)
+    budget = max(run.get("budget", defaults["budget"]) for run in runs)
+    free = torch.cuda.mem_get_info(device)[0] if on_gpu else None
+    memory = plan(config, tp.size, len(prompts), longest, budget, drafter_config,
+                  **({"gpu_bytes": gpu_bytes or free} if on_gpu or gpu_bytes else {}))
+    if tp.rank == 0:
+        print(memory.table(), flush=True)
+    if on_gpu or gpu_bytes:
+        memory.check()
+    threads = max(1, torch.get_num_threads() // tp.size) if not on_gpu else torch.get_num_threads()
+    torch.set_num_threads(threads)  # gloo ranks share the host's cores
+    target = load_target(target_path, device=device, dtype=dtype, tp_group=tp.group)
+    drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention) if drafter_path else None
+    results = [generate(target, drafter, prompts, **run) for run in runs]
+    for result in results:
+        check_lockstep(tp, result)
+    return results
+
+
+def check_lockstep(tp: TensorParallel, result: DecodeResult) -> None:
+    """Every rank emitted the same tokens and acceptance lengths (one all-gather, after the run)."""
+    if tp.size == 1:
+        return
+    import torch.distributed as dist
+    mine = [[t.tolist() for t in result.tokens], [a.tolist() for a in result.acceptance]]
+    everyone = [None] * tp.size
+    dist.all_gather_object(everyone, mine, group=tp.group)
+    parted = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if parted:
+        raise RuntimeError(f"ranks {parted} decoded other tokens than rank 0: the ranks left lockstep")
+
+
+def _check_paths(target_path, drafter_path) -> None:
+    for name, path in (("target_path", target_path), ("drafter_path", drafter_path)):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{name}: no checkpoint at {path} (its config.json is missing)")
+
+
+def main(argv=None) -> int:
+    """python -m kdtree_lib.decode: decode prompts with a checkpoint pair, under torchrun or alone.
+
+    torchrun --nproc-per-node N -m kdtree_lib.decode --target PATH --drafter PATH --tp N ...
+    (ranks in lockstep over NCCL on GPUs, gloo on CPUs); without torchrun, --tp N > 1 spawns N ranks.
+    """
+    import argparse
+    import json
+    import os
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.decode", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, required=True, help="the target's checkpoint folder")
+    parser.add_argument("--drafter", type=Path, help="the DFlash drafter's folder (needed by chain and ddtree)")
+    parser.add_argument("--tokenizer", type=Path, help="folder with tiktoken.model or tokenizer.json (default: --target)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt's text (repeat for a batch)")
+    parser.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated ids")
+    parser.add_argument("--method", choices=METHODS, default="ddtree")
+    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun's world size)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--yarn-attention", choices=("transformers", "legacy"), default="transformers")
+    parser.add_argument("--stop-at-eos", action="store_true", help="stop a request at the tokenizer's eos")
+    args = parser.parse_args(argv)
+    if args.method != "ar" and args.drafter is None:
+        parser.error(f"--drafter: method {args.method} needs a drafter")
+    if not args.prompt and not args.prompt_ids:
+        parser.error("--prompt or --prompt-ids: nothing to decode")
+    from .tokenizer import load_text_tokenizer
+    tokenizer = load_text_tokenizer(args.tokenizer or args.target) if args.prompt or args.stop_at_eos else None
+    prompts = [tokenizer.encode(text) for text in args.prompt] + [
+        [int(i) for i in ids.split(",")] for ids in args.prompt_ids]
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    options = dict(method=args.method, budget=args.budget, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature,
+                   stop_tokens=(tokenizer.eos_id,) if args.stop_at_eos and tokenizer.eos_id is not None else ())
+    drafter = None if args.method == "ar" else args.drafter
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        import torch.distributed as dist
+        if int(os.environ["WORLD_SIZE"]) != args.tp:
+            parser.error(f"--tp: {args.tp}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        try:
+            tp = TensorParallel.from_group(dist.group.WORLD)
+            result = decode_rank(tp, str(args.target), drafter and str(drafter), prompts, [options], args.device,
+                                 dtype, args.yarn_attention, None)[0]
+        finally:
+            dist.destroy_process_group()
+        if tp.rank != 0:
+            return 0
+    else:
+        result = generate_tp(args.target, drafter, prompts, tp=args.tp, device=args.device, dtype=dtype,
+                             yarn_attention=args.yarn_attention, **options)
+    for b, tokens in enumerate(result.tokens):
+        row = {"request": b, "new_tokens": len(tokens), "ids": tokens.tolist(),
+               "mean_acceptance": float(result.acceptance[b].mean()) if result.acceptance[b].size else None}
+        if tokenizer is not None:
+            row["text"] = tokenizer.decode(tokens)
+        print(json.dumps(row, ensure_ascii=False))
+    print(json.dumps({"method": result.method, "budget": result.budget, "tp": args.tp, "rounds": result.rounds,
+                      "mean_acceptance": result.mean_acceptance, "tokens_per_second": result.tokens_per_second}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

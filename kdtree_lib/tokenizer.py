@@ -9,6 +9,13 @@ does): they are encoded as plain text, never as the special ids.
 
     python -m kdtree_lib.tokenizer train  --corpus data/corpus/build   # -> data/models/k26-mini/tokenizer*.json
     python -m kdtree_lib.tokenizer encode --corpus data/corpus/build   # token caches + statistics
+
+The real target's tokenizer is Kimi's tiktoken BPE: `tiktoken.model` (one "base64(token) rank" line
+per base token, ranks 0..n-1) and `tokenizer_config.json`, whose `added_tokens_decoder` names the
+special ids; like Kimi's tokenization_kimi.py, the KIMI_RESERVED_SPECIAL_TOKENS ids after the base
+vocabulary are all special, the unnamed ones `<|reserved_token_{id}|>`, and text is split by
+KIMI_PATTERN. `load_text_tokenizer(folder)` reads either kind (tiktoken.model, else tokenizer.json)
+into one interface: encode(text) / decode(ids), special ids by name, bos/eos.
 """
 from __future__ import annotations
 
@@ -23,6 +30,20 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .corpus import SPLITS, read_documents
 from .paths import MODELS_DIR
+
+TIKTOKEN_FILE = "tiktoken.model"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+KIMI_RESERVED_SPECIAL_TOKENS = 256
+KIMI_PATTERN = "|".join([   # tokenization_kimi.py's pat_str
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
 
 TOKENIZER_PATH = MODELS_DIR / "k26-mini" / "tokenizer.json"
 VOCAB_SIZE = 8192
@@ -96,6 +117,110 @@ def corpus_tokens(build_dir, split: str, tokenizer_path=TOKENIZER_PATH) -> np.nd
         np.save(cache.with_suffix(".tmp.npy"), tokens)
         cache.with_suffix(".tmp.npy").replace(cache)
     return np.load(cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# a checkpoint folder's tokenizer: Kimi's tiktoken files, or a tokenizer.json
+
+class TextTokenizer:
+    """Text <-> ids for a checkpoint folder. Special strings in text stay text unless
+    allow_special; `special` maps every special token's name to its id."""
+
+    def __init__(self, encode, decode, special: dict[str, int], vocab_size: int, bos: str | None, eos: str | None):
+        self._encode, self._decode = encode, decode
+        self.special, self.vocab_size = special, vocab_size
+        self.bos_id = special.get(bos) if bos else None
+        self.eos_id = special.get(eos) if eos else None
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        return self._encode(text, allow_special)
+
+    def decode(self, ids) -> str:
+        return self._decode([int(i) for i in ids])
+
+
+def load_text_tokenizer(folder) -> TextTokenizer:
+    """The tokenizer of a checkpoint folder: Kimi's tiktoken.model + tokenizer_config.json, else a
+    tokenizer.json (the stand-in's)."""
+    folder = Path(folder)
+    if (folder / TIKTOKEN_FILE).is_file():
+        return load_tiktoken(folder)
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _tokenizer_config(folder)
+        special = {token.content: index for index, token in tokenizer.get_added_tokens_decoder().items()}
+
+        def encode(text, allow_special):
+            tokenizer.encode_special_tokens = not allow_special
+            return tokenizer.encode(text).ids
+        return TextTokenizer(encode, tokenizer.decode, special, tokenizer.get_vocab_size(),
+                             _token_name(config.get("bos_token")), _token_name(config.get("eos_token")))
+    raise ValueError(f"folder: neither {TIKTOKEN_FILE} nor tokenizer.json in {folder}")
+
+
+def load_tiktoken(folder) -> TextTokenizer:
+    """Kimi's tokenizer from tiktoken.model and tokenizer_config.json, with the tiktoken package."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    folder = Path(folder)
+    model = folder / TIKTOKEN_FILE
+    try:
+        ranks = load_tiktoken_bpe(str(model))
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{model}: not a tiktoken BPE file ({error})") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{model}: ranks are not 0..{len(ranks) - 1}")
+    config = _tokenizer_config(folder)
+    named = {}
+    for index, entry in (config.get("added_tokens_decoder") or {}).items():
+        if not (isinstance(entry, dict) and "content" in entry and str(index).isdigit()):
+            raise ValueError(f"{folder / TOKENIZER_CONFIG_FILE}: added_tokens_decoder[{index!r}] needs an integer "
+                             "id and a 'content'")
+        named[int(index)] = entry["content"]
+    base = len(ranks)
+    reserved = range(base, base + KIMI_RESERVED_SPECIAL_TOKENS)
+    outside = sorted(set(named) - set(reserved))
+    if outside:
+        raise ValueError(f"{folder / TOKENIZER_CONFIG_FILE}: added_tokens_decoder ids {outside[:5]} lie outside "
+                         f"the special range {base}..{reserved[-1]}")
+    special = {named.get(i, f"<|reserved_token_{i}|>"): i for i in reserved}
+    encoding = tiktoken.Encoding(name=folder.name or "kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens=special)
+
+    def encode(text, allow_special):
+        return encoding.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
+    return TextTokenizer(encode, encoding.decode, special, base + KIMI_RESERVED_SPECIAL_TOKENS,
+                         _token_name(config.get("bos_token")), _token_name(config.get("eos_token")))
+
+
+def save_tiktoken(folder, ranks: dict[bytes, int], special: dict[int, str], *, bos: str, eos: str) -> Path:
+    """Write tiktoken.model and tokenizer_config.json in Kimi's layout (a made-to-format tokenizer)."""
+    import base64
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in sorted(ranks.items(), key=lambda t: t[1])]
+    (folder / TIKTOKEN_FILE).write_text("\n".join(lines) + "\n")
+    decoder = {str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                        "special": True} for i, name in sorted(special.items())}
+    config = {"added_tokens_decoder": decoder, "bos_token": bos, "eos_token": eos, "tokenizer_class": "TikTokenTokenizer",
+              "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}, "model_max_length": 262144}
+    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    path = folder / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+
+
+def _token_name(token) -> str | None:
+    """A tokenizer_config token entry: a string or an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def main(argv=None) -> int:

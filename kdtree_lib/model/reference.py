@@ -10,6 +10,9 @@ prefill and for a tree verify step. Two transformers details matter for a tree:
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config
@@ -19,6 +22,10 @@ from transformers.cache_utils import DynamicCache
 from ..checks import to_numpy
 from .checkpoint import save_checkpoint
 from ..contracts import Tree, unpack_mask
+from ..paths import REPO_ROOT
+from ..tokenizer import KIMI_RESERVED_SPECIAL_TOKENS
+
+CONFIG_DIR = REPO_ROOT / "data" / "configs"
 
 
 def random_model(config: dict, *, seed: int = 0, std: float = 0.08) -> DeepseekV3ForCausalLM:
@@ -148,3 +155,101 @@ def zlab_block_logits(drafter, features, bonus, rope=None) -> torch.Tensor:
         x = x + a.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.target.lm_head(drafter.norm(x))[1:].float()
+
+
+# ----------------------------------------------------------------------------------------------
+# a made-to-format real pair at tiny dims: K2.6's keys and layout, the real drafter's keys, Kimi's
+# tokenizer files (what tests run the real formats on)
+
+KIMI_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+             "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok")
+DRAFTER_DIMS = dict(intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16)
+TOKENIZER_MERGES = 64
+TOKENIZER_TEXT = ("def forward(self, x):\n    return self.proj(x) + x\n\nclass Model:\n    def __init__(self):\n"
+                  "        self.layers = []\n        for i in range(10):\n            self.layers.append(i)\n")
+
+
+def kimi_text_config(**dims) -> dict:
+    """K2.6's text_config (data/configs/kimi-k2.6.json), every key kept, at tiny_config's dims
+    (and `dims`); its special ids moved into the tiny vocabulary as K2.6 places them after the
+    base tokens. The quantization config is left to save_kimi_checkpoint(int4=True)."""
+    from ..pairs import tiny_config
+    text = dict(json.loads((CONFIG_DIR / "kimi-k2.6.json").read_text())["text_config"])
+    text.pop("quantization_config")
+    tiny = tiny_config(**dims)
+    text.update({key: tiny[key] for key in KIMI_DIMS})
+    base = text["vocab_size"] - KIMI_RESERVED_SPECIAL_TOKENS
+    text.update(bos_token_id=base, eos_token_id=base + 1, pad_token_id=text["vocab_size"] - 1)
+    return text
+
+
+def kimi_dflash_config(target_config: dict, target_layer_ids=(1, 2), **dims) -> dict:
+    """The real drafter's config.json (data/configs/kimi-k2.6-dflash.json), every key kept, at small
+    dims for `target_config`: its hidden size and vocabulary, the mask id where K2.6's lies
+    (second-to-last), YaRN as the real one."""
+    raw = json.loads((CONFIG_DIR / "kimi-k2.6-dflash.json").read_text())
+    raw.update(DRAFTER_DIMS | dims, hidden_size=target_config["hidden_size"], vocab_size=target_config["vocab_size"],
+               num_target_layers=target_config["num_hidden_layers"])
+    raw["dflash_config"] = {"mask_token_id": target_config["vocab_size"] - 2, "target_layer_ids": list(target_layer_ids)}
+    return raw
+
+
+def tiny_tiktoken_ranks(merges: int = TOKENIZER_MERGES, text: str = TOKENIZER_TEXT) -> dict[bytes, int]:
+    """Byte-level BPE ranks: the 256 bytes, then `merges` merges learned greedily on `text`."""
+    ranks = {bytes([i]): i for i in range(256)}
+    words = [[bytes([b]) for b in piece.encode()] for piece in text.split(" ")]
+    while len(ranks) < 256 + merges:
+        counts = {}
+        for word in words:
+            for pair in zip(word, word[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            raise ValueError(f"text: too short for {merges} merges")
+        best = max(counts, key=lambda pair: (counts[pair], pair))
+        ranks[best[0] + best[1]] = len(ranks)
+        words = [_merge(word, best) for word in words]
+    return ranks
+
+
+def _merge(word: list[bytes], pair: tuple[bytes, bytes]) -> list[bytes]:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def save_kimi_pair(folder, *, seed: int = 0, std: float = 0.3) -> tuple[Path, Path]:
+    """(target, drafter) folders of a made-to-format real pair at tiny dims: the target in K2.6's
+    layout (text_config with K2.6's keys, `language_model.` prefix, 3 files + index, INT4 routed
+    experts) with Kimi's tiktoken.model + tokenizer_config.json beside it, and a DFlash drafter with
+    the real drafter's config keys (YaRN) and z-lab's weight names. Random weights."""
+    from ..dflash import DFlashConfig, DFlashDrafter, write_safetensors
+    from ..tokenizer import save_tiktoken
+    folder = Path(folder)
+    ranks = tiny_tiktoken_ranks()
+    vocab = len(ranks) + KIMI_RESERVED_SPECIAL_TOKENS
+    text = kimi_text_config(vocab_size=vocab, num_hidden_layers=4)
+    target = save_kimi_checkpoint(random_model(text, seed=seed, std=std), text, folder / "target", int4=True)
+    base = len(ranks)
+    save_tiktoken(target, ranks, {base: "[BOS]", base + 1: "[EOS]", base + 2: "<|im_end|>", base + 3: "<|im_user|>"},
+                  bos="[BOS]", eos="[EOS]")
+    raw = kimi_dflash_config(text)
+    drafter = DFlashDrafter(DFlashConfig.from_dict(raw))
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in drafter.named_parameters():
+            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator) if name.endswith("norm.weight")
+                         else 0.2 * torch.randn(tensor.shape, generator=generator))
+    path = folder / "drafter"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_safetensors({f"model.{name}": t.to(torch.bfloat16).contiguous() for name, t in drafter.state_dict().items()},
+                      path, shard_bytes=1 << 30)
+    return target, path

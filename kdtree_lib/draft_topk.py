@@ -87,7 +87,23 @@ def _torch_topk_on_device(logits, k: int) -> DraftTopK:
     return DraftTopK(logp=logp, ids=ids)
 
 
-class TopKLaunch:
+class _PreparedTopK:
+    """What both prepared top-k launches share: the logits buffer they read, checked when handed back."""
+
+    def __init__(self, logits, out: DraftTopK):
+        self.logits, self.out = logits, out
+        self._signature = _signature(logits)
+
+    def _check(self, logits) -> None:
+        if logits is not None and _signature(logits) != self._signature:
+            raise ValueError("logits: not the buffer this launch was prepared with (same address, shape and dtype)")
+
+
+def _signature(x) -> tuple:
+    return int(cuda.pointer(x)), tuple(x.shape), str(x.dtype)
+
+
+class TopKLaunch(_PreparedTopK):
     """One prepared fused top-k: checked, converted and allocated once, so a call costs only the launch.
 
     Calling it enqueues the kernel on torch's current stream over the logits it was prepared with
@@ -96,10 +112,9 @@ class TopKLaunch:
     """
 
     def __init__(self, logits, k: int, out: DraftTopK):
-        self.logits, self.out = logits, out
+        super().__init__(logits, out)
         batch, depth, vocab = (int(n) for n in logits.shape)
-        self._signature = (int(cuda.pointer(logits)), tuple(logits.shape), str(logits.dtype))
-        vectorized = vocab % 4 == 0 and self._signature[0] % 16 == 0
+        vectorized = vocab % 4 == 0 and self._signature[0] % 16 == 0  # float4 loads need aligned rows
         self._function = cuda.device_function("draft_topk.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1",
                                               cuda.device_index(logits))
         self._grid = (batch * depth,)
@@ -107,14 +122,13 @@ class TopKLaunch:
                       cuda.pointer(out.logp), cuda.pointer(out.ids))
 
     def __call__(self, logits=None) -> DraftTopK:
-        if logits is not None and (int(cuda.pointer(logits)), tuple(logits.shape), str(logits.dtype)) != self._signature:
-            raise ValueError("logits: not the buffer this launch was prepared with (same address, shape and dtype)")
+        self._check(logits)
         if self._grid[0]:
             self._function(self._grid, (TOPK_THREADS,), self._args, stream=cuda.current_stream())
         return self.out
 
 
-class ExactTopKLaunch:
+class ExactTopKLaunch(_PreparedTopK):
     """draft_topk's exact path on the GPU (torch's topk - logsumexp for the batch) into fixed buffers:
     the same values, with no allocation per call, so it can be replayed in a CUDA graph beside the build.
 
@@ -124,8 +138,8 @@ class ExactTopKLaunch:
 
     def __init__(self, logits, k: int, out: DraftTopK):
         import torch
-        self.logits, self.out, self.k = logits, out, k
-        self._signature = (int(cuda.pointer(logits)), tuple(logits.shape), str(logits.dtype))
+        super().__init__(logits, out)
+        self.k = k
         self._x = logits if framework(logits) == "torch" else torch.as_tensor(logits, device=f"cuda:{logits.device.id}")
         self._logp = out.logp if framework(out.logp) == "torch" else torch.as_tensor(out.logp, device=self._x.device)
         self._ids = out.ids if framework(out.ids) == "torch" else torch.as_tensor(out.ids, device=self._x.device)
@@ -135,8 +149,7 @@ class ExactTopKLaunch:
 
     def __call__(self, logits=None) -> DraftTopK:
         import torch
-        if logits is not None and (int(cuda.pointer(logits)), tuple(logits.shape), str(logits.dtype)) != self._signature:
-            raise ValueError("logits: not the buffer this launch was prepared with (same address, shape and dtype)")
+        self._check(logits)
         torch.topk(self._x, self.k, dim=-1, out=(self._values, self._indices))
         torch.logsumexp(self._x, dim=-1, keepdim=True, out=self._log_z)
         torch.sub(self._values, self._log_z, out=self._logp)

@@ -186,3 +186,15 @@ def test_patch_on_import_patches_sglangs_module_when_it_loads(tmp_path, monkeypa
     dropin.patch_on_import()
     module = importlib.import_module(dropin.SGLANG_MODULE)
     assert dropin.is_installed(module)
+
+
+def test_the_benchmarks_tree_stage_runs_on_the_cpu():
+    """bench.tree_build's tree_stage rows at a small vocabulary (with SGLang's copy when it is given)."""
+    from kdtree_lib.bench.tree_build import bench_tree_stage
+    utils = dropin.load_sglang_module(SGLANG_FILE) if SGLANG_FILE else None
+    rows = bench_tree_stage(utils, batches=(2,), depths=(7,), budgets=(7, 16), vocab=500, device="cpu")
+    methods = {r["method"] for r in rows}
+    assert methods == ({"dropin", "kdtree", "sglang"} if utils else {"dropin", "kdtree"})
+    assert all(r["stage"] == "tree_stage" and r["time_us"] > 0 for r in rows)
+    if utils:
+        assert all(r["matches_sglang"] is True for r in rows)

@@ -22,6 +22,7 @@ SECONDS_PER_NOTEBOOK = 60
 SMALL_PARAMETERS = {
     "01_tree_build": {"mc_walks": 800, "max_budget": 64},
     "03_tree_accept": {"samples": 800, "new_tokens": 32},
+    "15_live_service": {"max_new_tokens": 4},
 }
 
 
@@ -174,6 +175,20 @@ def check_projection(values, figures):
     assert values["best_budget"] and all(s > 0 for s in values["best_speedup"].values())
 
 
+def check_live_service(values, figures):
+    assert values["local_server"], "the default run serves this engine on 127.0.0.1"
+    assert values["requests"] == values["expected_requests"] and values["failed"] == 0
+    rows_file = Path(values["rows_file"])  # every request a row, in this run's folder
+    assert rows_file.parent.name == "results" and not rows_file.is_relative_to(RESULTS_DIR)
+    assert values["rows_on_disk"] == values["requests"]
+    assert values["completion_tokens"] == [values["max_new_tokens"]], "ignore_eos: every request makes them all"
+    assert len(values["accept_length"]) >= 2 and all(1 <= a <= values["max_new_tokens"]
+                                                     for a in values["accept_length"].values()), values["accept_length"]
+    assert values["streamed"] > 0 and values["ttft_below_latency"]
+    assert all(rate > 0 for rate in values["aggregate_tokens_per_second"].values())
+    assert {"15_live_service-throughput.png", "15_live_service-acceptance-and-tpot.png"} <= figures
+
+
 EXPECTATIONS = {
     "00_environment": check_environment,
     "01_tree_build": check_tree_build,
@@ -188,6 +203,7 @@ EXPECTATIONS = {
     "03_tree_accept": check_tree_accept,
     "04_tree_build_cupy": check_tree_build_cupy,
     "06_tree_accept_cupy": check_tree_accept_cupy,
+    "15_live_service": check_live_service,
 }
 
 

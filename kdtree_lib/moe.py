@@ -387,11 +387,11 @@ def token_tiles(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4
 
 
-def plan_moe(tokens: int, hidden: int, width: int, *, smem_per_block: int) -> MoePlan:
+def plan_moe(tokens: int, hidden: int, width: int, *, smem_per_block: int, tiles: int | None = None) -> MoePlan:
     """The gate_up and down configurations for M tokens at these sizes on a device with this much
-    shared memory per block: token tiles by M (fewer where a small layer's rows do not divide by a
-    larger configuration's CTA; more passes then), down split by the width."""
-    tt = token_tiles(tokens)
+    shared memory per block: token tiles by M, or at most `tiles` (fewer where a small layer's rows
+    do not divide by a larger configuration's CTA; more passes then), down split by the width."""
+    tt = token_tiles(tokens) if tiles is None else tiles
     split_down = 1 if width // CHUNK <= SHORT_DOWN_CHUNKS else WARPS
 
     def pick(gate_up: bool, split: int | None, rows: int) -> str:

@@ -354,6 +354,11 @@ def test_the_benchmark_reads_its_targets_from_rows():
     assert summary["single_token_bound_us"] == [15.0] and summary["single_token_ok"]  # 1.5 x (6 + 4)
     [entry] = bench.parallel_comparison(rows)
     assert (entry["tokens"], entry["tp_us"], entry["ep_us"], entry["ep_over_tp"]) == (8, 50.0, 75.0, 1.5)
+    plans = rows + [row("kernel_tt2", 64, 700.0, plan="b")]
+    for r in plans:
+        r.setdefault("plan", "a")
+    assert [(b["tokens"], b["best_plan"], b["best_us"]) for b in bench.best_plans(plans)] == [
+        (1, "a", 14.0), (8, "a", 50.0), (64, "b", 700.0)]
 
 
 def test_the_benchmark_plots_draw_every_provider(tmp_path):

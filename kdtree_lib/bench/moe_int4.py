@@ -7,6 +7,9 @@ Rows go to data/results/moe_int4.csv ($KDTREE_RESULTS_DIR overrides), one per (t
 provider), with date, commit, device and every parameter. Providers, timed in the same run:
 - `kernel`: the launcher's plan for this device;
 - `kernel_99kb`: the plan for 99 KB of shared memory per block (the sm_120 box's limit);
+- `kernel_tt1`, `kernel_tt2`, `kernel_tt4`: the plan forced to that many 8-token tiles per pass, where it
+  differs from the launcher's (fewer tiles: fewer registers, more bytes in flight, but an expert with
+  more tokens takes further passes over its weights, from L2);
 - `kernel_ep` (TP > 1): the same layer sharded EP instead, tp ranks of 384/tp whole experts, each rank
   timed in turn on the same tokens; the step waits for the slowest (its hits and bytes in the row);
 - `torch_bf16`: model.Experts.grouped (torch._grouped_mm) on bf16 experts of the same shapes (random
@@ -33,6 +36,7 @@ QUICK_TOKENS = (1, 8, 64, 512)
 ROUTINGS = ("uniform", "correlated")
 TPS = (8, 1)
 CORRELATION = 0.6
+TOKEN_TILE_VARIANTS = (1, 2, 4)  # kernel_tt<n>: the plan with n 8-token tiles per pass, where it differs
 TARGET_TP = 8           # the issue's targets are for the TP=8 slice
 TARGET_MIN_TOKENS = 8   # >= 70% of the roofline from M = 8
 TARGET_PCT = 70.0
@@ -125,6 +129,12 @@ def _time_providers(x, routes, weights, experts, baseline, ep_share, *, reps: in
     times = {"kernel": (timing.gpu_seconds(launch, reps=reps), launch.plan.name, {}),
              "kernel_99kb": (timing.gpu_seconds(box, reps=reps), box_plan.name, {}),
              "torch_bf16": (timing.gpu_seconds(lambda: baseline.grouped(x, long_routes, weights), reps=reps), None, {})}
+    for tiles in TOKEN_TILE_VARIANTS:  # the same call with other token tiles per pass (more or fewer passes)
+        plan = moe.plan_moe(len(x), experts.hidden, experts.width, smem_per_block=moe.SM120_SMEM_PER_BLOCK,
+                            tiles=tiles)
+        if plan != launch.plan:
+            variant = moe.prepare_moe_launch(x, routes, weights, experts, plan=plan)
+            times[f"kernel_tt{tiles}"] = (timing.gpu_seconds(variant, reps=reps), plan.name, {})
     if ep_share is not None:
         ranks = experts.n_experts // ep_share.n_experts
         steps = []
@@ -161,6 +171,19 @@ def summary(rows, provider: str = "kernel") -> dict:
             "shapes_at_target": sum(p >= TARGET_PCT for p in targets), "target_shapes": len(targets),
             "single_token_us": [r["time_us"] for r in single], "single_token_bound_us": [round(b, 2) for b in bounds],
             "single_token_ok": all(r["time_us"] <= b for r, b in zip(single, bounds)) if single else None}
+
+
+def best_plans(rows, *, tp: int = TARGET_TP) -> list[dict]:
+    """Per (routing, M) at TP=tp: the fastest of the kernel's plans timed (the launcher's and the
+    token-tile variants) against the launcher's."""
+    best = []
+    for r in sorted(select(rows, provider="kernel", tp=tp), key=lambda r: (r["routing"], r["tokens"])):
+        timed = [v for v in rows if v.get("tp") == tp and v["routing"] == r["routing"] and v["tokens"] == r["tokens"]
+                 and (v["provider"] == "kernel" or str(v["provider"]).startswith("kernel_tt"))]
+        fastest = min(timed, key=lambda v: v["time_us"])
+        best.append({"routing": r["routing"], "tokens": r["tokens"], "launcher_plan": r["plan"],
+                     "launcher_us": r["time_us"], "best_plan": fastest["plan"], "best_us": fastest["time_us"]})
+    return best
 
 
 def parallel_comparison(rows, *, tp: int = TARGET_TP) -> list[dict]:

@@ -18,7 +18,7 @@ from kdtree_lib.decode import generate
 from kdtree_lib.pairs import random_pair
 from kdtree_lib.results import read_rows
 from kdtree_lib.serving import client
-from kdtree_lib.serving.server import running_server
+from kdtree_lib.serving.server import Engine, EngineSettings, RequestError, Service, running_server
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
 SHARPNESS, BUDGET, CONTEXT, MAX_BATCH = 0.3, 32, 96, 4
@@ -169,6 +169,17 @@ def test_under_load_every_request_is_answered_and_memory_returns(server, tmp_pat
     assert growth < 32 * 2**20, f"the server kept {growth / 2**20:.1f} MiB after the load"
 
 
+def test_a_full_queue_answers_503():
+    target, drafter = random_pair()
+    engine = Engine(target, drafter, EngineSettings(max_queue=1))
+    service = Service(engine, model_name="random", context_length=64)
+    settings = dict(max_new_tokens=2, temperature=0, ignore_eos=True, stop_token_ids=None)
+    engine.submit(service.job([1, 2], **settings))
+    with pytest.raises(RequestError, match="busy") as refused:
+        engine.submit(service.job([3, 4], **settings))
+    assert refused.value.status == 503 and engine.states()["waiting"] == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # against servers that fail, stall or are not there
 
@@ -261,6 +272,7 @@ def test_reported_config_and_budget_labels():
                                               "speculative_num_draft_tokens": 9, "tp_size": 8}
     assert client.budget_label_of(sglang) == "8"
     assert client.budget_label_of({"ddtree_budget": 32, "speculative_num_draft_tokens": 33}) == "32"
+    assert client.budget_label_of({**sglang, "speculative_ddtree_budget": 16}) == "16"
     assert client.budget_label_of({}) == "ar"
 
 

@@ -177,10 +177,13 @@ def reported_config(info: dict) -> dict:
 
 
 def budget_label_of(info: dict) -> str:
-    """A budget label from the reported configuration: this server's DDTree budget, else SGLang's draft
-    tokens per verify less the root, else the algorithm ("ar" when none)."""
-    if info.get("ddtree_budget"):
-        return str(info["ddtree_budget"])
+    """A budget label from the reported configuration: a budget setting (this server's ddtree_budget, or
+    a speculative_*budget* one), else SGLang's draft tokens per verify less the root, else the
+    algorithm ("ar" when none)."""
+    budgets = [key for key in sorted(info)
+               if key == "ddtree_budget" or (key.startswith("speculative_") and "budget" in key)]
+    if budgets and info[budgets[0]]:
+        return str(info[budgets[0]])
     draft_tokens = info.get("speculative_num_draft_tokens")
     if draft_tokens:
         return str(int(draft_tokens) - 1)

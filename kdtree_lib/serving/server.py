@@ -612,6 +612,7 @@ def running_server(*arguments: str, startup_timeout_s: float = 120.0, stop_timeo
             process.kill()
             process.wait()
         process.stdout.close()
+        log.unlink(missing_ok=True)
 
 
 def _await_ready(process: subprocess.Popen, timeout_s: float, log: Path) -> str:

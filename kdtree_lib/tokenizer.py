@@ -161,13 +161,9 @@ def load_text_tokenizer(folder) -> TextTokenizer:
 def load_tiktoken(folder) -> TextTokenizer:
     """Kimi's tokenizer from tiktoken.model and tokenizer_config.json, with the tiktoken package."""
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
     folder = Path(folder)
     model = folder / TIKTOKEN_FILE
-    try:
-        ranks = load_tiktoken_bpe(str(model))
-    except (ValueError, OSError) as error:
-        raise ValueError(f"{model}: not a tiktoken BPE file ({error})") from None
+    ranks = read_tiktoken_ranks(model)
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{model}: ranks are not 0..{len(ranks) - 1}")
     config = _tokenizer_config(folder)
@@ -191,6 +187,23 @@ def load_tiktoken(folder) -> TextTokenizer:
         return encoding.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
     return TextTokenizer(encode, encoding.decode, special, base + KIMI_RESERVED_SPECIAL_TOKENS,
                          _token_name(config.get("bos_token")), _token_name(config.get("eos_token")))
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """{token bytes: rank} of a tiktoken BPE file, read directly (tiktoken's loader caches files by
+    path under the temp folder, so a folder rewritten in place would read stale ranks)."""
+    import base64
+    import binascii
+    ranks = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ValueError(f"{path}: line {number} is not 'base64(token) rank'") from None
+    return ranks
 
 
 def save_tiktoken(folder, ranks: dict[bytes, int], special: dict[int, str], *, bos: str, eos: str) -> Path:

@@ -285,10 +285,11 @@ def kernel_matches_reference(draft: DraftTopK, budget: int, root) -> bool:
     launch = prepare_build_launch(draft, budget, root=root)
     for name in TREE_OUTPUTS:
         getattr(launch.out, name).view(torch.uint8).fill_(0xA5)
-    got = launch().to_numpy()
+    got = launch()
     want = build_tree(DraftTopK(draft.logp.cpu().numpy(), draft.ids.cpu().numpy()), budget, root=root.cpu().numpy(),
                       backend="numpy")
-    return all(np.array_equal(np.asarray(getattr(got, name)).view(np.uint8), np.asarray(getattr(want, name)).view(np.uint8))
+    # byte views: torch holds the uint32 mask but cannot hand it to NumPy as such
+    return all(np.array_equal(getattr(got, name).view(torch.uint8).cpu().numpy(), getattr(want, name).view(np.uint8))
                for name in TREE_OUTPUTS)
 
 

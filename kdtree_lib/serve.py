@@ -1,8 +1,8 @@
 """Serve a pair over HTTP with SGLang's endpoints (kdtree_lib.serving.server says which and how).
 
-    python -m kdtree_lib.serve                                              # the stand-in pair, DDTree budget 32, port 30000
+    python -m kdtree_lib.serve                                # the stand-in pair, DDTree budget 32, port 30000
     python -m kdtree_lib.serve --target PATH --drafter PATH --method ddtree --budget 32 --port 30000
-    python -m kdtree_lib.serve --random-pair --method chain                 # the tiny random pair (tests; no checkpoint)
+    python -m kdtree_lib.serve --random-pair --method chain   # the tiny random pair (tests; no checkpoint)
 
 The random pair's vocabulary is its tokenizer's (the stand-in's 8192 ids unless --tokenizer names another).
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models
 

@@ -294,7 +294,8 @@ def arm_summaries(rows: list[dict]) -> list[dict]:
     wall clock), median TTFT and TPOT. Rows may be parsed numbers or CSV text."""
     arms: dict[tuple, list[dict]] = {}
     for row in rows:
-        arms.setdefault((row["run"], row["budget_label"], row["endpoint"], int(float(row["concurrency"]))), []).append(row)
+        key = (row["run"], row["budget_label"], row["endpoint"], int(float(row["concurrency"])))
+        arms.setdefault(key, []).append(row)
     summaries = []
     for (run, label, endpoint, concurrency), arm in arms.items():
         good = [r for r in arm if str(r["ok"]) == "True"]

@@ -115,7 +115,8 @@ class Engine:
         self.backend = resolve_backend(settings.backend, target)
         self.depth = drafter.config.draft_depth if self.drafter is not None else 0
         # the step's draft nodes as generate sizes them: the chain drafts at most D, AR none
-        self.step_budget = {"ar": 1, "chain": min(settings.budget, self.depth), "ddtree": settings.budget}[settings.method]
+        self.step_budget = {"ar": 1, "chain": min(settings.budget, self.depth),
+                            "ddtree": settings.budget}[settings.method]
         self.nodes = 1 if settings.method == "ar" else self.step_budget + 1
         self.waiting: deque[Job] = deque()
         self.running = 0
@@ -275,7 +276,8 @@ class Service:
         and the context length."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("this server has no tokenizer: send token ids (input_ids, or a list of ids as prompt)")
+                raise RequestError("this server has no tokenizer: send token ids (input_ids, or a list of ids as "
+                                   "prompt)")
             ids = self.tokenizer.encode(prompt).ids
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
@@ -317,7 +319,8 @@ class Service:
 def _check_fields(body: dict, allowed: set, where: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise RequestError(f"{where}: unknown parameter(s) {', '.join(unknown)}; accepted: {', '.join(sorted(allowed))}")
+        raise RequestError(f"{where}: unknown parameter(s) {', '.join(unknown)}; "
+                           f"accepted: {', '.join(sorted(allowed))}")
 
 
 def chat_prompt(messages) -> str:
@@ -448,7 +451,8 @@ class GenerateHandler(EngineHandler):
         _check_fields(sampling, SAMPLING_FIELDS, "sampling_params")
         job = self.service.job(body.get("text", body.get("input_ids")),
                                max_new_tokens=sampling.get("max_new_tokens"),
-                               temperature=sampling.get("temperature", 1.0), ignore_eos=sampling.get("ignore_eos", False),
+                               temperature=sampling.get("temperature", 1.0),
+                               ignore_eos=sampling.get("ignore_eos", False),
                                stop_token_ids=sampling.get("stop_token_ids"), rid=body.get("rid"))
         return job, _flag(body, "stream")
 

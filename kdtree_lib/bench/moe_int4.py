@@ -167,7 +167,7 @@ def summary(rows, provider: str = "kernel") -> dict:
     bounds = [SINGLE_TOKEN_SLACK * (roof[(r["routing"], 1)] + r["launch_floor_us"]) for r in single]
     return {"provider": provider,
             "pct_roofline_min": min(targets, default=None),
-            "pct_roofline_median": statistics.median(targets) if targets else None,
+            "pct_roofline_median": round(statistics.median(targets), 1) if targets else None,
             "shapes_at_target": sum(p >= TARGET_PCT for p in targets), "target_shapes": len(targets),
             "single_token_us": [r["time_us"] for r in single], "single_token_bound_us": [round(b, 2) for b in bounds],
             "single_token_ok": all(r["time_us"] <= b for r, b in zip(single, bounds)) if single else None}

@@ -38,6 +38,8 @@ def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
     k = check_positive_int("k", k)
     if int(logits.shape[-1]) < 1:
         raise ValueError("logits: the vocabulary axis is empty")
+    if int(logits.shape[1]) < 1:
+        raise ValueError("logits: the draft depth D (axis 1) must be at least 1")
     if backend == "auto":
         backend = "torch" if is_on_gpu(logits) else "numpy"
     chosen = _backend.resolve(backend, ("numpy", "torch", "cupy"), logits)

@@ -96,6 +96,7 @@ def _with(value, where=(0, 1, 2)):
     (np.zeros((2, 3, 4), np.int32), 2, "auto", "logits: expected dtype"),
     (np.zeros((3, 4), np.float32), 2, "auto", "logits: expected 3 dimensions"),
     (np.zeros((1, 2, 0), np.float32), 2, "auto", "logits: the vocabulary axis is empty"),
+    (np.zeros((1, 0, 5), np.float32), 2, "auto", "logits: the draft depth D"),
     (_with(np.nan), 2, "auto", "logits: contains NaN"),
     (_with(np.inf), 2, "auto", r"logits: contains \+inf"),
     (_with(-np.inf, (1, 2)), 2, "numpy", "logits: a row is entirely -inf"),

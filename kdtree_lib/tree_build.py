@@ -23,6 +23,7 @@ from . import cuda
 from .checks import check_array, check_finite, check_positive_int, check_same_device, dtype_name, framework, to_numpy
 from .contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, TREE_MODES, DraftTopK, Tree, tree_from_parents, tree_nodes
 
+
 @dataclass(frozen=True)
 class PaperPolicy:
     """The paper's best-first heap, exactly as the official code runs it."""
@@ -47,7 +48,8 @@ class SGLangPolicy:
     - nodes are then relabelled breadth-first: depth-major, children grouped by their parent's new
       index, in pop order within a parent;
     - budget == D is the top-1 chain (SGLang's spine fast path).
-    SGLang reads max_topk and depth_bonus from SGLANG_DDTREE_MAX_TOPK and SGLANG_DDTREE_DEPTH_BONUS.
+    SGLang reads max_topk and depth_bonus from SGLANG_DDTREE_MAX_TOPK and SGLANG_DDTREE_DEPTH_BONUS. The
+    tree's log_weights are this policy's priorities, the depth bonus included.
     """
     max_topk: int = 6
     depth_bonus: float = 0.2

@@ -12,6 +12,9 @@ and 0.2 are those its source documents). They compute with kdtree_lib:
   caller reads them;
 - the EAGLE-format conversion is torch ops on the parents' device, with no host synchronisation.
 
+Within kdtree_lib's limits (budget <= 1024, L <= 32) and on valid logits (no NaN or +inf, no row entirely
+-inf: those raise a ValueError where SGLang would build from NaN weights) the outputs are SGLang's.
+
 `install()` patches SGLang's module (and every loaded module that imported these functions by name);
 `python -m kdtree_lib.integrations.sglang launch ARGS` starts SGLang's server with the patch in every
 worker process (README: "The SGLang drop-in on the box").

@@ -139,6 +139,20 @@ def test_outputs_follow_the_policy():
             assert child_maps[b][int(parents[b, node])][int(tokens[b, node - 1])] == node
 
 
+@pytest.mark.parametrize("logits, budget, match", [
+    (torch.full((1, 7, 50), float("nan")), 8, "draft_logits: a row holds NaN"),
+    (torch.full((1, 7, 50), float("inf")), 8, "draft_logits: a row holds NaN"),
+    (torch.full((1, 7, 50), float("-inf")), 8, "draft_logits: a row holds NaN"),
+    (torch.zeros(1, 7, 50, dtype=torch.int64), 8, "draft_logits: expected dtype"),
+    (torch.zeros(7, 50), 8, "draft_logits: expected 3 dimensions"),
+    (torch.zeros(1, 7, 50), 0, "tree_budget: expected a positive integer"),
+    (torch.zeros(1, 7, 50), 1025, "tree_budget: at most 1024"),
+])
+def test_bad_input_names_sglangs_argument(logits, budget, match):
+    with pytest.raises(ValueError, match=match):
+        dropin.build_ddtree_tree(logits, budget, "cpu")
+
+
 def test_child_maps_are_built_when_read():
     maps = dropin.build_ddtree_tree(draft_logits("peaked", 2, 7, 300, seed=3), 16, "cpu")[3]
     assert len(maps) == 2 and not maps._maps

@@ -31,8 +31,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..contracts import DraftTopK, unpack_mask
-from ..draft_topk import torch_topk_logprobs
+from ..checks import check_array, check_positive_int
+from ..contracts import MAX_BUDGET, DraftTopK, unpack_mask
+from ..draft_topk import LOGIT_DTYPES, torch_topk_logprobs
 from ..tree_build import SGLangPolicy, build_tree
 
 SGLANG_MODULE = "sglang.srt.speculative.ddtree_utils"
@@ -78,11 +79,17 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
     visibility [bs, budget + 1, budget + 1] bool, actual_tree_sizes [bs] int64), on `device`;
     the _out_* buffers are used when they hold at least bs rows, as SGLang's are."""
     import torch
+    check_array("draft_logits", draft_logits, dtypes=LOGIT_DTYPES, ndim=3)
+    tree_budget = check_positive_int("tree_budget", tree_budget)
+    if tree_budget > MAX_BUDGET:
+        raise ValueError(f"tree_budget: at most {MAX_BUDGET} nodes, got {tree_budget}")
     batch, depth, vocab = (int(n) for n in draft_logits.shape)
     policy = policy_from_environment()
     width = 1 if tree_budget == depth else min(policy.width(tree_budget, depth), vocab)
     logp, ids = torch_topk_logprobs(draft_logits, width)
     draft = DraftTopK(logp=logp.cpu().numpy(), ids=ids.to(torch.int32).cpu().numpy())
+    if not np.isfinite(draft.logp[..., 0]).all():
+        raise ValueError("draft_logits: a row holds NaN or +inf, or is entirely -inf (its log-probabilities are NaN)")
     tree = build_tree(draft, tree_budget, policy=policy, backend="numpy")
     nodes = tree_budget + 1
 

@@ -25,7 +25,9 @@ stage "tree_stage" (the same K2.6-vocabulary logits on the device to tree tensor
 synchronised): "sglang" is SGLang's build_ddtree_tree + build_eagle_tree_format from a local copy of its
 source (--sglang-utils, never committed), "dropin" the same two calls of kdtree_lib.integrations.sglang
 (`matches_sglang`: its outputs equal SGLang's), "kdtree" the project's own stage, draft_topk then
-build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph.
+build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph; and the
+drop-in's parts: "dropin_topk" (its top-k on the device), "dropin_copy" (the top-k to the host),
+"dropin_host_build" (the sglang policy on the host).
 
     python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk,stage] [--sglang-utils PATH]
                                           [--results-dir DIR]
@@ -171,6 +173,7 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                 if sglang_utils is not None:
                     paths["sglang"] = lambda: sglang_path(sglang_utils)
                 timings = {name: (wall_seconds(lambda: (path(), finish())), "wall") for name, path in paths.items()}
+                timings.update(_dropin_parts(logits, budget, finish))
                 if device == "cuda":
                     exact = prepare_draft_topk(logits, budget, backend="torch")
                     build = prepare_build_launch(exact(), budget)
@@ -184,13 +187,30 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                 sglang_seconds = timings.get("sglang", (None,))[0]
                 for name, (seconds, timing) in timings.items():
                     rows.append(dict(stage="tree_stage", batch=batch, depth=depth, vocab=vocab, budget=budget,
-                                     method=name, backend="torch" if name in ("sglang", "dropin") else "cupy",
+                                     method=name, backend="cupy" if name.startswith("kdtree") else "torch",
                                      time_us=round(seconds * 1e6, 3), timing=timing, matches_sglang=matches,
-                                     speedup_vs_sglang=round(sglang_seconds / seconds, 2) if sglang_seconds else ""))
+                                     speedup_vs_sglang=round(sglang_seconds / seconds, 2)
+                                     if sglang_seconds and not name.startswith("dropin_") else ""))
                 print(f"tree stage D={depth:2d} B={batch:3d} budget={budget:4d}: " + "  ".join(
                     f"{name} {seconds * 1e6:9.1f} us" for name, (seconds, _) in timings.items())
                     + f"  dropin == sglang: {matches}", flush=True)
     return rows
+
+
+def _dropin_parts(logits, budget: int, finish) -> dict:
+    """Where the drop-in's time goes: its top-k on the logits' device, then its copy to the host, then
+    the host build of the sglang policy (the rest of its time is filling SGLang's output tensors)."""
+    import torch
+    from ..draft_topk import torch_topk_logprobs
+    from ..integrations.sglang import policy_from_environment
+    batch, depth, vocab = (int(n) for n in logits.shape)
+    policy = policy_from_environment()
+    width = 1 if budget == depth else min(policy.width(budget, depth), vocab)
+    logp, ids = torch_topk_logprobs(logits, width)
+    host = DraftTopK(logp.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
+    return {"dropin_topk": (wall_seconds(lambda: (torch_topk_logprobs(logits, width), finish())), "wall"),
+            "dropin_copy": (wall_seconds(lambda: (logp.cpu(), ids.cpu())), "wall"),
+            "dropin_host_build": (wall_seconds(lambda: build_tree(host, budget, policy=policy, backend="numpy")), "wall")}
 
 
 # ----------------------------------------------------------------------------------------------

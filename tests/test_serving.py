@@ -250,12 +250,15 @@ def test_a_server_that_is_not_there_gives_transport_errors():
 
 
 def test_rows_measured_before_a_failure_are_on_disk(failing_server, tmp_path):
-    def store(batch):
+    class Stopped(Exception):
+        pass
+
+    def store(batch):  # the sweep is stopped at its fourth row, as a crash or an operator would
         if len(read_rows(client.TOPIC, results_dir=tmp_path)) == 3:
-            raise KeyboardInterrupt
+            raise Stopped
         client.append_rows(client.TOPIC, batch, results_dir=tmp_path)
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Stopped):
         client.run_sweep(failing_server, ["ab"] * 6, concurrencies=(1,), max_new_tokens=2, timeout_s=1,
                          warmup_requests=0, progress=False, store=store)
     assert len(read_rows(client.TOPIC, results_dir=tmp_path)) == 3

@@ -88,7 +88,10 @@ async def request_generate(client: httpx.AsyncClient, url: str, prompt, *, max_n
     response = await client.post(url + ENDPOINTS["generate"], json=body)
     if response.status_code != 200:
         return _failure(response.status_code, _error_message(response))
-    meta = response.json().get("meta_info", {})
+    answer = response.json()
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        return _failure(200, f"no meta_info in the answer: {response.text}")
     return {"ok": True, "status": 200, "prompt_tokens": meta.get("prompt_tokens"),
             "completion_tokens": meta.get("completion_tokens"), "server_latency_s": meta.get("e2e_latency"),
             "spec_verify_ct": meta.get("spec_verify_ct"), "spec_accept_length": meta.get("spec_accept_length")}
@@ -96,10 +99,8 @@ async def request_generate(client: httpx.AsyncClient, url: str, prompt, *, max_n
 
 async def request_stream(client: httpx.AsyncClient, url: str, prompt, *, chat: bool, model: str, max_new_tokens: int,
                          temperature: float, ignore_eos: bool) -> dict:
-    """A streamed OpenAI completion (chat: the prompt as one user message); TTFT is the first chunk
+    """A streamed OpenAI completion (chat: the prompt, a text, as one user message); TTFT is the first chunk
     with text, TPOT (end - first text) / (completion tokens - 1), the tokens from the usage chunk."""
-    if chat and not isinstance(prompt, str):
-        raise ValueError("prompt: the chat endpoint takes text prompts")
     body = {"model": model, "max_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos,
             "stream": True, "stream_options": {"include_usage": True},
             **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
@@ -117,6 +118,8 @@ async def request_stream(client: httpx.AsyncClient, url: str, prompt, *, chat: b
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                return _failure(200, f"not an event object in the stream: {data}")
             if "error" in chunk or chunk.get("object") == "error":
                 return _failure(200, f"error in the stream: {chunk.get('error', chunk.get('message'))}")
             usage = chunk.get("usage") or usage
@@ -145,7 +148,7 @@ async def measure(client: httpx.AsyncClient, url: str, endpoint: str, prompt, *,
         result = await asyncio.wait_for(call, timeout_s)
     except asyncio.TimeoutError:
         result = _failure("timeout", f"no complete answer within {timeout_s:g} s")
-    except (httpx.HTTPError, json.JSONDecodeError) as err:
+    except (httpx.HTTPError, ValueError) as err:  # ValueError: a body that is not JSON
         result = _failure("transport", f"{type(err).__name__}: {err}")
     latency = time.perf_counter() - start
     result["latency_s"] = latency

@@ -18,10 +18,11 @@ Endpoints (SGLang's request and response fields):
 Requests wait in a queue. The engine takes up to `max_batch` waiting requests with the same sampling
 settings (temperature, max_new_tokens, stop tokens) into one decode batch and runs it in a worker
 thread round by round with the decode loop's own Decoder (prefill, then `step` until every request
-is done), streaming each round's tokens back. So every request's tokens and acceptance are what
-`decode.generate` gives for its prompt. A request whose client goes away is cancelled: its row runs
-on with its batch (the shapes are fixed) but nothing is sent, and a batch whose requests are all gone
-stops. Bad input gets a 4xx with a message; a failed batch answers each of its requests with a 500.
+is done), streaming each round's tokens back. So at T = 0 every request's tokens and acceptance are
+what `decode.generate` gives for its prompt, whatever its batch (at T > 0 each batch samples with a
+seed of its own). A request whose client goes away is cancelled: its row runs on with its batch (the
+shapes are fixed) but nothing is sent, and a batch whose requests are all gone stops. Bad input gets
+a 4xx with a message, a full queue a 503; a failed batch answers each of its requests with a 500.
 """
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ class Engine:
         self.running = 0
         self.finished = 0
         self.cancelled = 0
+        self.batches = 0
         self.tokens_served = 0
         self.rounds_served = 0
         self._wakeup: asyncio.Event | None = None
@@ -190,9 +192,12 @@ class Engine:
                               batch=len(batch), capacity=decoder_capacity(prompts, sampling.max_new_tokens, self.nodes,
                                                                           self.depth),
                               temperature=sampling.temperature, backend=self.backend)
-            decoder.reset(prompts, max_new_tokens=sampling.max_new_tokens, stop_tokens=sampling.stop_tokens)
+            self.batches += 1  # a seed per batch: repeated prompts sample anew at T > 0
+            decoder.reset(prompts, max_new_tokens=sampling.max_new_tokens, stop_tokens=sampling.stop_tokens,
+                          seed=self.batches)
             sent = [0] * len(batch)
             rounds = 0
+            tokens = emitted_tokens(decoder, sampling)
             while (rounds < sampling.max_new_tokens and bool(decoder.active.any()) and not self._stopping
                    and not all(job.cancelled for job in batch)):
                 decoder.step()
@@ -220,7 +225,7 @@ class Engine:
                 else {"type": "length", "length": count},
                 "e2e_latency": time.time() - job.created, "queue_time": started - job.created,
                 "batch_size": batch_size}
-        if self.drafter is not None:
+        if self.drafter is not None and len(rounds):  # none when every request left before the first round
             verify, accepted = len(rounds), count - len(rounds)   # a round emits its accepted drafts + one bonus
             self.tokens_served += count
             self.rounds_served += verify

@@ -183,12 +183,15 @@ def test_a_full_queue_answers_503():
 # against servers that fail, stall or are not there
 
 class FailingHandler(http.server.BaseHTTPRequestHandler):
-    """/generate answers 500, the streamed endpoints stall past any client timeout, nothing else exists."""
+    """/generate answers 500, chat answers something that is no event stream, completions stall past any
+    client timeout, nothing else exists."""
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if self.path == "/generate":
             self._reply(500, {"error": {"message": "the worker crashed"}})
+        elif self.path == "/v1/chat/completions":
+            self._reply(200, ["not", "events"])
         elif self.path.startswith("/v1/"):
             time.sleep(4.0)
             self._reply(200, {})
@@ -226,13 +229,15 @@ def failing_server():
 
 def test_server_errors_and_timeouts_are_rows_and_the_sweep_ends(failing_server, tmp_path):
     started = time.monotonic()
-    rows = client.run_sweep(failing_server, ["ab", "cd"], concurrencies=(1, 2), endpoints=("generate", "completions"),
-                            max_new_tokens=4, timeout_s=1.0, warmup_requests=1, progress=False,
+    rows = client.run_sweep(failing_server, ["ab", "cd"], concurrencies=(1, 2),
+                            endpoints=("generate", "completions", "chat"), max_new_tokens=4, timeout_s=1.0,
+                            warmup_requests=1, progress=False,
                             store=lambda batch: client.append_rows(client.TOPIC, batch, results_dir=tmp_path))
     assert time.monotonic() - started < 9, "a stalled server must not stall the sweep"
-    assert len(rows) == len(read_rows(client.TOPIC, results_dir=tmp_path)) == 8
-    generated = [row for row in rows if row["endpoint"] == "generate"]
-    streamed = [row for row in rows if row["endpoint"] == "completions"]
+    assert len(rows) == len(read_rows(client.TOPIC, results_dir=tmp_path)) == 12
+    generated, streamed, chatted = ([row for row in rows if row["endpoint"] == endpoint]
+                                    for endpoint in ("generate", "completions", "chat"))
+    assert all(not r["ok"] and "neither text nor usage" in r["error"] for r in chatted), chatted
     assert all(not r["ok"] and r["status"] == 500 and "worker crashed" in r["error"] for r in generated), \
         [(r["status"], r["error"]) for r in generated]
     assert all(not r["ok"] and r["status"] == "timeout" and r["latency_s"] < 2.5 for r in streamed), \

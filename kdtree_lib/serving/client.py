@@ -128,6 +128,8 @@ async def request_stream(client: httpx.AsyncClient, url: str, prompt, *, chat: b
                 if text and first is None:
                     first = time.perf_counter()
     end = time.perf_counter()
+    if first is None and not usage:
+        return _failure(200, "the stream ended with neither text nor usage")
     tokens = usage.get("completion_tokens")
     return {"ok": True, "status": 200, "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": tokens,
             "ttft_s": first - start if first is not None else None,

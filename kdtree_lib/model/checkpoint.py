@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..moe import fits_kernel_layout
@@ -132,7 +132,7 @@ class CheckpointReader:
         if (self.path / INDEX_FILE).is_file():
             return json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
         if (self.path / SINGLE_FILE).is_file():
-            with safe_open(self.path / SINGLE_FILE, framework="pt") as handle:
+            with self._open(SINGLE_FILE) as handle:
                 return {name: SINGLE_FILE for name in handle.keys()}
         raise ValueError(f"checkpoint: neither {INDEX_FILE} nor {SINGLE_FILE} in {self.path}")
 
@@ -142,8 +142,16 @@ class CheckpointReader:
     def _slice(self, name: str):
         file, stored = self.location[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(self.path / file, framework="pt")
+            self._handles[file] = self._open(file)
         return self._handles[file].get_slice(stored)
+
+    def _open(self, file: str):
+        """One shard, opened; a damaged one (truncated, not safetensors) is a ValueError naming the file."""
+        try:
+            return safe_open(self.path / file, framework="pt")
+        except SafetensorError as err:
+            raise ValueError(f"checkpoint: {self.path / file} is not a readable safetensors file ({err}); "
+                             "truncated or partly downloaded?") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())

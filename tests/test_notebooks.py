@@ -66,7 +66,6 @@ def check_verify_attention(values, figures):
 
 def check_verify_attn_cupy(values, figures):
     from kdtree_lib.bench.verify_attn import TARGET_PCT_ROOFLINE, TARGET_ROWS, TARGET_SPEEDUP
-    from kdtree_lib.precision import rounding_bound
     for name in ("out", "lse"):  # absorbed vs per-head: the same sums in two orders, in float32
         bound = 2 * rounding_bound(np.float32, terms=values["summed_terms"], magnitude=values[f"{name}_magnitude"])
         assert values[f"absorbed_{name}_error"] <= bound, (name, bound)
@@ -115,6 +114,8 @@ def check_tree_build_cupy(values, figures):
         assert min(values["topk_rows_measured"]) < values["topk_fused_faster_from_rows"]
     if "kernel_identical" in values:
         assert all(values["kernel_identical"].values()), values["kernel_identical"]
+    if "dropin equals sglang on every row" in values:
+        assert values["dropin equals sglang on every row"] and "04_tree_build_cupy-tree-stage.png" in figures
     assert "04_tree_build_cupy-time-vs-budget.png" in figures
 
 

@@ -1,9 +1,11 @@
-# kdtree: `make notebooks` runs every notebook headless, `make test` runs the tests. Both create the
-# virtual environment .venv first when it is missing (or older than pyproject.toml).
+# kdtree: `make notebooks` runs every notebook headless, `make test` runs the tests, `make lab` opens them
+# interactively. Each creates the virtual environment .venv first when it is missing (or older than pyproject.toml).
 #
 #   make venv                  .venv with torch (CPU pin below), the project (editable) and its dev extras
 #   make test                  pytest (ARGS="-k tree" passes more options)
 #   make notebooks             python -m kdtree_lib.notebooks into runs/<time>/ (ARGS="--only 01 --set 01.budget=64")
+#   make lab                   JupyterLab (the `notebooks` extra) into .venv once, then started on notebooks/
+#                              (ARGS="--no-browser --port 8889")
 #   make check-notebooks-clean committed notebooks carry no outputs; `make strip-notebooks` clears them
 #   make wheelhouse            offline wheels for a Python 3.12 GPU host without a package index (< 40 MB)
 #   make clean                 runs/, wheelhouse/ and caches (`make distclean` also removes .venv)
@@ -28,7 +30,7 @@ WHEEL_TARGET := --only-binary=:all: --python-version 3.12 --implementation cp --
 	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	--platform manylinux2010_x86_64 --platform manylinux1_x86_64
 
-.PHONY: venv setup test notebooks check-notebooks-clean strip-notebooks wheelhouse clean distclean
+.PHONY: venv setup test notebooks lab check-notebooks-clean strip-notebooks wheelhouse clean distclean
 
 venv setup: $(STAMP)
 
@@ -44,6 +46,13 @@ test: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) -m kdtree_lib.notebooks $(ARGS)
+
+# interactive use (notebook 01's explorer needs a live kernel): JupyterLab joins the same .venv and kernel
+$(VENV)/bin/jupyter-lab: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[notebooks]"
+
+lab: $(VENV)/bin/jupyter-lab
+	$(VENV)/bin/jupyter-lab --notebook-dir=notebooks $(ARGS)
 
 check-notebooks-clean: $(STAMP)
 	$(PY) -m kdtree_lib.notebooks --check-clean

@@ -184,6 +184,19 @@ def test_ci_runs_the_readme_test_command():
     assert ci_commands[-1] == "make test"
 
 
+def test_make_lab_installs_jupyterlab_into_the_venv_and_starts_it(tmp_path):
+    assert "make lab" in readme_commands()
+    venv = tmp_path / "venv"
+    dry_run = subprocess.run(["make", "-n", "lab", f"VENV={venv}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    install = [i for i, line in enumerate(dry_run) if line.startswith(f"{venv}/bin/python -m pip install")
+               and '".[notebooks]"' in line]
+    start = [i for i, line in enumerate(dry_run) if line.startswith(f"{venv}/bin/jupyter-lab")]
+    assert install and start and install[0] < start[0], dry_run
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.split(r"[<>=!\s]", entry)[0] == "jupyterlab" for entry in extras["notebooks"])
+
+
 def test_environment_yml_matches_the_design_card_and_pyproject():
     environment = yaml.safe_load((REPO_ROOT / "environment.yml").read_text())
     conda = [d for d in environment["dependencies"] if isinstance(d, str)]

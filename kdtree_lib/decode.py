@@ -643,6 +643,52 @@ def check_lockstep(tp: TensorParallel, result: DecodeResult) -> None:
         raise RuntimeError(f"ranks {parted} decoded other tokens than rank 0: the ranks left lockstep")
 
 
+def checkpoint_pair(target_path, drafter_path, *, tokenizer_path=None, tp: int = 1, prompts_per_package: int = 1,
+                    prompt_tokens: int = 32, device=None, dtype=None, yarn_attention: str = "transformers"):
+    """The real pair (or any pair in its formats) by path, for the notebooks: (PairWithPrompts with
+    the committed held-out prompts encoded by its tokenizer, the generate to call on it).
+
+    tp == 1: both models in this process (a GPU in bf16 when there is one, else the CPU in float32);
+    the returned generate is generate. tp > 1: `target` and `drafter` hold only their configs and
+    the returned generate(target, drafter, prompts, **options) decodes on tp spawned ranks
+    (generate_tp; the ranks load the pair on each call). A path without a checkpoint, or a
+    tokenizer folder without a tokenizer, is a ValueError: there is no fallback to another pair.
+    """
+    import json
+    from types import SimpleNamespace
+    from .corpus import PROMPTS_PATH
+    from .dflash import DFlashConfig, load_drafter
+    from .model import load_config, load_target
+    from .pairs import PairWithPrompts
+    from .tokenizer import load_text_tokenizer
+    tp = check_positive_int("tp", tp)
+    _check_paths(target_path, drafter_path)
+    tokenizer = load_text_tokenizer(tokenizer_path or target_path)
+    gpu = torch.cuda.is_available()
+    device = device or ("cuda" if gpu else "cpu")
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    packages: dict[str, list[np.ndarray]] = {}
+    for line in Path(PROMPTS_PATH).read_text().splitlines():
+        document = json.loads(line)
+        chosen = packages.setdefault(document["package"], [])
+        if len(chosen) < prompts_per_package:
+            chosen.append(np.asarray(tokenizer.encode(document["text"])[:prompt_tokens], np.int64))
+    if tp == 1:
+        target = load_target(target_path, device=device, dtype=dtype)
+        drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention)
+        run = generate
+    else:
+        target = SimpleNamespace(config=load_config(target_path))
+        drafter = SimpleNamespace(config=DFlashConfig.load(drafter_path, yarn_attention=yarn_attention))
+
+        def run(_target, _drafter, prompts, **options):
+            return generate_tp(target_path, drafter_path, prompts, tp=tp, device=device, dtype=dtype,
+                               yarn_attention=yarn_attention, **options)
+    name = f"{Path(target_path).name}+{Path(drafter_path).name}"
+    description = f"checkpoint pair {target_path} + {drafter_path} (TP={tp}, {device}, {str(dtype).removeprefix('torch.')})"
+    return PairWithPrompts(target, drafter, description, name, True, packages), run
+
+
 def _check_paths(target_path, drafter_path) -> None:
     for name, path in (("target_path", target_path), ("drafter_path", drafter_path)):
         if path is not None and not (Path(path) / "config.json").is_file():

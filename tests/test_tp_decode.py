@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kdtree_lib.decode import generate_tp, main
+from kdtree_lib.decode import checkpoint_pair, generate, generate_tp, main
 from kdtree_lib.model import load_target
 from kdtree_lib.model.reference import save_kimi_pair
 from kdtree_lib.paths import REPO_ROOT
@@ -107,3 +107,14 @@ def test_bad_paths_name_the_argument(pair, tmp_path):
         generate_tp(target, drafter, PROMPTS, tp=0)
     with pytest.raises(ValueError, match="prompt_ids"):
         generate_tp(target, drafter, [[10 ** 6]], tp=1)
+
+
+def test_checkpoint_pair_for_the_notebooks(pair, tmp_path):
+    target, drafter = pair
+    chosen, run = checkpoint_pair(target, drafter, prompt_tokens=6, device="cpu")
+    assert run is generate and chosen.target.config.vocab_size == 576 and chosen.drafter.config.yarn is not None
+    assert len(chosen.packages) >= 2 and all(len(p) == 6 and p.max() < 320 for p in chosen.prompts)
+    spawned, run = checkpoint_pair(target, drafter, tp=2, prompt_tokens=6, device="cpu")
+    assert run is not generate and spawned.drafter.config == chosen.drafter.config
+    with pytest.raises(ValueError, match="folder: neither tiktoken.model nor tokenizer.json"):
+        checkpoint_pair(target, drafter, tokenizer_path=tmp_path)

@@ -20,7 +20,7 @@ Items (every figure is per GPU, computed from the configs, not measured):
                        activations and features, and RUNTIME_RESERVE for the CUDA context, NCCL
                        and cuBLAS buffers and allocator slack (an assumption, not a measurement)
 
-The box (DESIGN.md §7): 8 GPUs of BOX_GPU_BYTES; with the SGLang service running about 87 GB of each
+The box (docs/DESIGN.md §9): 8 GPUs of BOX_GPU_BYTES; with the SGLang service running about 87 GB of each
 is taken, so `free` is what is left.
 """
 from __future__ import annotations

@@ -346,6 +346,36 @@ def plot_topk_times(ax, rows: list[dict], *, k: int) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def stage_summary(rows: list[dict]) -> dict:
+    """The tree stage against SGLang's build path, from one run's tree_stage rows: per method, the
+    smallest speed-up over SGLang's path at B=1 and at the run's largest batch, budgets 32 to 64, and
+    whether the drop-in equalled SGLang's outputs on every row."""
+    stage = [r for r in results.select(rows, stage="tree_stage") if 32 <= r["budget"] <= 64]
+    summary = {"dropin equals sglang on every row": all(r["matches_sglang"] is True
+                                                        for r in results.select(rows, stage="tree_stage"))}
+    for batch in sorted({1, max((r["batch"] for r in stage), default=1)}):
+        for method in ("dropin", "kdtree", "kdtree_graph"):
+            ratios = [r["speedup_vs_sglang"] for r in results.select(stage, method=method, batch=batch)
+                      if isinstance(r["speedup_vs_sglang"], (int, float))]
+            if ratios:
+                summary[f"B={batch} budgets 32-64 {method} over sglang, min"] = min(ratios)
+    return summary
+
+
+def plot_tree_stage(ax, rows: list[dict], *, batch: int, depth: int) -> None:
+    """Time per step vs budget for SGLang's build path, the drop-in and kdtree's stage (eager and graph)."""
+    for method, label, style in (("sglang", "SGLang's build path", "o-"), ("dropin", "the drop-in", "s-"),
+                                 ("kdtree", "kdtree draft_topk → build_tree", "^-"),
+                                 ("kdtree_graph", "kdtree, CUDA graph", "^:")):
+        points = sorted((r["budget"], r["time_us"]) for r in results.select(rows, stage="tree_stage", method=method,
+                                                                              batch=batch, depth=depth))
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=f"tree stage, B={batch}, D={depth}")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 

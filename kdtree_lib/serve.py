@@ -4,7 +4,9 @@
     python -m kdtree_lib.serve --target PATH --drafter PATH --method ddtree --budget 32 --port 30000
     python -m kdtree_lib.serve --random-pair --method chain   # the tiny random pair (tests; no checkpoint)
 
-The random pair's vocabulary is its tokenizer's (the stand-in's 8192 ids unless --tokenizer names another).
+The tokenizer is the target folder's (Kimi's tiktoken.model, or a tokenizer.json; without one the server
+takes token-id prompts only). The random pair's vocabulary is its tokenizer's (the stand-in's 8192 ids
+unless --tokenizer names another folder).
 
 The server listens on 127.0.0.1 unless --host says otherwise, and prints one line, "kdtree server
 listening on URL", once it accepts requests.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -21,7 +24,7 @@ import torch
 from .decode import METHODS
 from .pairs import load_pair, random_pair, stand_in_paths
 from .serving.server import Engine, EngineSettings, Service, serve
-from .tokenizer import TOKENIZER_PATH, load_tokenizer
+from .tokenizer import TIKTOKEN_FILE, TOKENIZER_PATH, load_text_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,14 +33,18 @@ def build_service(args) -> Service:
     """The pair, tokenizer and engine the arguments name."""
     dtype = DTYPES[args.dtype]
     if args.random_pair:
-        tokenizer_path = args.tokenizer or TOKENIZER_PATH
-        tokenizer = load_tokenizer(tokenizer_path)
-        target, drafter = random_pair(vocab=tokenizer.get_vocab_size(), device=args.device, dtype=dtype,
+        tokenizer_folder = args.tokenizer or TOKENIZER_PATH.parent
+        tokenizer = load_text_tokenizer(tokenizer_folder)
+        target, drafter = random_pair(vocab=tokenizer.vocab_size, device=args.device, dtype=dtype,
                                       draft_sharpness=args.draft_sharpness)
         name, reported = "random-pair", {"model_path": None, "speculative_draft_model_path": None}
     else:
-        tokenizer_path = args.tokenizer or args.target / "tokenizer.json"
-        tokenizer = load_tokenizer(tokenizer_path) if Path(tokenizer_path).is_file() else None
+        tokenizer_folder = args.tokenizer or args.target
+        has_tokenizer = any((tokenizer_folder / file).is_file() for file in (TIKTOKEN_FILE, "tokenizer.json"))
+        tokenizer = load_text_tokenizer(tokenizer_folder) if has_tokenizer else None
+        if tokenizer is None:
+            print(f"no {TIKTOKEN_FILE} or tokenizer.json in {tokenizer_folder}: serving token-id prompts only",
+                  file=sys.stderr)
         target, drafter = load_pair(args.target, args.drafter, device=args.device, dtype=dtype)
         name = args.target.name
         reported = {"model_path": str(args.target), "speculative_draft_model_path": str(args.drafter)}
@@ -46,7 +53,7 @@ def build_service(args) -> Service:
     settings = EngineSettings(method=args.method, budget=args.budget, max_batch=args.max_batch,
                               max_queue=args.max_queue, backend=args.backend)
     context = args.context_length or target.config.max_position_embeddings
-    reported.update(tokenizer_path=str(tokenizer_path) if tokenizer is not None else None, device=args.device,
+    reported.update(tokenizer_path=str(tokenizer_folder) if tokenizer is not None else None, device=args.device,
                     dtype=args.dtype)
     return Service(Engine(target, drafter, settings), tokenizer=tokenizer, model_name=name, context_length=context,
                    stop_tokens=stops, reported=reported)
@@ -61,7 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-sharpness", type=float, default=1.0,
                         help="the random pair's drafter: small values give flat drafts (pairs.random_pair)")
     parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="tokenizer.json (default: the target folder's; the stand-in's for --random-pair)")
+                        help="a folder with tiktoken.model or tokenizer.json (default: the target's; the stand-in's "
+                             "for --random-pair)")
     parser.add_argument("--method", choices=METHODS, default="ddtree")
     parser.add_argument("--budget", type=int, default=32, help="draft nodes per tree (the chain drafts min(budget, D))")
     parser.add_argument("--max-batch", type=int, default=8, help="requests per decode batch")

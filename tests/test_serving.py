@@ -36,7 +36,7 @@ def tokenizer_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tokenizer_path):
-    with running_server("--random-pair", "--tokenizer", str(tokenizer_path), "--draft-sharpness", str(SHARPNESS),
+    with running_server("--random-pair", "--tokenizer", str(tokenizer_path.parent), "--draft-sharpness", str(SHARPNESS),
                         "--budget", str(BUDGET), "--max-batch", str(MAX_BATCH), "--context-length", str(CONTEXT),
                         startup_timeout_s=60) as local:
         yield local

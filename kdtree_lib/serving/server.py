@@ -257,7 +257,8 @@ def _post(loop, job: Job, update: tuple) -> None:
 # the service: what handlers share (engine, tokenizer, limits, the configuration reported)
 
 class Service:
-    """The engine plus the tokenizer and the request limits; parses requests into Jobs."""
+    """The engine plus the tokenizer (tokenizer.load_text_tokenizer's: encode(text) -> ids, decode(ids)
+    -> text; None: token-id prompts only) and the request limits; parses requests into Jobs."""
 
     def __init__(self, engine: Engine, *, tokenizer=None, model_name: str, context_length: int,
                  stop_tokens: tuple[int, ...] = (), reported: dict | None = None):
@@ -283,7 +284,7 @@ class Service:
             if self.tokenizer is None:
                 raise RequestError("this server has no tokenizer: send token ids (input_ids, or a list of ids as "
                                    "prompt)")
-            ids = self.tokenizer.encode(prompt).ids
+            ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
         else:
@@ -298,7 +299,7 @@ class Service:
         return np.asarray(ids, np.int64)
 
     def decode_text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def job(self, prompt, *, max_new_tokens, temperature, ignore_eos, stop_token_ids, rid=None) -> Job:
         """A Job from one request's prompt and sampling fields (RequestError naming the bad field)."""

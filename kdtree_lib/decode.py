@@ -35,6 +35,10 @@ roots, features, output and acceptance buffers) and updates it in place, so the 
 the drafter forward to the compaction, is captured once per (batch, budget, capacity) and replayed;
 the host only reads `active.any()` every `sync_every` steps. The eager path runs the very same step
 function. Finished requests keep running in lockstep and change nothing.
+
+Tensor parallel (the end of this file): generate_tp spawns the ranks of a sharded target, each runs
+generate in lockstep with the others (no per-step broadcast); `python -m kdtree_lib.decode` is the
+launcher, alone or under torchrun; checkpoint_pair gives the notebooks a pair by path.
 """
 from __future__ import annotations
 
@@ -620,8 +624,8 @@ def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, 
         print(memory.table(), flush=True)
     if on_gpu or gpu_bytes:
         memory.check()
-    threads = max(1, torch.get_num_threads() // tp.size) if not on_gpu else torch.get_num_threads()
-    torch.set_num_threads(threads)  # gloo ranks share the host's cores
+    if not on_gpu:  # gloo ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
     target = load_target(target_path, device=device, dtype=dtype, tp_group=tp.group)
     drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention) if drafter_path else None
     results = [generate(target, drafter, prompts, **run) for run in runs]

@@ -13,8 +13,9 @@ import kdtree_lib.model.checkpoint as checkpoint
 from kdtree_lib.decode import generate
 from kdtree_lib.dflash import DFlashConfig, load_drafter
 from kdtree_lib.model import CheckpointReader, ModelConfig, TensorParallel, load_config, load_target
+from kdtree_lib.model.memory import plan
 from kdtree_lib.model.reference import (CONFIG_DIR, kimi_text_config, qwen3_rope, save_kimi_pair,
-                                        tiny_tiktoken_ranks, zlab_block_logits)
+                                        save_random_kimi_checkpoint, tiny_tiktoken_ranks, zlab_block_logits)
 from kdtree_lib.tokenizer import KIMI_RESERVED_SPECIAL_TOKENS, load_text_tokenizer, save_tiktoken
 
 TEXT = "def forward(self, x):\n    return self.layers[0](x)  # é ✓ 漢字 [EOS]\n"
@@ -139,3 +140,18 @@ def test_bad_files_and_keys_are_named(pair, tmp_path):
             (broken / file.name).symlink_to(file)
     with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
         load_target(broken, dtype=torch.float32)
+
+
+def test_random_real_format_checkpoint_matches_the_memory_plan(tmp_path):
+    """save_random_kimi_checkpoint (what the GPU run writes at K2.6's shapes) at tiny dims: it loads
+    and runs, and the bytes it stores are the memory plan's TP=1 weights exactly."""
+    text = kimi_text_config()
+    path = save_random_kimi_checkpoint(tmp_path, text)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    config = load_config(path)
+    assert len(set(index["weight_map"].values())) == config.num_hidden_layers + 1
+    shape_records = 16 * sum(name.endswith("_shape") for name in index["weight_map"])
+    assert plan(config, 1, 1, 16, 4).weights == index["metadata"]["total_size"] - shape_records
+    model = load_target(path, dtype=torch.float32)
+    logits = model.prefill(torch.tensor([[1, 2, 3]]), model.new_cache(1, 8), logits="last").logits
+    assert logits.shape == (1, 1, config.vocab_size) and torch.isfinite(logits).all()

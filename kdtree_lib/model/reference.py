@@ -230,7 +230,6 @@ def save_kimi_pair(folder, *, seed: int = 0, std: float = 0.3) -> tuple[Path, Pa
     layout (text_config with K2.6's keys, `language_model.` prefix, 3 files + index, INT4 routed
     experts) with Kimi's tiktoken.model + tokenizer_config.json beside it, and a DFlash drafter with
     the real drafter's config keys (YaRN) and z-lab's weight names. Random weights."""
-    from ..dflash import DFlashConfig, DFlashDrafter, write_safetensors
     from ..tokenizer import save_tiktoken
     folder = Path(folder)
     ranks = tiny_tiktoken_ranks()
@@ -240,16 +239,82 @@ def save_kimi_pair(folder, *, seed: int = 0, std: float = 0.3) -> tuple[Path, Pa
     base = len(ranks)
     save_tiktoken(target, ranks, {base: "[BOS]", base + 1: "[EOS]", base + 2: "<|im_end|>", base + 3: "<|im_user|>"},
                   bos="[BOS]", eos="[EOS]")
-    raw = kimi_dflash_config(text)
-    drafter = DFlashDrafter(DFlashConfig.from_dict(raw))
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, tensor in drafter.named_parameters():
-            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator) if name.endswith("norm.weight")
-                         else 0.2 * torch.randn(tensor.shape, generator=generator))
-    path = folder / "drafter"
+    return target, save_random_drafter(folder / "drafter", kimi_dflash_config(text), seed=seed + 1, std=0.2)
+
+
+def save_random_drafter(path, raw: dict, *, seed: int = 0, std: float = 0.02) -> Path:
+    """A DFlash checkpoint with random bf16 weights for the config.json dict `raw` (written as is):
+    norms 1 + std/2 noise, projections normal(std); built tensor by tensor (a real-shape drafter
+    never exists in float32)."""
+    from ..dflash import DFlashConfig, DFlashDrafter, write_safetensors
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DFlashConfig.from_dict(raw))
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in drafter.state_dict().items():
+        noise = torch.randn(tensor.shape, generator=generator)
+        state[f"model.{name}"] = (1 + std / 2 * noise if name.endswith("norm.weight") else std * noise).to(torch.bfloat16)
+    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    write_safetensors({f"model.{name}": t.to(torch.bfloat16).contiguous() for name, t in drafter.state_dict().items()},
-                      path, shard_bytes=1 << 30)
-    return target, path
+    write_safetensors(state, path, shard_bytes=4 << 30)
+    return path
+
+
+def save_random_kimi_checkpoint(path, text_config: dict, *, seed: int = 0, std: float = 0.02) -> Path:
+    """A checkpoint in K2.6's layout (wrapper config, `language_model.` prefix, one file per layer
+    and one for the rest, index) with random weights at any dims, the real ones included: the
+    routed experts are written as random INT4 codes with bf16 scales (weights of about std), so no
+    float expert is ever built; the rest bf16 normal(std), norms 1, router biases 0 (fp32)."""
+    from .checkpoint import INT4_QUANTIZATION_CONFIG, checkpoint_name
+    from .config import ModelConfig
+    from .model import Experts, Transformer
+    from safetensors.torch import save_file
+    config = ModelConfig.from_dict(text_config)
+    with torch.device("meta"):
+        model = Transformer(config)
+    generator = torch.Generator().manual_seed(seed)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+
+    def file_of(name: str) -> dict:
+        layer = name.split(".")[1] if name.startswith("layers.") else "rest"
+        return files.setdefault(layer, {})
+
+    experts = {name for name, module in model.named_modules() if isinstance(module, Experts)}
+    shapes = {"gate_proj": (config.moe_intermediate_size, config.hidden_size),
+              "up_proj": (config.moe_intermediate_size, config.hidden_size),
+              "down_proj": (config.hidden_size, config.moe_intermediate_size)}
+    uniform_code_std = 4.6  # of q uniform in -8..7
+    for name in sorted(experts):
+        for expert in range(config.n_routed_experts):
+            for projection, (out, inputs) in shapes.items():
+                base = f"model.{name}.{expert}.{projection}.weight"
+                file_of(name).update({
+                    f"{base}_packed": torch.randint(-2 ** 31, 2 ** 31 - 1, (out, inputs // 8), dtype=torch.int32,
+                                                    generator=generator),
+                    f"{base}_scale": torch.full((out, inputs // 32), std / uniform_code_std, dtype=torch.bfloat16),
+                    f"{base}_shape": torch.tensor([out, inputs], dtype=torch.int64)})
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.rsplit(".", 1)[0] in experts:
+            continue
+        if name.endswith("e_score_correction_bias"):
+            value = torch.zeros(tensor.shape, dtype=torch.float32)
+        elif name.endswith("norm.weight"):
+            value = torch.ones(tensor.shape, dtype=torch.bfloat16)
+        else:
+            value = (std * torch.randn(tensor.shape, generator=generator)).to(torch.bfloat16)
+        file_of(name)[checkpoint_name(name, config)] = value
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = dict(text_config, quantization_config=INT4_QUANTIZATION_CONFIG)
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text}
+    (path / "config.json").write_text(json.dumps(wrapper, indent=2) + "\n")
+    weight_map, total = {}, 0
+    for i, tensors in enumerate(files.values()):
+        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file({f"language_model.{name}": t.contiguous() for name, t in tensors.items()}, str(path / file))
+        weight_map.update(dict.fromkeys((f"language_model.{name}" for name in tensors), file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return path

@@ -79,12 +79,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--backend", default="auto", help="the tree ops' backend (numpy, torch, cupy, auto)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 is fastest for small pairs on a busy CPU)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0: a free port (printed)")
     args = parser.parse_args(argv)
-    for name in ("budget", "max_batch", "max_queue"):
-        if getattr(args, name) < 1:
+    for name in ("budget", "max_batch", "max_queue", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     service = build_service(args)
     print(json.dumps({key: value for key, value in service.server_info().items() if key != "internal_states"}),
           flush=True)

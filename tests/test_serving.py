@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models
 
 from kdtree_lib.decode import generate
@@ -38,6 +39,7 @@ def tokenizer_path(tmp_path_factory):
 def server(tokenizer_path):
     with running_server("--random-pair", "--tokenizer", str(tokenizer_path.parent), "--draft-sharpness", str(SHARPNESS),
                         "--budget", str(BUDGET), "--max-batch", str(MAX_BATCH), "--context-length", str(CONTEXT),
+                        "--threads", "1",
                         startup_timeout_s=60) as local:
         yield local
 
@@ -83,9 +85,14 @@ def test_sweep_rows_and_acceptance_equal_generate(server, tokenizer_path, tmp_pa
     target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     expected = {}
-    for index, text in enumerate(PROMPTS[:4]):
-        alone = generate(target, drafter, [tokenizer.encode(text).ids], budget=BUDGET, max_new_tokens=new_tokens)
-        expected[index] = (len(alone.tokens[0]), len(alone.acceptance[0]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread, as the server runs it (spinning threads crawl on a busy CPU)
+    try:
+        for index, text in enumerate(PROMPTS[:4]):
+            alone = generate(target, drafter, [tokenizer.encode(text).ids], budget=BUDGET, max_new_tokens=new_tokens)
+            expected[index] = (len(alone.tokens[0]), len(alone.acceptance[0]))
+    finally:
+        torch.set_num_threads(threads)
     for row in rows:
         tokens, rounds = expected[row["prompt_index"]]
         assert (row["completion_tokens"], row["spec_verify_ct"]) == (tokens, rounds), row

@@ -70,7 +70,7 @@ def bench_accept(batches=BATCHES, budgets=BUDGETS, depth: int = 15, layers: int 
                 f"{name} {seconds * 1e6:7.2f} us" for name, (seconds, _) in timings.items())
                 + f"  mean accepted {want.n_accepted.mean():.2f}  moved {moved_bytes / 1e6:.1f} MB  match={matches}",
                 flush=True)
-            del caches, walk, move  # frees the layers before the next configuration
+            caches = walk = move = None  # frees the layers before the next configuration
             torch.cuda.empty_cache()
     return rows
 

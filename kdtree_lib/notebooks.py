@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,10 @@ from .plots import FIGURES_DIR_ENV
 from .paths import NOTEBOOKS_DIR, REPO_ROOT, RUNS_DIR
 
 RUN_DIR_ENV = "KDTREE_RUN_DIR"
+# progress bars in a headless kernel: off (nobody watches, and a stored tqdm widget reads "0%" forever); tqdm.auto
+# would pick the widget, which ignores TQDM_DISABLE, so the kernel starts with tqdm.auto's tqdm the text one
+NO_PROGRESS_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+TEXT_PROGRESS_BARS = "import tqdm.auto, tqdm.std; tqdm.auto.tqdm = tqdm.std.tqdm"
 KERNEL_NAME = "python3"
 NOTEBOOK_NAME = re.compile(r"^(?P<number>\d{2})_[A-Za-z0-9_-]+$")
 
@@ -48,8 +54,9 @@ class NotebookRun:
 # ----------------------------------------------------------------------------------------------
 # what notebooks call
 
-def record(notebook: str, **values) -> dict:
-    """Print the values a notebook asserts; in a batch run also merge them into <run dir>/<notebook>.json."""
+def record(notebook: str, **values) -> None:
+    """Print the values a notebook asserts; in a batch run also merge them into <run dir>/<notebook>.json.
+    Returns nothing, so a cell ending in record(...) shows the values once (printed), not again as its result."""
     plain = json.loads(json.dumps(values, default=_plain))
     width = max(map(len, plain), default=0)
     for key, value in plain.items():
@@ -59,7 +66,6 @@ def record(notebook: str, **values) -> dict:
         path = Path(run_dir) / f"{notebook}.json"
         earlier = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps({**earlier, **plain}, indent=1, sort_keys=True))
-    return plain
 
 
 def this_run_dir() -> Path:
@@ -171,20 +177,26 @@ def run_notebook(path: Path, output_dir: Path, parameters: dict | None = None, *
     output = output_dir / path.name
     # the kernel imports this checkout's kdtree_lib, installed or not, and records into the run folder
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    kernel_env = {RUN_DIR_ENV: str(output_dir.resolve()), "PYTHONPATH": python_path}
+    kernel_env = {RUN_DIR_ENV: str(output_dir.resolve()), "PYTHONPATH": python_path, **NO_PROGRESS_BARS}
     if figures_dir is not None:
         kernel_env[FIGURES_DIR_ENV] = str(Path(figures_dir).resolve())
+    kernel_log = output_dir / f"{path.stem}.kernel.log"
     start = time.perf_counter()
     error = ""
-    with _environment(kernel_env):
+    with _environment(kernel_env), tempfile.TemporaryDirectory(prefix="kdtree-kernel-") as sockets:
         try:
             papermill.execute_notebook(str(path), str(output), parameters=parameters, kernel_name=kernel_name,
                                        cwd=str(path.parent), progress_bar=False, log_output=False,
-                                       execution_timeout=cell_timeout)
+                                       execution_timeout=cell_timeout,
+                                       config=_kernel_config(Path(sockets), kernel_log),
+                                       kernel_manager_class=_logged_kernel_manager(),
+                                       extra_arguments=[f"--IPKernelApp.exec_lines={TEXT_PROGRESS_BARS}"])
         except papermill.PapermillExecutionError as err:
             error = f"cell {err.exec_count}: {err.ename}: {err.evalue}"
         except Exception as err:  # kernel died, timeout, unreadable notebook: still one row of the table
             error = f"{type(err).__name__}: {err}"
+    if kernel_log.exists() and not kernel_log.stat().st_size:
+        kernel_log.unlink()
     return NotebookRun(path.stem, not error, time.perf_counter() - start, output, error)
 
 
@@ -221,6 +233,36 @@ def format_table(runs: list[NotebookRun]) -> str:
 def _one_line(text: str, limit: int = 120) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _kernel_config(sockets: Path, log: Path):
+    """The kernel papermill starts talks over IPC sockets in `sockets` (over TCP ipykernel warns, once per
+    kernel, that it runs unencrypted) and writes its own stdout/stderr to `log` (see RunKernelManager)."""
+    from traitlets.config import Config
+
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(sockets / "kernel")
+    config.RunKernelManager.log_path = str(log.resolve())
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _logged_kernel_manager():
+    """AsyncKernelManager whose kernel process writes its stdout/stderr to `log_path`: what bypasses the
+    notebook (processes the kernel spawns, such as TP ranks, C libraries) lands in the run folder instead of
+    the runner's terminal, whose output is its table and the run's real errors."""
+    from jupyter_client import AsyncKernelManager
+    from traitlets import Unicode
+
+    class RunKernelManager(AsyncKernelManager):
+        log_path = Unicode("", help="file for the kernel process's own output").tag(config=True)
+
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            with open(self.log_path, "ab") as log:
+                return await super()._async_launch_kernel(kernel_cmd, stdout=log, stderr=log, **kw)
+
+    return RunKernelManager
 
 
 @contextlib.contextmanager

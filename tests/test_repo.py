@@ -164,6 +164,34 @@ def test_a_default_run_writes_only_what_git_ignores(tmp_path, capsys):
             path.unlink(missing_ok=True)
 
 
+def test_a_headless_run_prints_its_table_and_stores_no_noise(tmp_path):
+    """The runner's terminal shows its table, not ipykernel's TCP warning nor what the kernel's child processes
+    (TP ranks) write to its descriptors (that goes to <run>/<notebook>.kernel.log); the executed copy stores
+    no progress widget and each recorded value once."""
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    write_notebook(folder / "00_noise.ipynb", "x = 1  # a value to record",
+                   "import multiprocessing\nworker = multiprocessing.get_context('spawn').Process(target=print, "
+                   "args=('a worker line',))\nworker.start()\nworker.join()",
+                   "from tqdm.auto import tqdm\nfor _ in tqdm(range(3)):\n    pass",
+                   "from kdtree_lib.notebooks import record\nrecord('00_noise', x=x)")
+    output = tmp_path / "run"
+    finished = subprocess.run([sys.executable, "-m", "kdtree_lib.notebooks", "--notebooks-dir", str(folder),
+                               "--output-dir", str(output), "--no-progress"],
+                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    terminal = (finished.stdout + finished.stderr).splitlines()
+    assert finished.returncode == 0, terminal
+    table = {"notebook  status  seconds  error", "--------  ------  -------  -----", "1 passed, 0 failed"}
+    noise = [line for line in terminal if not (line.startswith("00_noise  pass") or line.startswith(
+        f"executed notebooks in {output}") or any(line.startswith(t) for t in table))]
+    assert noise == []
+    assert "a worker line" in (output / "00_noise.kernel.log").read_text()
+    cells = nbformat.read(str(output / "00_noise.ipynb"), as_version=4).cells
+    outputs = [out for cell in cells for out in cell.get("outputs", [])]
+    assert not [out for out in outputs if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
+    assert [out.get("text", "") for out in cells[-1].outputs] == ["x : 1\n"]
+
+
 # ----------------------------------------------------------------------------------------------
 # set-up files
 

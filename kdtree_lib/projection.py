@@ -44,10 +44,19 @@ CT200 = Hardware(name="8x RTX PRO 6000 Blackwell (PCIe)", memory_bandwidth=1.5e1
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fraction of the roofline each component reaches (1.0 = at the roofline)."""
+    """Fraction of the roofline each component reaches (1.0 = at the roofline). The tree attention
+    over the cache and the routed experts may be fitted on their own kernels' rows (KernelTime:
+    fixed seconds per call + bytes / (bandwidth · efficiency) + FLOPs / (rate · flops efficiency));
+    None keeps them inside attention and moe."""
     attention: float = 1.0
     moe: float = 1.0
     rest: float = 1.0
+    tree_attention: float | None = None         # of the verify kernel's bytes
+    tree_attention_flops: float | None = None   # of its FLOPs (None: its time does not follow them)
+    tree_attention_fixed: float | None = None   # s per call
+    experts: float | None = None                # of the INT4 MoE kernel's bytes
+    experts_flops: float | None = None
+    experts_fixed: float | None = None
 
 
 def expected_distinct_experts(tokens: int, n_experts: int, experts_per_token: int,
@@ -78,21 +87,56 @@ def layer_costs(config, hardware: Hardware, *, batch: int, nodes: int, context: 
                         + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank    # W_UK, W_UV
                         + heads * c.v_head_dim * c.hidden_size)                           # o_proj
     keys = context + nodes
-    attention_bytes = attention_params * BF16_BYTES + batch * keys * latent * BF16_BYTES
-    attention_flops = 2 * tokens * attention_params + 2 * tokens * heads * keys * (latent + c.kv_lora_rank)
+    projections = (attention_params * BF16_BYTES, 2 * tokens * attention_params)
+    tree_attention = (batch * keys * latent * BF16_BYTES, 2 * tokens * heads * keys * (latent + c.kv_lora_rank))
+    attention = _split_roofline(projections, tree_attention, hardware, efficiency.attention,
+                                KernelTime.of(efficiency, "tree_attention"))
     if moe_layer:
         expert_params = 3 * c.hidden_size * c.moe_intermediate_size / g
         touched = expected_distinct_experts(tokens, c.n_routed_experts, c.num_experts_per_tok, correlation)
-        moe_bytes = (touched * expert_params * expert_bits / 8
-                     + c.n_shared_experts * expert_params * BF16_BYTES
-                     + c.hidden_size * c.n_routed_experts * BF16_BYTES)
-        moe_flops = 2 * tokens * expert_params * (c.num_experts_per_tok + c.n_shared_experts)
+        routed = (touched * expert_params * expert_bits / 8, 2 * tokens * expert_params * c.num_experts_per_tok)
+        shared_and_router = (c.n_shared_experts * expert_params * BF16_BYTES + c.hidden_size * c.n_routed_experts * BF16_BYTES,
+                             2 * tokens * expert_params * c.n_shared_experts)
+        moe = _split_roofline(shared_and_router, routed, hardware, efficiency.moe, KernelTime.of(efficiency, "experts"))
     else:
         dense_params = 3 * c.hidden_size * c.intermediate_size / g
-        moe_bytes, moe_flops = dense_params * BF16_BYTES, 2 * tokens * dense_params
-    return {"attention": _roofline(attention_bytes, attention_flops, hardware) / efficiency.attention,
-            "moe": _roofline(moe_bytes, moe_flops, hardware) / efficiency.moe,
+        moe = _roofline(dense_params * BF16_BYTES, 2 * tokens * dense_params, hardware) / efficiency.moe
+    return {"attention": attention, "moe": moe,
             "allreduce": 2 * allreduce_time(tokens * c.hidden_size * BF16_BYTES, hardware)}
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """A kernel's time: fixed + bytes / (bandwidth · bytes_efficiency) [+ FLOPs / (rate · flops_efficiency)].
+    The terms add (a fit, not a roofline's max): a bytes efficiency above 1 means reads overlap compute."""
+    fixed: float
+    bytes_efficiency: float
+    flops_efficiency: float | None = None
+
+    @classmethod
+    def of(cls, efficiency: Efficiency, name: str) -> KernelTime | None:
+        """The kernel `name` ("tree_attention", "experts") of an Efficiency, None when not fitted."""
+        if getattr(efficiency, name) is None:
+            return None
+        return cls(getattr(efficiency, f"{name}_fixed") or 0.0, getattr(efficiency, name),
+                   getattr(efficiency, f"{name}_flops"))
+
+    def time(self, bytes_seconds, flops_seconds=0.0):
+        """From a call's bytes / bandwidth and FLOPs / matmul rate (scalars or arrays)."""
+        compute = np.asarray(flops_seconds) / self.flops_efficiency if self.flops_efficiency else 0.0
+        return self.fixed + np.asarray(bytes_seconds) / self.bytes_efficiency + compute
+
+    def seconds(self, num_bytes: float, flops: float, hardware: Hardware) -> float:
+        return float(self.time(num_bytes / hardware.memory_bandwidth, flops / hardware.matmul_flops))
+
+
+def _split_roofline(rest: tuple[float, float], kernel: tuple[float, float], hardware: Hardware, rest_efficiency: float,
+                    kernel_time: KernelTime | None) -> float:
+    """Seconds of (bytes, FLOPs) pairs: one roofline over both at rest_efficiency when the kernel has
+    no fitted time, else the rest's roofline plus the kernel's KernelTime."""
+    if kernel_time is None:
+        return _roofline(rest[0] + kernel[0], rest[1] + kernel[1], hardware) / rest_efficiency
+    return _roofline(*rest, hardware) / rest_efficiency + kernel_time.seconds(*kernel, hardware)
 
 
 def allreduce_time(message_bytes: float, hardware: Hardware) -> float:
@@ -159,7 +203,7 @@ def calibrate(measured: list[dict], config, hardware: Hardware, **layer_options)
 def assumptions(hardware: Hardware, efficiency: Efficiency, **extra) -> list[str]:
     """Printable lines: every constant the projection rests on."""
     lines = [f"{key} = {value}" for key, value in asdict(hardware).items()]
-    lines += [f"efficiency.{key} = {value:.3f}" for key, value in asdict(efficiency).items()]
+    lines += [f"efficiency.{key} = {value:.3g}" for key, value in asdict(efficiency).items() if value is not None]
     lines += [f"{key} = {value}" for key, value in extra.items()]
     return lines
 
@@ -370,3 +414,288 @@ def best_budgets(rows: list[dict]) -> dict[tuple[int, int], dict]:
         if key not in best or row["tokens_per_second"] > best[key]["tokens_per_second"]:
             best[key] = row
     return best
+
+
+# ----------------------------------------------------------------------------------------------
+# the box's inputs: each a value with the rows it came from, or a loud ASSUMPTION naming its parameter
+
+PORTABLE_VERIFY_CONFIGS = {16: "rows16_keys32_stages2", 32: "rows32_keys32_stages2"}  # the 99 KB variants, by CTA rows
+BOX_MOE_PROVIDER = "kernel_99kb"      # kdtree_lib.bench.moe_int4: the plan for 99 KB of shared memory (sm_120)
+SERVICE_OBSERVED = {8: 4.5, 16: 5.3, 32: 6.4}  # the live service's mean acceptance (DESIGN.md §7: 8 ≈ 4.5, 16–32: 5.3–6.4)
+OVERLAPS = (0.0, 0.25, 0.5, 0.75, 0.9)  # routing correlation swept: uniform to strongly correlated
+
+
+@dataclass(frozen=True)
+class Input:
+    """One number the projection rests on and where it came from: measured rows, or an ASSUMPTION."""
+    name: str
+    value: float
+    source: str
+    measured: bool
+
+    def line(self) -> str:
+        return f"{self.name} = {self.value:.4g}  [{'measured' if self.measured else 'ASSUMPTION'}: {self.source}]"
+
+
+def assumed(name: str, value: float, parameter: str, why: str) -> Input:
+    """An input no measured row gives: the value of `parameter`, labelled as the assumption it is."""
+    return Input(name, float(value), f"parameter {parameter}: {why}", False)
+
+
+def rows_source(topic: str, rows: list[dict], what: str) -> str:
+    """'data/results/<topic>.csv, <what>: <n> rows of <device> at commit <c>, <date>' for printing."""
+    stamps = sorted({(str(r.get("device")), str(r.get("commit")), str(r.get("date"))[:10]) for r in rows})
+    runs = "; ".join(f"{device} at commit {commit}, {date}" for device, commit, date in stamps[:3])
+    return f"data/results/{topic}.csv, {what}: {len(rows)} rows of {runs}" + (" ..." if len(stamps) > 3 else "")
+
+
+def fit_kernel_time(bytes_seconds, measured_seconds, flops_seconds=None) -> KernelTime:
+    """The KernelTime that best reproduces measured times (least squares in relative error, every
+    term ≥ 0) from each call's bytes / bandwidth and, when given, FLOPs / matmul rate."""
+    measured = np.asarray(measured_seconds, float)
+    columns = [np.ones_like(measured), np.asarray(bytes_seconds, float)]
+    if flops_seconds is not None:
+        columns.append(np.asarray(flops_seconds, float))
+    if measured.size < len(columns) or any(c.shape != measured.shape for c in columns) or np.any(measured <= 0):
+        raise ValueError(f"measured_seconds: expected at least {len(columns)} positive times, one per call")
+    design = np.stack(columns, axis=1) / measured[:, None]
+    best = None
+    for used in ([0, 1, 2], [1, 2], [0, 1], [1])[(0 if flops_seconds is not None else 2):]:
+        coefficients, *_ = np.linalg.lstsq(design[:, used], np.ones_like(measured), rcond=None)
+        if np.all(coefficients >= 0) and coefficients[used.index(1)] > 0:
+            error = float(np.sum((design[:, used] @ coefficients - 1) ** 2))
+            if best is None or error < best[0]:
+                best = (error, dict(zip(used, coefficients)))
+    if best is None:
+        raise ValueError("measured_seconds: the times do not grow with the bytes; no kernel time fits")
+    fitted = best[1]
+    return KernelTime(float(fitted.get(0, 0.0)), float(1 / fitted[1]),
+                      float(1 / fitted[2]) if fitted.get(2, 0.0) > 0 else None)
+
+
+def fit_residuals(time: KernelTime, bytes_seconds, measured_seconds, flops_seconds=None) -> np.ndarray:
+    """model / measured − 1 for each call."""
+    flops = 0.0 if flops_seconds is None else np.asarray(flops_seconds, float)
+    return time.time(np.asarray(bytes_seconds, float), flops) / np.asarray(measured_seconds, float) - 1
+
+
+def kernel_fit(name: str, topic: str, rows: list[dict], *, bytes_seconds, measured, flops_seconds=None, what: str,
+               assumed_time: KernelTime, parameter: str) -> tuple[KernelTime, list[Input], list[dict]]:
+    """(KernelTime, its Inputs, the rows used) fitted on rows (functions of a row, in seconds), or the
+    parameter's assumption when fewer rows than terms exist."""
+    terms = ([bytes_seconds(r) for r in rows], [measured(r) for r in rows],
+             None if flops_seconds is None else [flops_seconds(r) for r in rows])
+    try:
+        fitted = fit_kernel_time(*terms)
+        residuals = fit_residuals(fitted, *terms)
+        source = rows_source(topic, rows, f"{what}, fitted as fixed + bytes + FLOPs terms (model within "
+                                          f"{residuals.min():+.0%} .. {residuals.max():+.0%} of every row)")
+        measured_here = True
+    except ValueError:
+        if rows:
+            raise
+        fitted, source, measured_here = assumed_time, f"parameter {parameter}: no {what} rows in data/results/{topic}.csv yet", False
+        rows = []
+    values = {"fixed_seconds": fitted.fixed, "bytes_efficiency": fitted.bytes_efficiency,
+              "flops_efficiency": fitted.flops_efficiency}
+    inputs = [Input(f"{name}.{key}", value, source, measured_here) for key, value in values.items() if value is not None]
+    return fitted, inputs, rows
+
+
+def portable_verify_rows(rows: list[dict], *, heads: int) -> list[dict]:
+    """The verify_attn rows of the portable (99 KB) kernel at `heads` heads per rank, the variant the
+    sm_120 plan picks for each shape (CTA of 32 rows from 32 rows up), of the newest run that has them."""
+    def picked(row) -> bool:
+        size = 32 if int(row["rows"]) >= 32 else 16
+        return row.get("config") == PORTABLE_VERIFY_CONFIGS[size] and results.matches(row.get("heads"), heads)
+    return results.latest_run([r for r in rows if r.get("provider") in ("kernel", "kernel_variant") and picked(r)])
+
+
+def verify_kernel_inputs(rows: list[dict], *, heads: int,
+                         assumed_time: KernelTime = KernelTime(15e-6, 0.3, 0.1)) -> tuple[KernelTime, list[Input], list[dict]]:
+    """The portable verify kernel's time model from data/results/verify_attn.csv rows (its bytes and
+    FLOPs over the run's measured ceilings), or the assumption (parameter assumed_verify_time)."""
+    return kernel_fit("verify_attention", "verify_attn", portable_verify_rows(rows, heads=heads),
+                      bytes_seconds=lambda r: float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12),
+                      flops_seconds=lambda r: float(r["flops"]) / (float(r["matmul_tflops"]) * 1e12),
+                      measured=lambda r: float(r["time_us"]) * 1e-6, assumed_time=assumed_time,
+                      what=f"portable kernel ({'/'.join(PORTABLE_VERIFY_CONFIGS.values())}), {heads} heads",
+                      parameter="assumed_verify_time")
+
+
+def moe_kernel_inputs(rows: list[dict], *, tp: int,
+                      assumed_time: KernelTime = KernelTime(10e-6, 0.6)) -> tuple[KernelTime, list[Input], list[dict]]:
+    """The INT4 MoE kernel's time model on the box's 99 KB plan from data/results/moe_int4.csv rows
+    of the TP=tp slice (touched bytes over the run's copy bandwidth), or the assumption (parameter
+    assumed_moe_time): that file does not exist until kdtree_lib.bench.moe_int4 runs on a GPU."""
+    picked = results.latest_run(results.select(rows, provider=BOX_MOE_PROVIDER, tp=tp))
+    return kernel_fit("int4_experts", "moe_int4", picked,
+                      bytes_seconds=lambda r: float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12),
+                      measured=lambda r: float(r["time_us"]) * 1e-6, assumed_time=assumed_time,
+                      what=f"{BOX_MOE_PROVIDER}, TP={tp}", parameter="assumed_moe_time")
+
+
+def box_efficiency(efficiency: Efficiency, verify: KernelTime, experts: KernelTime) -> Efficiency:
+    """`efficiency` (the rest, from the verify-step rows) with the box's two kernels' own times."""
+    return replace(efficiency, tree_attention=verify.bytes_efficiency, tree_attention_flops=verify.flops_efficiency,
+                   tree_attention_fixed=verify.fixed, experts=experts.bytes_efficiency,
+                   experts_flops=experts.flops_efficiency, experts_fixed=experts.fixed)
+
+
+def real_drafter_config(config: ModelConfig) -> DFlashConfig:
+    """Kimi-K2.6-DFlash as published (DESIGN.md §4): 6 Qwen3 layers at hidden 7168, 64 heads / 8 KV
+    heads / head_dim 128, MLP 18432, block 8, target layers 1, 12, 24, 35, 47, 58 (about 6.5 GiB bf16)."""
+    from .dflash import DFlashConfig
+    return DFlashConfig(hidden_size=7168, intermediate_size=18432, num_hidden_layers=6, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=128, vocab_size=config.vocab_size, block_size=8,
+                        mask_token_id=163838, target_layer_ids=(1, 12, 24, 35, 47, 58), rms_norm_eps=1e-5,
+                        rope_theta=50000.0)
+
+
+DRAFTER_PLACEMENTS = ("replicated", "sharded")
+
+
+def drafter_shards(placement: str, tp: int) -> int:
+    """GPUs the drafter's layers are split over: 1 replicated (what the code does), tp sharded."""
+    if placement not in DRAFTER_PLACEMENTS:
+        raise ValueError(f"placement: expected one of {DRAFTER_PLACEMENTS}, got {placement!r}")
+    return 1 if placement == "replicated" else tp
+
+
+def nearest_row(rows: list[dict], **target) -> dict:
+    """The row nearest `target` (column -> number) in summed |log2| distance; the newest of equals."""
+    if not rows:
+        raise ValueError(f"rows: none to pick the nearest to {target} from")
+    def distance(row) -> float:
+        return sum(abs(math.log2(float(row[k]) / v)) for k, v in target.items())
+    return min(reversed(rows), key=distance)
+
+
+def tree_stage_cost(build_rows: list[dict], accept_rows: list[dict], *, depth: int, scale: float = 1.0,
+                    assumed_seconds: float = 50e-6) -> Callable[[int, int], Input]:
+    """Input(batch, budget): the tree stage of a round measured on the GPU kernels, times `scale`:
+    draft top-k over the vocabulary (data/results/tree_build.csv stage draft_topk), the build (stage
+    build, CUDA graph, at `depth`), accept + 61-layer compaction (tree_accept.csv), each the newest
+    run's row nearest in batch and budget; without rows, the assumption."""
+    topk = results.latest_run(results.select(build_rows, stage="draft_topk", method="kernel"))
+    build = results.latest_run(results.select(build_rows, stage="build", method="kernel", timing="cuda_graph", depth=depth))
+    walk = results.latest_run(results.select(accept_rows, method="accept_compact_kernel"))
+
+    def seconds(batch: int, budget: int) -> Input:
+        if not (topk and build and walk):
+            return assumed("tree_stage_seconds", assumed_seconds, "assumed_tree_stage_seconds",
+                           "no draft_topk/build/accept_compact kernel rows in tree_build.csv / tree_accept.csv")
+        picked = [nearest_row(topk, batch=batch, topk=max(budget, 1)), nearest_row(build, batch=batch, budget=budget),
+                  nearest_row(walk, batch=batch, budget=budget)]
+        where = "; ".join(f"{r.get('stage', r.get('method'))} B={r['batch']} budget={r.get('budget') or r.get('topk')}"
+                          f" {r['device']} {r['commit']}" for r in picked)
+        return Input("tree_stage_seconds", scale * sum(float(r["time_us"]) * 1e-6 for r in picked),
+                     f"tree_build.csv + tree_accept.csv nearest rows ({where}) x {scale:.2f}", True)
+    return seconds
+
+
+def allreduce_inputs(hardware: Hardware) -> list[Input]:
+    """The all-reduce model's two constants, labelled: parameters with PCIe defaults (CT200's)."""
+    why = ("ring over PCIe without NVLink; default = a small NCCL all-reduce's latency and nccl-tests' bus "
+           "bandwidth of 8 PCIe Gen5 GPUs (not measured on the box)")
+    return [assumed("allreduce_latency", hardware.allreduce_latency, "allreduce_latency", why),
+            assumed("allreduce_bus_bandwidth", hardware.allreduce_bus_bandwidth, "allreduce_bus_bandwidth", why)]
+
+
+# ----------------------------------------------------------------------------------------------
+# acceptance curves from three sources, and the table
+
+@dataclass(frozen=True)
+class AcceptanceSource:
+    """Tokens per round (root included) per budget, and the DFlash chain's, from one source."""
+    name: str
+    curve: dict[int, float]
+    chain: Input
+    source: str
+    measured: bool
+
+
+def measured_acceptance(name: str, topic: str, rows: list[dict], *, depth: int, **filters) -> AcceptanceSource | None:
+    """The oracle tree curve (T = 0) of the biggest measurement in `rows` matching filters, and its
+    chain at depth `depth` (measured where the file has chain rows); None without tree rows."""
+    from .acceptance import largest_measurement
+    tree = largest_measurement(rows, source="oracle", mode="tree", temperature=0, **filters)
+    if not tree:
+        return None
+    curve = acceptance_curve(tree)
+    what = f"oracle rows {filters}" if filters else "oracle rows"
+    chain_rows = [r for r in largest_measurement(rows, source="oracle", mode="chain", temperature=0, **filters)
+                  if int(float(r["budget"])) >= depth]
+    if chain_rows:
+        chain = Input("chain_acceptance", acceptance_curve(chain_rows)[min(int(float(r["budget"])) for r in chain_rows)],
+                      rows_source(topic, chain_rows, "oracle chain rows"), True)
+    else:
+        chain = _chain_assumption(curve)
+    return AcceptanceSource(name, curve, chain, rows_source(topic, tree, what), True)
+
+
+def service_acceptance(observed: dict[int, float] = SERVICE_OBSERVED) -> AcceptanceSource:
+    """The live service's observed acceptance (DESIGN.md §7), budgets it ran only: not a measurement here."""
+    curve = {int(b): float(a) for b, a in sorted(observed.items())}
+    return AcceptanceSource("service", curve, _chain_assumption(curve),
+                            "parameter service_acceptance: the live service's observations as DESIGN.md "
+                            "§7 quotes them (budget 8 ≈ 4.5, 16–32: 5.3–6.4), read as 16 → 5.3, 32 → 6.4", False)
+
+
+def _chain_assumption(curve: dict[int, float]) -> Input:
+    smallest = min(curve)
+    return assumed("chain_acceptance", curve[smallest], "chain_acceptance",
+                   f"no chain rows: the tree's acceptance at budget {smallest} (a chain of the block's drafts accepts "
+                   "at most about that; generous to the chain)")
+
+
+def round_rows(config: ModelConfig, hardware: Hardware, source: AcceptanceSource, *, batch: int, context: int,
+               correlation: float, efficiency: Efficiency, expert_bits: float, chain_budget: int,
+               drafter: Callable[[int, int], float], tree_stage: Callable[[int, int], Input]) -> list[dict]:
+    """Per budget of `source`: the round's time (verify step + drafter + tree stage), tokens/s and the
+    speedups over AR and over the DFlash chain (chain_budget drafts, the same drafter and stage)."""
+    options = dict(expert_bits=expert_bits, correlation=correlation, efficiency=efficiency)
+    ar = step_costs(config, hardware, batch=batch, nodes=1, context=context, **options)["total"]
+
+    def round_seconds(budget: int) -> dict:
+        extra = drafter(batch, context) + tree_stage(batch, budget).value
+        return step_costs(config, hardware, batch=batch, nodes=tree_nodes(budget), context=context,
+                          fixed_seconds=extra, **options)
+    chain_rate = source.chain.value / round_seconds(chain_budget)["total"]
+    rows = []
+    for budget, accepted in sorted(source.curve.items()):
+        step = round_seconds(budget)
+        rate = accepted / step["total"]
+        rows.append({"source": source.name, "correlation": correlation, "context": context, "batch": batch,
+                     "budget": budget, "acceptance": accepted, "round_seconds": step["total"],
+                     "tokens_per_second": batch * rate, "ar_tokens_per_second": batch / ar,
+                     "chain_tokens_per_second": batch * chain_rate, "speedup_vs_ar": rate * ar,
+                     "speedup_vs_chain": rate / chain_rate,
+                     **{f"{k}_seconds": v for k, v in step.items() if k != "total"}})
+    return rows
+
+
+def projection_table(config: ModelConfig, sources: list[AcceptanceSource], overlaps, *, hardware: Hardware = CT200,
+                     batches=(1, 8), contexts=(4096, 32768), **round_options) -> list[dict]:
+    """round_rows for every acceptance source × overlap × context × batch (round_options: round_rows')."""
+    return [row for source in sources for correlation in overlaps for context in contexts for batch in batches
+            for row in round_rows(config, hardware, source, batch=batch, context=context, correlation=correlation,
+                                  **round_options)]
+
+
+def best_table(rows: list[dict]) -> list[dict]:
+    """Per (source, correlation, context, batch): the row of the budget with the most tokens/s."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["source"], row["correlation"], row["context"], row["batch"])
+        if key not in best or row["tokens_per_second"] > best[key]["tokens_per_second"]:
+            best[key] = row
+    return list(best.values())
+
+
+def speedup_band(rows: list[dict], key: str = "speedup_vs_ar") -> dict[tuple[int, int], dict]:
+    """(context, batch) -> {budget: (lowest, highest) `key` over every source × overlap with that budget}."""
+    band: dict[tuple[int, int], dict[int, list[float]]] = {}
+    for row in rows:
+        band.setdefault((row["context"], row["batch"]), {}).setdefault(row["budget"], []).append(row[key])
+    return {where: {b: (min(v), max(v)) for b, v in sorted(budgets.items())} for where, budgets in band.items()}

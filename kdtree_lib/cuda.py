@@ -187,6 +187,12 @@ def pointer(x) -> np.uint64:
     return np.uint64(x.ctypes.data)
 
 
+def buffer_signature(*arrays) -> tuple:
+    """(address, shape, dtype) of each array: what a prepared launch compares to refuse a buffer it was
+    not prepared with (its kernel arguments hold the addresses)."""
+    return tuple((int(pointer(x)), tuple(x.shape), str(x.dtype)) for x in arrays)
+
+
 def device_index(x) -> int:
     return int(x.device.index) if framework(x) == "torch" else int(x.device.id)
 

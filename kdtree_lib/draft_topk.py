@@ -94,15 +94,11 @@ class _PreparedTopK:
 
     def __init__(self, logits, out: DraftTopK):
         self.logits, self.out = logits, out
-        self._signature = _signature(logits)
+        self._signature = cuda.buffer_signature(logits)
 
     def _check(self, logits) -> None:
-        if logits is not None and _signature(logits) != self._signature:
+        if logits is not None and cuda.buffer_signature(logits) != self._signature:
             raise ValueError("logits: not the buffer this launch was prepared with (same address, shape and dtype)")
-
-
-def _signature(x) -> tuple:
-    return int(cuda.pointer(x)), tuple(x.shape), str(x.dtype)
 
 
 class TopKLaunch(_PreparedTopK):
@@ -116,7 +112,7 @@ class TopKLaunch(_PreparedTopK):
     def __init__(self, logits, k: int, out: DraftTopK):
         super().__init__(logits, out)
         batch, depth, vocab = (int(n) for n in logits.shape)
-        vectorized = vocab % 4 == 0 and self._signature[0] % 16 == 0  # float4 loads need aligned rows
+        vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0  # float4 loads need aligned rows
         self._function = cuda.device_function("draft_topk.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1",
                                               cuda.device_index(logits))
         self._grid = (batch * depth,)

@@ -173,7 +173,7 @@ class AcceptLaunch:
         tokens, parents, n_nodes, posterior = (cuda.contiguous(x) for x in
                                                (tree.tokens, tree.parents, tree.n_nodes, posterior))
         self._inputs = tokens, parents, n_nodes, posterior  # kept alive: the arguments hold their addresses
-        self._posterior = _buffer(posterior)
+        self._posterior = cuda.buffer_signature(posterior)
         self._function = cuda.device_function("tree_accept.cu", "accept_kernel", cuda.device_index(tokens))
         self._grid, self._shared_mem = (tree.batch,), 8 * tree.capacity
         self._args = (cuda.pointer(tokens), cuda.pointer(parents), cuda.pointer(n_nodes), cuda.pointer(posterior),
@@ -182,7 +182,7 @@ class AcceptLaunch:
                       cuda.pointer(out.bonus))
 
     def __call__(self, posterior=None) -> AcceptResult:
-        if posterior is not None and _buffer(posterior) != self._posterior:
+        if posterior is not None and cuda.buffer_signature(posterior) != self._posterior:
             raise ValueError("posterior: not the buffer this launch was prepared with (same address, shape and dtype)")
         if self._grid[0]:
             self._function(self._grid, (_ACCEPT_THREADS,), self._args, shared_mem=self._shared_mem,
@@ -212,10 +212,6 @@ def _accept_launch(tree: Tree, posterior, out: AcceptResult | None) -> AcceptLau
             if not cuda.is_contiguous(getattr(out, name)):
                 raise ValueError(f"out.{name}: expected a C-contiguous array (the kernel writes it in place)")
     return AcceptLaunch(tree, posterior, out)
-
-
-def _buffer(x) -> tuple:
-    return int(cuda.pointer(x)), tuple(x.shape), str(x.dtype)
 
 
 def _check_tree_arrays(tree: Tree) -> None:

@@ -266,7 +266,7 @@ class BuildLaunch:
         self.out = out
         logp, ids, root = cuda.contiguous(logp), cuda.contiguous(ids), cuda.contiguous(root)
         self._inputs = logp, ids, root  # kept alive: the arguments hold their addresses
-        self._signature = _buffers(logp, ids, root)
+        self._signature = cuda.buffer_signature(logp, ids, root)
         if mode == "chain":
             threads, cached, staged_f64 = 32, 1, False
         else:  # the warps past the first stage the draft and write the outputs
@@ -287,8 +287,9 @@ class BuildLaunch:
     def __call__(self, draft: DraftTopK | None = None, root=None) -> Tree:
         if draft is not None or root is not None:
             logp, ids, prepared_root = self._inputs
-            given = _buffers(draft.logp if draft is not None else logp, draft.ids if draft is not None else ids,
-                             root if root is not None else prepared_root)
+            given = cuda.buffer_signature(draft.logp if draft is not None else logp,
+                                          draft.ids if draft is not None else ids,
+                                          root if root is not None else prepared_root)
             if given != self._signature:
                 raise ValueError("draft, root: not the buffers this launch was prepared with "
                                  "(same addresses, shapes and dtypes)")
@@ -314,10 +315,6 @@ def prepare_build_launch(draft: DraftTopK, budget: int, *, root=None, policy: st
             raise ValueError(f"out.{name}: expected a C-contiguous array (the kernel writes it in place)")
     check_same_device(**{"draft.logp": logp, **{f"out.{name}": getattr(out, name) for name in expected}})
     return BuildLaunch(logp, ids, budget, root, mode, out)
-
-
-def _buffers(*arrays) -> tuple:
-    return tuple((int(cuda.pointer(x)), tuple(x.shape), str(x.dtype)) for x in arrays)
 
 
 def _empty_tree_spec(batch: int, capacity: int) -> dict[str, tuple[tuple, str]]:

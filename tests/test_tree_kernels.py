@@ -543,3 +543,13 @@ def test_compaction_takes_a_host_accept_result():
     new_lengths = compact_cache(caches, torch.as_tensor(lengths, device="cuda"), result)
     assert np.array_equal(host(new_lengths), want_lengths), f"seed={seed}"
     assert all(np.array_equal(host(c.view(torch.int16)), w) for c, w in zip(caches, want)), f"seed={seed}"
+
+
+def test_buffer_signature_tells_a_prepared_buffer_from_a_copy_or_a_view():
+    """What the prepared launches compare: the same array matches; a copy (other address), a reshape
+    (other shape) or another dtype over the same bytes does not."""
+    x = np.zeros((2, 3), np.float32)
+    assert cuda.buffer_signature(x) == cuda.buffer_signature(x)
+    for other in (x.copy(), x.reshape(3, 2), x.view(np.int32)):
+        assert cuda.buffer_signature(other) != cuda.buffer_signature(x)
+    assert len(cuda.buffer_signature(x, x)) == 2

@@ -631,6 +631,7 @@ def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, 
     results = [generate(target, drafter, prompts, **run) for run in runs]
     for result in results:
         check_lockstep(tp, result)
+    clear_decoders()  # they hold this rank's shard, and through it the process group
     return results
 
 
@@ -750,6 +751,7 @@ def main(argv=None) -> int:
             tp = TensorParallel.from_group(dist.group.WORLD)
             result = decode_rank(tp, str(args.target), drafter and str(drafter), prompts, [options], args.device,
                                  dtype, args.yarn_attention, None)[0]
+            dist.barrier()  # no rank tears its group down while another still talks to it
         finally:
             dist.destroy_process_group()
         if tp.rank != 0:

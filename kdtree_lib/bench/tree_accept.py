@@ -135,18 +135,6 @@ def compaction_matches_reference(result, lengths: np.ndarray, layers: int, budge
             and np.array_equal(new_lengths.cpu().numpy(), want_lengths))
 
 
-def plot_accept_times(ax, rows: list[dict], *, budget: int) -> None:
-    """Walk, compaction of every layer, and both (CUDA graph), vs batch size."""
-    for method, label in (("accept_kernel", "accept (walk)"), ("compact_kernel", "compaction, all layers"),
-                          ("accept_compact_kernel", "accept + compaction")):
-        points = sorted((r["batch"], r["time_us"]) for r in results.select(rows, method=method, budget=budget))
-        if points:
-            ax.plot(*zip(*points), "o-", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="GPU time per step (µs)",
-           title=f"tree accept + KV compaction, budget {budget}")
-    ax.grid(True, which="both", alpha=0.3)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="batches 1 and 64, budget 64 only")

@@ -313,39 +313,6 @@ def kernel_matches_reference(draft: DraftTopK, budget: int, root) -> bool:
                for name in TREE_OUTPUTS)
 
 
-SERIES = {  # method -> (label, style) in the plots
-    "serving_cpu": ("serving worker: host copy + Python heap", "o-"),
-    "numpy": ("NumPy reference", "s-"),
-    "kernel": ("kernel (CUDA graph)", "^-"),
-    "kernel_call": ("kernel via the eager entry point", "^:"),
-    "prepared_call": ("kernel via a prepared launch (host)", "v:"),
-}
-
-
-def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
-    """Time per step vs budget (log-log) for every build method of one run."""
-    for method, (label, style) in SERIES.items():
-        points = sorted((r["budget"], r["time_us"]) for r in results.select(rows, method=method, batch=batch, depth=depth))
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=f"tree build, B={batch}, D={depth}")
-    ax.set_xscale("log", base=2)
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def plot_topk_times(ax, rows: list[dict], *, k: int) -> None:
-    """Fused top-k, torch's exact path (both L2-flushed) and the one-read roofline vs rows B·D."""
-    for method, label, style in (("kernel_flushed", "fused kernel", "^-"), ("torch_flushed", "torch topk − logsumexp", "o-")):
-        points = sorted((r["batch"] * r["depth"], r["time_us"]) for r in results.select(rows, method=method, topk=k))
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    roof = sorted({(r["batch"] * r["depth"], r["roofline_us"]) for r in results.select(rows, method="kernel", topk=k)})
-    if roof:
-        ax.plot(*zip(*roof), "k--", lw=0.8, label="logits ÷ copy bandwidth")
-    ax.set(xscale="log", yscale="log", xlabel="rows B·D (V = 163,840)", ylabel="GPU time (µs)", title=f"draft top-k, k={k}")
-    ax.grid(True, which="both", alpha=0.3)
-
-
 def stage_summary(rows: list[dict]) -> dict:
     """The tree stage against SGLang's build path, from one run's tree_stage rows: per method, the
     smallest speed-up over SGLang's path at B=1 and at the run's largest batch, budgets 32 to 64, and
@@ -360,20 +327,6 @@ def stage_summary(rows: list[dict]) -> dict:
             if ratios:
                 summary[f"B={batch} budgets 32-64 {method} over sglang, min"] = min(ratios)
     return summary
-
-
-def plot_tree_stage(ax, rows: list[dict], *, batch: int, depth: int) -> None:
-    """Time per step vs budget for SGLang's build path, the drop-in and kdtree's stage (eager and graph)."""
-    for method, label, style in (("sglang", "SGLang's build path", "o-"), ("dropin", "the drop-in", "s-"),
-                                 ("kdtree", "kdtree draft_topk → build_tree", "^-"),
-                                 ("kdtree_graph", "kdtree, CUDA graph", "^:")):
-        points = sorted((r["budget"], r["time_us"]) for r in results.select(rows, stage="tree_stage", method=method,
-                                                                              batch=batch, depth=depth))
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=f"tree stage, B={batch}, D={depth}")
-    ax.set_xscale("log", base=2)
-    ax.grid(True, which="both", alpha=0.3)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

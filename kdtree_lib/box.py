@@ -1,0 +1,328 @@
+"""The box kit: measure on the box, with the real pair, what the CT200 projection assumes.
+
+Run it with the service stopped (the real pair at TP=8 needs the GPUs' memory). Every rank loads its
+shard of the target and the whole drafter (replicated, as the decode does), then, in this order:
+
+    acceptance  the pair's oracle acceptance vs budget (tree and chain, T = 0) on the committed held-out
+                prompts, plus live decodes at a few budgets           -> box_acceptance.csv
+    verify      one verify step of the loaded model vs tree nodes N by component (attention, moe,
+                allreduce, rest; bench.tp_step's segments), per batch and context -> box_verify_step.csv
+    union       the experts each MoE layer's router picks on held-out text, unions vs N -> box_expert_union.csv
+    drafter     the drafter's forward and the tree stage (top-k, build, accept + compaction) per
+                batch, context and budget (scope "draft" rows)        -> box_verify_step.csv
+
+Each step's wall time goes to box_steps.csv. Rows are stamped (date, commit, device, run) and appended
+atomically (results.append_rows) to --results-dir after each step. On the box:
+
+    torchrun --nproc-per-node 8 -m kdtree_lib.box --target /models/Kimi-K2.6 --drafter /models/Kimi-K2.6-DFlash \
+        --results-dir runs/box --device cuda
+    python -m kdtree_lib.box --target PATH --drafter PATH --tp 2 --device cpu ...   # a dry run over gloo
+
+`python -m kdtree_lib.results merge runs/box/*.csv` brings the rows home; notebook 13 reads them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import results
+from .acceptance import live_rows, oracle_rows, record_oracle
+from .bench.inputs import random_cache, synthetic_tree
+from .bench.timing import Clock
+from .bench.tp_step import BenchSettings, time_drafter, time_tree_kernels, time_verify_step
+from .contracts import DraftTopK
+from .corpus import PROMPTS_PATH
+from .draft_topk import draft_topk
+from .model import TensorParallel, launch, load_config
+from .model.tp import one_cpu_thread
+from .routing import routed_experts, union_curve
+from .tree_accept import accept
+from .tree_build import build_tree
+
+TOPICS = {"acceptance": "box_acceptance", "verify": "box_verify_step", "union": "box_expert_union",
+          "drafter": "box_verify_step", "steps": "box_steps"}
+STEPS = ("acceptance", "verify", "union", "drafter")
+
+
+@dataclass(frozen=True)
+class KitSettings:
+    """What the kit measures and where its rows go (defaults: the box's sizes)."""
+    target: str
+    drafter: str
+    results_dir: str
+    tokenizer: str | None = None               # default: the target's folder
+    device: str = "cuda"                       # "cuda": rank r on cuda:r (NCCL); "cpu": gloo
+    dtype: str = "bfloat16"
+    steps: tuple[str, ...] = STEPS
+    budgets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    live_budgets: tuple[int, ...] = (8, 32, 128)
+    prompts_per_package: int = 8
+    prompt_tokens: int = 256
+    new_tokens: int = 256
+    batches: tuple[int, ...] = (1, 8)
+    contexts: tuple[int, ...] = (4096, 32768)
+    nodes: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
+    union_sequences: int = 16
+    union_length: int = 512
+    union_windows: int = 48
+    repeats: int = 8
+    warmup: int = 2
+    graphs: bool = True
+    progress: bool = True
+    run: str = ""                              # stamp shared by the rows of one command
+
+
+def check_settings(settings: KitSettings) -> KitSettings:
+    """ValueError naming what is wrong before anything loads: checkpoints, tokenizer, steps."""
+    for name in ("target", "drafter"):
+        if not (Path(getattr(settings, name)) / "config.json").is_file():
+            raise ValueError(f"{name}: no checkpoint at {getattr(settings, name)} (its config.json is missing)")
+    tokenizer = Path(settings.tokenizer or settings.target)
+    if not ((tokenizer / "tiktoken.model").is_file() or (tokenizer / "tokenizer.json").is_file()):
+        raise ValueError(f"tokenizer: neither tiktoken.model nor tokenizer.json in {tokenizer}")
+    unknown = sorted(set(settings.steps) - set(STEPS))
+    if unknown or not settings.steps:
+        raise ValueError(f"steps: expected some of {STEPS}, got {list(settings.steps)}")
+    if settings.device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {settings.device!r}")
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' asked but torch sees no GPU")
+    return settings
+
+
+def held_out_prompts(settings: KitSettings) -> dict[str, list[np.ndarray]]:
+    """{package: prompts}: the committed held-out documents encoded by the pair's tokenizer, cut to
+    prompt_tokens, prompts_per_package of each package."""
+    from .tokenizer import load_text_tokenizer
+    tokenizer = load_text_tokenizer(settings.tokenizer or settings.target)
+    packages: dict[str, list[np.ndarray]] = {}
+    for line in Path(PROMPTS_PATH).read_text().splitlines():
+        document = json.loads(line)
+        chosen = packages.setdefault(document["package"], [])
+        if len(chosen) < settings.prompts_per_package:
+            chosen.append(np.asarray(tokenizer.encode(document["text"])[:settings.prompt_tokens], np.int64))
+    return packages
+
+
+def union_text(settings: KitSettings) -> np.ndarray:
+    """int64 [S, T]: union_sequences held-out documents of at least union_length tokens, cut to it."""
+    long_enough = [p for prompts in held_out_prompts(replace(settings, prompts_per_package=settings.union_sequences,
+                                                             prompt_tokens=settings.union_length)).values()
+                   for p in prompts if len(p) == settings.union_length]
+    if not long_enough:
+        raise ValueError(f"union_length: no held-out document has {settings.union_length} tokens")
+    return np.stack(long_enough[:settings.union_sequences])
+
+
+# ----------------------------------------------------------------------------------------------
+# the steps (each rank runs them in lockstep; rank 0 writes the rows)
+
+def measure_acceptance(target, drafter, settings: KitSettings, pair: str, rank: int) -> list[dict]:
+    """Oracle rows (tree and chain) per package and budget, and live rows at live_budgets."""
+    k_max = min(max(settings.budgets), target.config.vocab_size)
+    rows = []
+    for package, prompts in held_out_prompts(settings).items():
+        records = record_oracle(target, drafter, prompts, settings.new_tokens, k_max)
+        for mode in ("tree", "chain"):
+            rows += oracle_rows(records, settings.budgets, package=package, block_size=drafter.config.block_size,
+                                mode=mode, n_new_tokens=settings.new_tokens, pair=pair,
+                                progress=settings.progress and rank == 0)
+        rows += live_rows(target, drafter, prompts, settings.live_budgets, package=package,
+                          max_new_tokens=settings.new_tokens, pair=pair, progress=settings.progress and rank == 0)
+    return [{**row, "prompt_tokens": settings.prompt_tokens, "new_tokens": settings.new_tokens} for row in rows]
+
+
+def measure_verify_step(target, settings: KitSettings, common: dict) -> list[dict]:
+    """bench.tp_step's layer and step rows of the loaded model, per context, batch and N."""
+    bench, clock = _bench_settings(target, settings), Clock(target.device)
+    graphs = settings.graphs and target.device.type == "cuda"
+    rows = []
+    for context in settings.contexts:
+        for batch in settings.batches:
+            cache = random_cache(target, batch, context, context + max(settings.nodes))
+            for nodes in _progress(settings.nodes, f"verify B={batch} L={context}", settings, common["tp"]):
+                tree = synthetic_tree(batch, nodes, depth=bench.draft_depth, vocab=min(bench.draft_vocab,
+                                                                                       target.config.vocab_size))
+                where = {**common, "batch": batch, "nodes": nodes, "context": context}
+                step_rows, _ = time_verify_step(target, cache, tree, bench, clock, where, graphs=graphs)
+                rows += step_rows
+            del cache
+    return rows
+
+
+def measure_union(target, settings: KitSettings, common: dict) -> list[dict]:
+    """routing.union_curve of the real router on held-out text, for each batch the text allows."""
+    text = union_text(settings)
+    with torch.no_grad():
+        routes = routed_experts(target, text)
+    nodes = [n for n in settings.nodes if n <= text.shape[1]]
+    return [{**common, **row} for batch in settings.batches if batch <= len(text)
+            for row in union_curve(routes, nodes, batch=batch, windows=settings.union_windows)]
+
+
+def measure_drafter(target, drafter, settings: KitSettings, common: dict) -> list[dict]:
+    """Scope "draft" rows: the drafter's forward per (batch, context) and the tree stage per budget
+    (the GPU kernels on CUDA; on a CPU the NumPy references, tree_timing "host_reference")."""
+    bench, clock = _bench_settings(target, settings), Clock(target.device)
+    on_gpu = target.device.type == "cuda"
+    rows = []
+    for context in settings.contexts:
+        for batch in settings.batches:
+            forward = time_drafter(drafter, batch, context, bench, clock, graph=on_gpu and settings.graphs)
+            cache = random_cache(target, batch, context, context + max(settings.nodes)) if on_gpu else None
+            for nodes in [n for n in settings.nodes if n > 1]:
+                stage = (time_tree_kernels(cache, batch, nodes, bench, target.config.vocab_size) if on_gpu else
+                         host_tree_stage(batch, nodes - 1, depth=drafter.config.draft_depth,
+                                         vocab=min(bench.draft_vocab, target.config.vocab_size)))
+                rows.append({**common, "scope": "draft", "batch": batch, "nodes": nodes, "context": context,
+                             **forward, **stage})
+    return rows
+
+
+def host_tree_stage(batch: int, budget: int, *, depth: int, vocab: int, repeats: int = 3) -> dict:
+    """Median host seconds of the NumPy reference tree stage (top-k, build, accept): the CPU dry run's
+    stand-in for time_tree_kernels, labelled tree_timing "host_reference" so no one reads it as the GPU's."""
+    logits = np.random.default_rng(0).standard_normal((batch, depth, vocab)).astype(np.float32) * 3
+    times = {"draft_topk": [], "tree_build": [], "accept_compact": []}
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        draft = draft_topk(logits, min(budget, vocab), backend="numpy")
+        built = time.perf_counter()
+        tree = build_tree(DraftTopK(draft.logp, draft.ids), budget, backend="numpy")
+        walked = time.perf_counter()
+        accept(tree, tree.tokens, backend="numpy")
+        times["draft_topk"].append(built - begin)
+        times["tree_build"].append(walked - built)
+        times["accept_compact"].append(time.perf_counter() - walked)
+    return {**{f"{name}_seconds": float(np.median(v)) for name, v in times.items()}, "tree_timing": "host_reference"}
+
+
+def _bench_settings(target, settings: KitSettings) -> BenchSettings:
+    return BenchSettings(config=target.config, layers=target.config.num_hidden_layers, repeats=settings.repeats,
+                         warmup=settings.warmup, graphs=settings.graphs, topic=None, run=settings.run)
+
+
+def _progress(items, description: str, settings: KitSettings, tp: int):
+    from tqdm.auto import tqdm
+    return tqdm(list(items), desc=description, disable=not settings.progress, file=sys.stderr, leave=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank's run, and the command
+
+def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
+    """Load this rank's shard and the drafter, run the steps in order; rank 0 appends each step's
+    rows as it ends. Returns {topic: rows written}."""
+    from .dflash import load_drafter
+    from .model import load_target
+    on_gpu = settings.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = getattr(torch, settings.dtype)
+    target = load_target(settings.target, device=device, dtype=dtype, tp_group=tp.group)
+    drafter = load_drafter(settings.drafter, target)
+    pair = f"{Path(settings.target).name}+{Path(settings.drafter).name}"
+    common = {"run": settings.run, "pair": pair, "tp": tp.size, "gpus": tp.size if on_gpu else 0,
+              "layers": target.config.num_hidden_layers, "dtype": settings.dtype, "expert_bits": _expert_bits(target),
+              **(_ceilings() if on_gpu else {})}
+    written: dict[str, int] = {}
+    for step in settings.steps:
+        begin = time.perf_counter()
+        with torch.no_grad():
+            if step == "acceptance":
+                rows = [{"run": settings.run, "tp": tp.size, **row}
+                        for row in measure_acceptance(target, drafter, settings, pair, tp.rank)]
+            elif step == "verify":
+                rows = measure_verify_step(target, settings, common)
+            elif step == "union":
+                rows = measure_union(target, settings, common)
+            else:
+                rows = measure_drafter(target, drafter, settings, common)
+        seconds = time.perf_counter() - begin
+        if tp.rank == 0:
+            results.append_rows(TOPICS[step], rows, results_dir=settings.results_dir)
+            results.append_rows(TOPICS["steps"], [{"run": settings.run, "pair": pair, "tp": tp.size, "step": step,
+                                                   "rows": len(rows), "wall_seconds": seconds,
+                                                   "settings": json.dumps(asdict(settings))}],
+                                results_dir=settings.results_dir)
+            print(f"{step}: {len(rows)} rows in {seconds:.1f} s -> {settings.results_dir}/{TOPICS[step]}.csv", flush=True)
+        written[TOPICS[step]] = written.get(TOPICS[step], 0) + len(rows)
+    return written
+
+
+def _expert_bits(target) -> float:
+    """Bits per routed-expert weight as loaded: 4.5 when INT4-resident, else the dtype's."""
+    int4 = any(getattr(getattr(block.mlp, "experts", None), "int4", False) for block in target.layers)
+    return 4.5 if int4 else torch.finfo(target.embed_tokens.weight.dtype).bits
+
+
+def _ceilings() -> dict:
+    from .bench.ceilings import measure_ceilings
+    measured = measure_ceilings()
+    return {"copy_bandwidth": measured["copy_tbps"] * 1e12, "matmul_flops": measured["matmul_tflops"] * 1e12}
+
+
+def run_kit(settings: KitSettings, tp: int = 1) -> dict[str, int]:
+    """The kit on `tp` ranks (in this process for one; spawned, gloo on CPUs or NCCL, for more)."""
+    settings = check_settings(replace(settings, run=settings.run or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+    if tp == 1:
+        if settings.device == "cpu":
+            with one_cpu_thread():
+                return kit_rank(TensorParallel(), settings)
+        return kit_rank(TensorParallel(), settings)
+    return launch(kit_rank, tp, settings, backend="nccl" if settings.device == "cuda" else "gloo")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.box", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = KitSettings(target="", drafter="", results_dir="")
+    parser.add_argument("--target", required=True, help="the target's checkpoint folder")
+    parser.add_argument("--drafter", required=True, help="the DFlash drafter's folder")
+    parser.add_argument("--results-dir", required=True, type=Path, help="where the rows go (e.g. runs/box)")
+    parser.add_argument("--tokenizer", default=None, help="default: --target")
+    parser.add_argument("--tp", type=int, default=1, help="ranks to spawn (under torchrun: the world)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=defaults.device)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    for name in ("budgets", "live_budgets", "batches", "contexts", "nodes"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=list(getattr(defaults, name)))
+    for name in ("prompts_per_package", "prompt_tokens", "new_tokens", "union_sequences", "union_length",
+                 "union_windows", "repeats", "warmup"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    values = {k: v for k, v in vars(args).items() if k not in ("tp", "no_graphs", "no_progress")}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    values["dtype"] = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    settings = KitSettings(**{**values, "results_dir": str(args.results_dir)}, graphs=not args.no_graphs,
+                           progress=not args.no_progress)
+    try:
+        if "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank of WORLD
+            import torch.distributed as dist
+            settings = check_settings(replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+            if settings.device == "cuda":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl" if settings.device == "cuda" else "gloo")
+            try:
+                kit_rank(TensorParallel.from_group(dist.group.WORLD), settings)
+            finally:
+                dist.destroy_process_group()
+        else:
+            run_kit(settings, tp=args.tp)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

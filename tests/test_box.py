@@ -1,0 +1,78 @@
+"""The box kit: it refuses what is missing before loading anything, and a dry run on the stand-in pair
+(CPU, tiny sizes) and on the made-to-format real pair (TP=2 over gloo) writes stamped rows to its results
+folder, one file per topic, that the projection's readers take as they take the box's."""
+from pathlib import Path
+
+import pytest
+
+from kdtree_lib import box, projection, results, routing
+from kdtree_lib.model import load_config
+from kdtree_lib.model.reference import save_kimi_pair
+from kdtree_lib.pairs import stand_in_paths
+
+TARGET, DRAFTER = stand_in_paths(8)
+TINY = dict(device="cpu", dtype="float32", budgets=(1, 4, 8), live_budgets=(4,), prompts_per_package=1,
+            prompt_tokens=24, new_tokens=12, batches=(1, 2), contexts=(48,), nodes=(1, 4, 8), union_sequences=2,
+            union_length=32, union_windows=4, repeats=1, warmup=0, progress=False)
+needs_stand_in = pytest.mark.skipif(not (TARGET / "config.json").is_file(), reason="no stand-in checkpoint")
+
+
+def kit(tmp_path, target=TARGET, drafter=DRAFTER, **overrides) -> box.KitSettings:
+    return box.KitSettings(target=str(target), drafter=str(drafter), results_dir=str(tmp_path / "rows"),
+                           **{**TINY, **overrides})
+
+
+@pytest.mark.parametrize("missing", ["target", "drafter", "tokenizer"])
+def test_refuses_missing_paths_naming_them(tmp_path, missing):
+    settings = kit(tmp_path, **{missing: str(tmp_path / "nowhere")})
+    with pytest.raises(ValueError, match=f"^{missing}: .*nowhere"):
+        box.run_kit(settings)
+    assert not (tmp_path / "rows").exists(), "nothing is written before the paths are checked"
+
+
+def test_command_line_refuses_clearly(tmp_path, capsys):
+    code = box.main(["--target", str(tmp_path / "nowhere"), "--drafter", str(DRAFTER), "--results-dir",
+                     str(tmp_path / "rows"), "--device", "cpu"])
+    assert code == 2 and "target: no checkpoint at" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps"):
+        box.check_settings(kit(tmp_path, steps=("acceptance", "dance")))
+
+
+def read_back(settings: box.KitSettings) -> dict[str, list[dict]]:
+    return {topic: results.read_rows(topic, results_dir=settings.results_dir) for topic in set(box.TOPICS.values())}
+
+
+@needs_stand_in
+def test_stand_in_dry_run_writes_rows_the_projection_reads(tmp_path):
+    settings = kit(tmp_path)
+    written = box.run_kit(settings)
+    rows = read_back(settings)
+    assert {topic: len(rows[topic]) for topic in written} == written and all(written.values())
+    for topic_rows in rows.values():  # stamped, one run
+        assert all(r["date"] and r["commit"] and r["device"] for r in topic_rows)
+        assert len({r["run"] for r in topic_rows}) == 1
+    assert [r["step"] for r in rows["box_steps"]] == list(box.STEPS)
+
+    source = projection.measured_acceptance("real pair", "box_acceptance", rows["box_acceptance"], depth=7)
+    assert sorted(source.curve) == [1, 4, 8] and source.measured and source.chain.measured
+    assert all(1 <= a <= 8 for a in source.curve.values()) and source.curve[1] <= source.curve[8]
+    config = load_config(TARGET)
+    fitted = routing.fit_correlation(rows["box_expert_union"], config.n_routed_experts, config.num_experts_per_tok)
+    assert 0 <= fitted <= 0.999
+    verify = rows["box_verify_step"]
+    layers = projection.select_rows(verify, "layer")
+    assert {int(r["nodes"]) for r in layers} == {1, 4, 8} and {int(r["batch"]) for r in layers} == {1, 2}
+    assert len(projection.whole_model_rows(verify, config)) == 2 * 3  # (batch, nodes), eager
+    drafts = projection.select_rows(verify, "draft")
+    assert drafts and all(r["tree_timing"] == "host_reference" and float(r["drafter_seconds"]) > 0 for r in drafts)
+
+
+def test_made_to_format_pair_dry_run_at_tp2_over_gloo(tmp_path):
+    target, drafter = save_kimi_pair(tmp_path / "pair")
+    settings = kit(tmp_path, target=target, drafter=drafter, steps=("verify", "union"), batches=(1,), nodes=(1, 4))
+    written = box.run_kit(settings, tp=2)
+    rows = read_back(settings)
+    assert written == {"box_verify_step": len(rows["box_verify_step"]), "box_expert_union": len(rows["box_expert_union"])}
+    assert {int(r["tp"]) for r in rows["box_verify_step"]} == {2}
+    assert any(float(r["allreduce_seconds"]) > 0 for r in projection.select_rows(rows["box_verify_step"], "layer"))
+    assert Path(settings.results_dir, "box_steps.csv").is_file()

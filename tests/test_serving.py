@@ -123,6 +123,10 @@ def test_streaming_endpoints_give_ttft_and_tpot(server, tmp_path):
     for row in rows:
         assert row["completion_tokens"] == 6
         assert 0 < row["ttft_s"] < row["latency_s"] and row["tpot_s"] > 0, row
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "random-pair"
+    wrong_method = httpx.get(server.url + "/generate", timeout=5)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 
 
 def test_bad_input_gets_a_4xx_with_a_message_and_the_server_keeps_serving(server):

@@ -595,10 +595,6 @@ async def serve(service: Service, host: str, port: int) -> None:
 class LocalServer:
     url: str
     process: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 @contextlib.contextmanager
@@ -613,7 +609,7 @@ def running_server(*arguments: str, startup_timeout_s: float = 120.0, stop_timeo
                                    cwd=REPO_ROOT)
     try:
         url = _await_ready(process, startup_timeout_s, log)
-        yield LocalServer(url, process, log)
+        yield LocalServer(url, process)
     finally:
         process.terminate()
         try:

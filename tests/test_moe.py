@@ -366,13 +366,14 @@ def test_the_benchmark_plots_draw_every_provider(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from kdtree_lib.bench import moe_int4 as bench
+    from kdtree_lib.plots import moe_int4 as moe_plots
     rows = [{"provider": provider, "tp": 8, "routing": routing, "tokens": m, "time_us": 10.0 * m,
              "experts_hit": min(384, 8 * m)}
-            for provider in bench.PROVIDER_STYLE for routing in bench.ROUTINGS for m in (1, 8, 64)]
+            for provider in moe_plots.PROVIDER_STYLE for routing in bench.ROUTINGS for m in (1, 8, 64)]
     fig, (left, right) = plt.subplots(1, 2)
-    bench.plot_time(left, rows, tp=8, routing="uniform")
-    bench.plot_union(right, rows, tp=8)
-    assert len(left.lines) == len(bench.PROVIDER_STYLE) and len(right.lines) == len(bench.ROUTINGS)
+    moe_plots.plot_time(left, rows, tp=8, routing="uniform")
+    moe_plots.plot_union(right, rows, tp=8)
+    assert len(left.lines) == len(moe_plots.PROVIDER_STYLE) and len(right.lines) == len(bench.ROUTINGS)
     plt.close(fig)
 
 

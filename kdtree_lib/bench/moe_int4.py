@@ -37,7 +37,7 @@ ROUTINGS = ("uniform", "correlated")
 TPS = (8, 1)
 CORRELATION = 0.6
 TOKEN_TILE_VARIANTS = (1, 2, 4)  # kernel_tt<n>: the plan with n 8-token tiles per pass, where it differs
-TARGET_TP = 8           # the issue's targets are for the TP=8 slice
+TARGET_TP = 8           # the targets are for the TP=8 slice (the box's)
 TARGET_MIN_TOKENS = 8   # >= 70% of the roofline from M = 8
 TARGET_PCT = 70.0
 SINGLE_TOKEN_SLACK = 1.5  # M = 1: within 1.5x of roofline + one empty launch
@@ -153,15 +153,11 @@ def _time_providers(x, routes, weights, experts, baseline, ep_share, *, reps: in
 # ----------------------------------------------------------------------------------------------
 # reading the rows (notebook 07)
 
-def select(rows, **fixed) -> list[dict]:
-    return [r for r in rows if all(r.get(k) == v for k, v in fixed.items())]
-
-
 def summary(rows, provider: str = "kernel") -> dict:
-    """The issue's targets read from one run: % of roofline for M >= 8 at the TP=8 slice (min and
+    """The targets read from one run: % of roofline for M >= 8 at the TP=8 slice (min and
     median), and at M = 1 the time against 1.5x (roofline + one empty launch)."""
-    kernel = select(rows, provider=provider, tp=TARGET_TP)
-    roof = {(r["routing"], r["tokens"]): r["time_us"] for r in select(rows, provider="roofline", tp=TARGET_TP)}
+    kernel = results.select(rows, provider=provider, tp=TARGET_TP)
+    roof = {(r["routing"], r["tokens"]): r["time_us"] for r in results.select(rows, provider="roofline", tp=TARGET_TP)}
     targets = [r["pct_roofline"] for r in kernel if r["tokens"] >= TARGET_MIN_TOKENS]
     single = [r for r in kernel if r["tokens"] == 1]
     bounds = [SINGLE_TOKEN_SLACK * (roof[(r["routing"], 1)] + r["launch_floor_us"]) for r in single]
@@ -177,7 +173,7 @@ def best_plans(rows, *, tp: int = TARGET_TP) -> list[dict]:
     """Per (routing, M) at TP=tp: the fastest of the kernel's plans timed (the launcher's and the
     token-tile variants) against the launcher's."""
     best = []
-    for r in sorted(select(rows, provider="kernel", tp=tp), key=lambda r: (r["routing"], r["tokens"])):
+    for r in sorted(results.select(rows, provider="kernel", tp=tp), key=lambda r: (r["routing"], r["tokens"])):
         timed = [v for v in rows if v.get("tp") == tp and v["routing"] == r["routing"] and v["tokens"] == r["tokens"]
                  and (v["provider"] == "kernel" or str(v["provider"]).startswith("kernel_tt"))]
         fastest = min(timed, key=lambda v: v["time_us"])
@@ -188,43 +184,12 @@ def best_plans(rows, *, tp: int = TARGET_TP) -> list[dict]:
 
 def parallel_comparison(rows, *, tp: int = TARGET_TP) -> list[dict]:
     """Per (routing, M) at TP=tp: the TP slice's kernel time against the EP step's (slowest rank)."""
-    tp_times = {(r["routing"], r["tokens"]): r["time_us"] for r in select(rows, provider="kernel", tp=tp)}
+    tp_times = {(r["routing"], r["tokens"]): r["time_us"] for r in results.select(rows, provider="kernel", tp=tp)}
     return [{"routing": r["routing"], "tokens": r["tokens"], "tp_us": tp_times[(r["routing"], r["tokens"])],
              "ep_us": r["time_us"], "ep_over_tp": round(r["time_us"] / tp_times[(r["routing"], r["tokens"])], 3),
              "ep_rank_experts_hit": r["ep_rank_experts_hit"]}
-            for r in sorted(select(rows, provider="kernel_ep", tp=tp), key=lambda r: (r["routing"], r["tokens"]))
+            for r in sorted(results.select(rows, provider="kernel_ep", tp=tp), key=lambda r: (r["routing"], r["tokens"]))
             if (r["routing"], r["tokens"]) in tp_times]
-
-
-PROVIDER_STYLE = {"kernel": ("C0", "o-"), "kernel_99kb": ("C1", "x:"), "kernel_ep": ("C4", "d-."),
-                  "torch_bf16": ("C3", "s--"), "roofline": ("k", "--")}
-
-
-def plot_time(ax, rows, *, tp: int, routing: str):
-    """Time per call against M, one line per provider, on log axes."""
-    for provider, (color, style) in PROVIDER_STYLE.items():
-        picked = sorted(select(rows, provider=provider, tp=tp, routing=routing), key=lambda r: r["tokens"])
-        if picked:
-            ax.plot([r["tokens"] for r in picked], [r["time_us"] for r in picked], style, color=color, label=provider)
-    ax.set(xscale="log", yscale="log", xlabel="tokens M = B·N", ylabel="µs per call", title=f"TP={tp}, {routing}")
-    ax.legend(fontsize=8)
-
-
-def plot_union(ax, rows, *, tp: int):
-    """Experts hit and the kernel's time against M: time should follow the union, not M."""
-    for routing, style in zip(ROUTINGS, ("o-", "s--")):
-        picked = sorted(select(rows, provider="kernel", tp=tp, routing=routing), key=lambda r: r["tokens"])
-        ax.plot([r["tokens"] for r in picked], [r["experts_hit"] for r in picked], style, color="C2",
-                label=f"experts hit, {routing}")
-    ax.set(xscale="log", xlabel="tokens M = B·N", ylabel="distinct experts hit", title=f"TP={tp}")
-    twin = ax.twinx()
-    for routing, style in zip(ROUTINGS, ("o-", "s--")):
-        picked = sorted(select(rows, provider="kernel", tp=tp, routing=routing), key=lambda r: r["tokens"])
-        twin.plot([r["tokens"] for r in picked], [r["time_us"] for r in picked], style, color="C0",
-                  label=f"kernel µs, {routing}")
-    twin.set_ylabel("kernel µs per call")
-    ax.legend(fontsize=8, loc="upper left")
-    twin.legend(fontsize=8, loc="lower right")
 
 
 def main(argv=None):

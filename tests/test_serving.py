@@ -44,6 +44,15 @@ def server(tokenizer_path):
         yield local
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run on one torch thread, as the server runs them (spinning threads crawl on a busy CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def states(url) -> dict:
     return httpx.get(url + "/get_server_info", timeout=5).json()["internal_states"][0]
 
@@ -68,7 +77,7 @@ def rss_bytes(pid) -> int:
 # ----------------------------------------------------------------------------------------------
 # against this engine's server
 
-def test_sweep_rows_and_acceptance_equal_generate(server, tokenizer_path, tmp_path):
+def test_sweep_rows_and_acceptance_equal_generate(server, tokenizer_path, tmp_path, one_thread):
     new_tokens = 6
     rows = client.run_sweep(server.url, PROMPTS[:4], concurrencies=(1, 4), max_new_tokens=new_tokens, timeout_s=30,
                             budget_label=None, progress=False,
@@ -85,14 +94,9 @@ def test_sweep_rows_and_acceptance_equal_generate(server, tokenizer_path, tmp_pa
     target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     expected = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread, as the server runs it (spinning threads crawl on a busy CPU)
-    try:
-        for index, text in enumerate(PROMPTS[:4]):
-            alone = generate(target, drafter, [tokenizer.encode(text).ids], budget=BUDGET, max_new_tokens=new_tokens)
-            expected[index] = (len(alone.tokens[0]), len(alone.acceptance[0]))
-    finally:
-        torch.set_num_threads(threads)
+    for index, text in enumerate(PROMPTS[:4]):
+        alone = generate(target, drafter, [tokenizer.encode(text).ids], budget=BUDGET, max_new_tokens=new_tokens)
+        expected[index] = (len(alone.tokens[0]), len(alone.acceptance[0]))
     for row in rows:
         tokens, rounds = expected[row["prompt_index"]]
         assert (row["completion_tokens"], row["spec_verify_ct"]) == (tokens, rounds), row
@@ -177,6 +181,44 @@ def test_under_load_every_request_is_answered_and_memory_returns(server, tmp_pat
     assert idle["waiting"] == idle["running"] == 0
     growth = rss_bytes(server.process.pid) - baseline
     assert growth < 32 * 2**20, f"the server kept {growth / 2**20:.1f} MiB after the load"
+
+
+@pytest.mark.parametrize("method", ["ar", "chain"])
+def test_the_engine_decodes_as_generate_stop_tokens_included(method, one_thread):
+    target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
+    prompts = [[3, 4, 11, 60, 5, 13], [8, 12, 15, 14]]
+    free = generate(target, drafter, prompts, method=method, budget=BUDGET, max_new_tokens=8)
+    stop = int(free.tokens[0][3])  # a token the first request makes: it stops there
+    expected = generate(target, drafter, prompts, method=method, budget=BUDGET, max_new_tokens=8, stop_tokens=(stop,))
+    engine = Engine(target, drafter, EngineSettings(method=method, budget=BUDGET, max_batch=2))
+    service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=(stop,))
+
+    async def answers():
+        scheduler = asyncio.create_task(engine.run())
+        jobs = [service.job(p, max_new_tokens=8, temperature=0, ignore_eos=False, stop_token_ids=None) for p in prompts]
+        for job in jobs:
+            engine.submit(job)
+        results = []
+        for job in jobs:
+            ids, (kind, value) = [], await asyncio.wait_for(job.updates.get(), 60)
+            while kind == "tokens":
+                ids += value
+                kind, value = await asyncio.wait_for(job.updates.get(), 60)
+            results.append((kind, ids, value))
+        engine.stop()
+        scheduler.cancel()
+        return results
+
+    results = asyncio.run(answers())
+    for (kind, ids, meta), tokens, rounds in zip(results, expected.tokens, expected.acceptance):
+        assert kind == "done" and ids == tokens.tolist() and meta["completion_tokens"] == len(tokens), (ids, meta)
+        if method == "ar":
+            assert "spec_verify_ct" not in meta, "SGLang reports no spec fields without a speculative algorithm"
+        else:
+            assert meta["spec_verify_ct"] == len(rounds)
+            assert meta["spec_draft_token_num"] == len(rounds) * min(BUDGET, drafter.config.draft_depth)
+    assert results[0][2]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert max(meta["batch_size"] for _, _, meta in results) == 2
 
 
 def test_a_full_queue_answers_503():

@@ -1,12 +1,16 @@
-"""The CT200 cost model: structure, limits and calibration round trip."""
+"""The CT200 cost model: structure, limits and calibration round trip; the box's inputs (measured or a
+labelled assumption), the acceptance sources and the table."""
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kdtree_lib import projection
 from kdtree_lib.model.config import load_config
 from kdtree_lib.projection import (CT200, Efficiency, assumptions, calibrate, expected_distinct_experts,
                                    layer_costs, projected_speedup, step_costs)
+from kdtree_lib.results import read_rows
 
 K26 = load_config(Path(__file__).resolve().parent.parent / "data" / "configs" / "kimi-k2.6.json")
 H200 = replace(CT200, name="H200", memory_bandwidth=4.2e12, matmul_flops=790e12, gpus=2)
@@ -53,3 +57,104 @@ def test_calibration_recovers_known_efficiencies():
     assert any("allreduce_latency" in line for line in assumptions(CT200, fitted, expert_bits=4.5))
     with pytest.raises(ValueError, match="measured"):
         calibrate([], K26, H200)
+
+
+# ----------------------------------------------------------------------------------------------
+# the box's inputs and the table
+
+STAND_IN = projection.measured_acceptance("stand-in", "acceptance", read_rows("acceptance"), depth=7, block_size=8)
+
+
+def acceptance_rows(curve, chain):
+    """Rows in the kit's box_acceptance format (acceptance.oracle_rows' columns) for a known curve."""
+    stamp = {"date": "2026-12-01T00:00:00Z", "commit": "abc", "device": "box", "source": "oracle", "temperature": "0.0",
+             "package": "p", "block_size": "8", "pair": "real", "prompts": "8", "new_tokens": "256"}
+    return ([{**stamp, "mode": "tree", "budget": str(b), "mean_acceptance": str(a)} for b, a in curve.items()]
+            + [{**stamp, "mode": "chain", "budget": str(b), "mean_acceptance": str(chain)} for b in curve])
+
+
+def round_options(**overrides):
+    verify, _, _ = projection.verify_kernel_inputs([], heads=8)
+    experts, _, _ = projection.moe_kernel_inputs([], tp=8)
+    stage = projection.tree_stage_cost([], [], depth=7)
+    drafter = projection.real_drafter_config(K26)
+    return {"efficiency": projection.box_efficiency(Efficiency(0.5, 0.7, 0.8), verify, experts), "expert_bits": 4.5,
+            "chain_budget": 7, "tree_stage": stage,
+            "drafter": lambda b, c: projection.drafter_seconds(drafter, CT200, batch=b, context=c, head_shards=8,
+                                                               efficiency=0.3), **overrides}
+
+
+def test_each_acceptance_source_gives_the_table():
+    box_source = projection.measured_acceptance("real pair", "box_acceptance", acceptance_rows({8: 4.6, 16: 5.5, 32: 6.3}, 4.0),
+                                                depth=7)
+    assert box_source.chain.measured and box_source.chain.value == 4.0
+    sources = [STAND_IN, projection.service_acceptance(), box_source]
+    assert STAND_IN.measured and not sources[1].measured and sources[1].curve == projection.SERVICE_OBSERVED
+    table = projection.projection_table(K26, sources, (0.0, 0.9), batches=(1, 8), contexts=(4096, 32768), **round_options())
+    best = projection.best_table(table)
+    assert {(r["source"], r["correlation"], r["context"], r["batch"]) for r in best} == {
+        (s.name, c, L, b) for s in sources for c in (0.0, 0.9) for L in (4096, 32768) for b in (1, 8)}
+    for row in best:
+        assert row["budget"] in next(s.curve for s in sources if s.name == row["source"])
+        assert row["speedup_vs_ar"] > 0 and row["speedup_vs_chain"] > 0
+    # overlap saves expert bytes: the same budget's round is cheaper when tokens route alike
+    pick = {(r["source"], r["correlation"], r["context"], r["batch"], r["budget"]): r["round_seconds"] for r in table}
+    assert pick["service", 0.9, 4096, 8, 32] < pick["service", 0.0, 4096, 8, 32]
+    band = projection.speedup_band(table)
+    for row in table:
+        low, high = band[row["context"], row["batch"]][row["budget"]]
+        assert low <= row["speedup_vs_ar"] <= high
+
+
+def test_a_replicated_real_drafter_costs_more_than_a_sharded_one():
+    drafter = projection.real_drafter_config(K26)
+    params = (drafter.num_hidden_layers * (drafter.hidden_size * drafter.head_dim * 2 * (drafter.num_attention_heads
+              + drafter.num_key_value_heads) + 3 * drafter.hidden_size * drafter.intermediate_size)
+              + drafter.feature_size * drafter.hidden_size)
+    assert params * 2 / 2**30 == pytest.approx(6.5, abs=0.1)  # DESIGN.md §4: about 6.5 GiB bf16
+    seconds = {placement: projection.drafter_seconds(drafter, CT200, batch=1, context=4096, head_shards=8,
+                                                     shards=projection.drafter_shards(placement, 8))
+               for placement in projection.DRAFTER_PLACEMENTS}
+    assert seconds["replicated"] > 2 * seconds["sharded"]
+    with pytest.raises(ValueError, match="placement"):
+        projection.drafter_shards("everywhere", 8)
+
+
+def test_absent_rows_are_loud_assumptions_naming_their_parameter():
+    _, inputs, used = projection.moe_kernel_inputs(read_rows("moe_int4"), tp=8)  # no such file yet
+    assert not used and inputs and all(not i.measured for i in inputs)
+    assert all("ASSUMPTION" in i.line() and "assumed_moe_time" in i.line() for i in inputs)
+    stage = projection.tree_stage_cost([], [], depth=7)(1, 32)
+    assert not stage.measured and "assumed_tree_stage_seconds" in stage.line()
+    assert all(not i.measured and "PCIe" in i.source for i in projection.allreduce_inputs(CT200))
+
+
+def test_kernel_fit_recovers_a_known_time_and_needs_rows_that_grow():
+    truth = projection.KernelTime(fixed=12e-6, bytes_efficiency=0.7)
+    sizes = np.array([1e6, 1e7, 5e7, 2e8])
+    rows = [{"provider": "kernel_99kb", "tp": "8", "bytes": str(b), "copy_tbps": "1.5", "time_us": str(truth.time(b / 1.5e12) * 1e6),
+             "date": "d", "commit": "c", "device": "box"} for b in sizes]
+    fitted, inputs, used = projection.moe_kernel_inputs(rows, tp=8)
+    assert len(used) == 4 and all(i.measured for i in inputs)
+    assert fitted.fixed == pytest.approx(12e-6, rel=1e-6) and fitted.bytes_efficiency == pytest.approx(0.7, rel=1e-6)
+    with pytest.raises(ValueError, match="measured_seconds: expected at least 2"):
+        projection.fit_kernel_time([1e-6], [2e-6])
+    with pytest.raises(ValueError, match="do not grow with the bytes"):
+        projection.fit_kernel_time([0.0, 0.0, 0.0], [1e-6, 2e-6, 3e-6])
+
+
+def test_the_verify_kernel_model_reproduces_its_rows_within_their_spread():
+    rows = read_rows("verify_attn")
+    time, inputs, used = projection.verify_kernel_inputs(rows, heads=8)
+    assert used and all(i.measured for i in inputs)
+    assert {r["config"] for r in used} == set(projection.PORTABLE_VERIFY_CONFIGS.values())
+    terms = ([float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12) for r in used], [float(r["time_us"]) * 1e-6 for r in used],
+             [float(r["flops"]) / (float(r["matmul_tflops"]) * 1e12) for r in used])
+    residuals = projection.fit_residuals(time, *terms)
+    # the spread the source line states is the model's over every row it was fitted on
+    assert f"{residuals.min():+.0%} .. {residuals.max():+.0%}" in inputs[0].source
+    assert np.max(np.abs(residuals)) < 0.3 and abs(np.median(residuals)) < 0.1
+    # one efficiency on the roofline (the old model) does not: its error is far outside that spread
+    roofline = np.maximum(terms[0], terms[2])
+    ratio = np.median(np.array(terms[1]) / roofline)
+    assert np.max(np.abs(roofline * ratio / np.array(terms[1]) - 1)) > 2 * np.max(np.abs(residuals))

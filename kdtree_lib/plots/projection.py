@@ -1,12 +1,13 @@
 """Figures of the CT200 projection (notebook 13): the calibration, the router's overlap, the
-acceptance curve used, tokens/s and speedup against budget, and a round's components."""
+acceptance curve used, tokens/s and speedup against budget, and a round's components; the acceptance
+sources side by side and the speedup band over sources × overlaps."""
 from __future__ import annotations
 
 import textwrap
 
 import numpy as np
 
-from ..projection import expected_distinct_experts, layer_costs
+from ..projection import expected_distinct_experts, layer_costs, speedup_band
 from ..results import matches
 from .tp_step import COMPONENT_COLORS
 
@@ -100,3 +101,46 @@ def plot_round_components(axes, projected: list[dict], *, context: int, batches)
         ax.set_title(f"CT200 round, batch {batch}, context {context}")
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
+
+
+def plot_acceptance_sources(ax, sources) -> None:
+    """Tokens per round against budget of each acceptance source (dashed: not measured here), chains as crosses."""
+    for color, source in zip(("C2", "C1", "C0", "C4"), sources):
+        style = "o-" if source.measured else "o--"
+        ax.plot(list(source.curve), list(source.curve.values()), style, color=color,
+                label=source.name + ("" if source.measured else " (ASSUMED)"))
+        ax.plot([min(source.curve)], [source.chain.value], "x", color=color, markersize=10,
+                label=f"{source.name} chain" + ("" if source.chain.measured else " (ASSUMED)"))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (draft nodes per tree)")
+    ax.set_ylabel("tokens per round")
+    ax.set_title("acceptance sources")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_speedup_band(axes, table: list[dict], *, contexts, batches, marked: float, key: str = "speedup_vs_ar") -> None:
+    """Per context an axis: per batch the band of `key` over every acceptance source × overlap against
+    budget, and each source's line at the overlap nearest `marked` (the stand-in's fitted value)."""
+    band = speedup_band(table, key)
+    overlaps = sorted({row["correlation"] for row in table})
+    nearest = min(overlaps, key=lambda c: abs(c - marked))
+    sources = list(dict.fromkeys(row["source"] for row in table))
+    for ax, context in zip(axes, contexts):
+        for batch, color in zip(batches, ("C0", "C3", "C2", "C4")):
+            budgets = list(band[context, batch])
+            low, high = zip(*band[context, batch].values())
+            ax.fill_between(budgets, low, high, color=color, alpha=0.15, label=f"batch {batch}: all sources x overlaps")
+            for source, style in zip(sources, ("o-", "s--", "^:", "d-.")):
+                rows = sorted((r for r in table if (r["source"], r["correlation"], r["context"], r["batch"])
+                               == (source, nearest, context, batch)), key=lambda r: r["budget"])
+                ax.plot([r["budget"] for r in rows], [r[key] for r in rows], style, color=color,
+                        label=f"batch {batch}, {source}, overlap {nearest:g}")
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (draft nodes per tree)")
+        ax.set_ylabel(key.replace("_", " "))
+        ax.set_title(f"CT200, context {context}: band over sources x overlaps\n"
+                     f"lines at overlap {nearest:g} (the stand-in's fit: {marked:.2f})", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)

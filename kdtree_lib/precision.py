@@ -37,3 +37,11 @@ def logit_bound(config, magnitude: float, dtype="float32") -> float:
     """How far two forwards of one model in `dtype` (different batch shapes, paths, orders or TP shards)
     can put an output of size up to `magnitude` apart: twice the rounding bound of forward_terms."""
     return 2 * rounding_bound(np.dtype(dtype), terms=forward_terms(config), magnitude=magnitude)
+
+
+def relative_error(result, reference) -> float:
+    """||result - reference|| / ||reference|| in float64 (torch tensors or arrays)."""
+    import numpy as np
+    result, reference = (np.asarray(x.double().cpu() if hasattr(x, "double") else x, np.float64)
+                         for x in (result, reference))
+    return float(np.linalg.norm(result - reference) / np.linalg.norm(reference))

@@ -299,6 +299,11 @@ def train_target(settings: Settings) -> Path:
 # ----------------------------------------------------------------------------------------------
 # the drafter
 
+def checkpoint_mb(folder) -> float:
+    """Megabytes of a checkpoint folder's safetensors shards (what the size budget counts)."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e6
+
+
 def drafter_dir(block_size: int) -> str:
     return "k26-mini-dflash" if block_size == 8 else f"k26-mini-dflash-b{block_size}"
 

@@ -281,3 +281,17 @@ def test_tp_slice_that_splits_an_int4_group_names_the_tensor(reference, tmp_path
     model = empty_target(load_config(path), TensorParallel(rank=0, size=4), device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight"):
         load_weights(model, CheckpointReader(path, model.config.quantization))
+
+
+def test_compute_bound_nodes_is_the_first_tree_past_the_ridge():
+    """The smallest N whose absorbed attention reaches the ridge intensity, and no smaller one does."""
+    from kdtree_lib.model.costs import compute_bound_nodes, verify_attention_cost
+    config = load_config(REPO_ROOT / "data" / "configs" / "kimi-k2.6.json")
+
+    def intensity(n):
+        cost = verify_attention_cost(config, 4096, n, heads=8)["absorbed"]
+        return cost["flops"] / cost["bytes"]
+    ridge = intensity(20)
+    first = compute_bound_nodes(config, 4096, ridge, heads=8)
+    assert first is not None and intensity(first) >= ridge and all(intensity(n) < ridge for n in range(1, first))
+    assert compute_bound_nodes(config, 4096, 1e9, heads=8, max_nodes=8) is None

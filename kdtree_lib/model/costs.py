@@ -81,3 +81,14 @@ def verify_attention_cost(config: ModelConfig, context: int, nodes: int, *, head
             "flops": attend,
             "bytes": per_head_cache + nodes * h * (nope + rope + v) * BF16_BYTES},
     }
+
+
+def compute_bound_nodes(config: ModelConfig, context: int, ridge_flop_per_byte: float, *, heads: int | None = None,
+                        max_nodes: int = 1024) -> int | None:
+    """The smallest tree (nodes N) whose absorbed verify attention does at least `ridge_flop_per_byte`
+    FLOPs per byte (the GPU's ridge point: from there it is compute-bound); None within max_nodes."""
+    for nodes in range(1, max_nodes + 1):
+        cost = verify_attention_cost(config, context, nodes, heads=heads)["absorbed"]
+        if cost["flops"] / cost["bytes"] >= ridge_flop_per_byte:
+            return nodes
+    return None

@@ -581,9 +581,10 @@ def _now(device) -> float:
 
 def generate_tp(target_path, drafter_path, prompt_ids, *, tp: int = 2, device: str = "cpu",
                 dtype: torch.dtype = torch.float32, runs=None, yarn_attention: str = "transformers",
-                gpu_bytes: int | None = None, **options):
+                drafter_placement: str = "replicated", gpu_bytes: int | None = None, **options):
     """generate over the checkpoint at target_path sharded on `tp` spawned ranks (gloo on CPUs;
-    device "cuda": rank r on cuda:r over NCCL), the drafter at drafter_path replicated on each.
+    device "cuda": rank r on cuda:r over NCCL), the drafter at drafter_path on each:
+    whole ("replicated") or its layers split over the ranks ("sharded").
 
     options: generate's keywords; runs: a list of such dicts, all decoded by the same ranks (one
     load), returning a list of DecodeResults (else one DecodeResult). tp=1 runs in this process.
@@ -594,7 +595,7 @@ def generate_tp(target_path, drafter_path, prompt_ids, *, tp: int = 2, device: s
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
     args = (str(target_path), None if drafter_path is None else str(drafter_path), prompt_ids,
-            [options] if runs is None else list(runs), device, dtype, yarn_attention, gpu_bytes)
+            [options] if runs is None else list(runs), device, dtype, yarn_attention, drafter_placement, gpu_bytes)
     _check_paths(*args[:2])
     results = (decode_rank(TensorParallel(), *args) if tp == 1 else
                launch(decode_rank, tp, *args, backend="nccl" if device == "cuda" else "gloo"))
@@ -602,9 +603,10 @@ def generate_tp(target_path, drafter_path, prompt_ids, *, tp: int = 2, device: s
 
 
 def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, prompt_ids, runs: list[dict],
-                device: str, dtype: torch.dtype, yarn_attention: str, gpu_bytes: int | None) -> list[DecodeResult]:
-    """One rank's work: plan memory, load its shard of the target and the whole drafter, run each
-    of `runs` through generate, check the ranks stayed in lockstep."""
+                device: str, dtype: torch.dtype, yarn_attention: str, drafter_placement: str,
+                gpu_bytes: int | None) -> list[DecodeResult]:
+    """One rank's work: plan memory, load its shard of the target and the drafter (whole or its
+    shard), run each of `runs` through generate, check the ranks stayed in lockstep."""
     from .dflash import DFlashConfig, load_drafter
     from .model import load_config, load_target
     from .model.memory import plan
@@ -618,7 +620,7 @@ def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, 
     longest = max(len(p) for p in prompts) + max(run.get("max_new_tokens", defaults["max_new_tokens"]) for run in runs)
     budget = max(run.get("budget", defaults["budget"]) for run in runs)
     free = torch.cuda.mem_get_info(device)[0] if on_gpu else None
-    memory = plan(config, tp.size, len(prompts), longest, budget, drafter_config,
+    memory = plan(config, tp.size, len(prompts), longest, budget, drafter_config, drafter_placement=drafter_placement,
                   **({"gpu_bytes": gpu_bytes or free} if on_gpu or gpu_bytes else {}))
     if tp.rank == 0:
         print(memory.table(), flush=True)
@@ -627,7 +629,8 @@ def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, 
     if not on_gpu:  # gloo ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
     target = load_target(target_path, device=device, dtype=dtype, tp_group=tp.group)
-    drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention) if drafter_path else None
+    drafter = (load_drafter(drafter_path, target, yarn_attention=yarn_attention, placement=drafter_placement)
+               if drafter_path else None)
     results = [generate(target, drafter, prompts, **run) for run in runs]
     for result in results:
         check_lockstep(tp, result)
@@ -725,6 +728,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--yarn-attention", choices=("transformers", "legacy"), default="transformers")
+    parser.add_argument("--drafter-placement", choices=("replicated", "sharded"), default="replicated",
+                        help="the drafter whole on every rank, or its layers split over the ranks")
     parser.add_argument("--stop-at-eos", action="store_true", help="stop a request at the tokenizer's eos")
     args = parser.parse_args(argv)
     if args.method != "ar" and args.drafter is None:
@@ -750,7 +755,7 @@ def main(argv=None) -> int:
         try:
             tp = TensorParallel.from_group(dist.group.WORLD)
             result = decode_rank(tp, str(args.target), drafter and str(drafter), prompts, [options], args.device,
-                                 dtype, args.yarn_attention, None)[0]
+                                 dtype, args.yarn_attention, args.drafter_placement, None)[0]
             dist.barrier()  # no rank tears its group down while another still talks to it
         finally:
             dist.destroy_process_group()
@@ -758,7 +763,7 @@ def main(argv=None) -> int:
             return 0
     else:
         result = generate_tp(args.target, drafter, prompts, tp=args.tp, device=args.device, dtype=dtype,
-                             yarn_attention=args.yarn_attention, **options)
+                             yarn_attention=args.yarn_attention, drafter_placement=args.drafter_placement, **options)
     for b, tokens in enumerate(result.tokens):
         row = {"request": b, "new_tokens": len(tokens), "ids": tokens.tolist(),
                "mean_acceptance": float(result.acceptance[b].mean()) if result.acceptance[b].size else None}

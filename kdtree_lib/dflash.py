@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .model.model import yarn_inv_freq, yarn_mscale
+from .model.tp import TensorParallel
 
 SHARD_BYTES = 16 * 1024 * 1024
 ARCHITECTURE = "DFlashDraftModel"
@@ -318,14 +319,25 @@ def _attention_piece(q, k, v, visible):
     return torch.matmul(probs, v), top.float(), probs.sum(-1, keepdim=True, dtype=torch.float32)
 
 
+def sharded_linear(in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> nn.Linear:
+    """nn.Linear marked with the dimension its checkpoint weight is split along (None: whole)."""
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.tp_dim = tp_dim
+    return layer
+
+
 class Attention(nn.Module):
-    def __init__(self, c: DFlashConfig):
+    """Qwen3 attention over [context ; block]; with a TensorParallel of size > 1 this rank holds
+    1/tp of the query and key/value heads and returns its partial o_proj sum."""
+
+    def __init__(self, c: DFlashConfig, tp: TensorParallel):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        tp.split(c.num_key_value_heads, "num_key_value_heads")
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads // tp.size, c.num_key_value_heads // tp.size, c.head_dim
+        self.q_proj = sharded_linear(c.hidden_size, self.heads * c.head_dim, c.attention_bias, 0)
+        self.k_proj = sharded_linear(c.hidden_size, self.kv_heads * c.head_dim, c.attention_bias, 0)
+        self.v_proj = sharded_linear(c.hidden_size, self.kv_heads * c.head_dim, c.attention_bias, 0)
+        self.o_proj = sharded_linear(self.heads * c.head_dim, c.hidden_size, c.attention_bias, 1)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -359,27 +371,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
+    """SwiGLU; 1/tp of its width on this rank (a partial down_proj sum)."""
+
+    def __init__(self, c: DFlashConfig, tp: TensorParallel):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        start, stop = tp.split(c.intermediate_size, "intermediate_size")
+        self.gate_proj = sharded_linear(c.hidden_size, stop - start, False, 0)
+        self.up_proj = sharded_linear(c.hidden_size, stop - start, False, 0)
+        self.down_proj = sharded_linear(stop - start, c.hidden_size, False, 1)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
-    def __init__(self, c: DFlashConfig):
+    def __init__(self, c: DFlashConfig, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.tp = tp
+        self.self_attn = Attention(c, tp)
+        self.mlp = MLP(c, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x, context_k, context_v, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attention = self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
+        x = x + self.tp.all_reduce(attention)
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,14 +453,19 @@ class DFlashCache:
 
 
 class DFlashDrafter(nn.Module):
-    """The draft model's own weights; bind(target) attaches the target's embedding and LM head."""
+    """The draft model's own weights; bind(target) attaches the target's embedding and LM head.
 
-    def __init__(self, config: DFlashConfig):
+    tp: a TensorParallel of size > 1 shards the layers (heads, key/value heads and MLP width 1/tp,
+    two all-reduces per layer; fc and the norms whole); the default holds the whole drafter."""
+
+    def __init__(self, config: DFlashConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = config
+        if config.attention_bias and tp.size > 1:
+            raise ValueError("attention_bias: a TP-sharded drafter with biased projections is not implemented")
+        self.config, self.tp = config, tp
         self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Layer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.target: TargetHead | None = None
         self.inv_freq = (config.yarn.inv_freq(config.head_dim, config.rope_theta) if config.yarn else
@@ -513,7 +535,7 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> DFlashCache:
         c, weight = self.config, self.fc.weight
-        shape = (batch, c.num_key_value_heads, chunk_aligned(capacity), c.head_dim)
+        shape = (batch, c.num_key_value_heads // self.tp.size, chunk_aligned(capacity), c.head_dim)
         return DFlashCache(keys=[weight.new_zeros(shape) for _ in self.layers],
                            values=[weight.new_zeros(shape) for _ in self.layers],
                            lengths=torch.zeros(batch, dtype=torch.long, device=weight.device), capacity=capacity)
@@ -543,7 +565,7 @@ class DFlashDrafter(nn.Module):
         slots = cache.lengths[:, None] + torch.arange(count, device=device)     # (B, T)
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, T, D)
         cos, sin = self._rope(slots)
-        index = slots[:, None, :, None].expand(-1, c.num_key_value_heads, -1, c.head_dim)
+        index = slots[:, None, :, None].expand(-1, cache.keys[0].shape[1], -1, c.head_dim)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(context, cos, sin)                # (B, G, T, d)
             cache.keys[i].scatter_(2, index, k)
@@ -686,16 +708,29 @@ def read_safetensors(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
-def load_drafter(path, target, *, device=None, dtype=None, yarn_attention: str = "transformers") -> DFlashDrafter:
+DRAFTER_PLACEMENTS = ("replicated", "sharded")
+
+
+def load_drafter(path, target, *, device=None, dtype=None, yarn_attention: str = "transformers",
+                 placement: str = "replicated") -> DFlashDrafter:
     """A DFlash checkpoint (z-lab format), bound to `target`, on the target's device and dtype.
-    yarn_attention: YaRN's attention-factor convention (module docstring)."""
+    yarn_attention: YaRN's attention-factor convention (module docstring). placement "sharded":
+    the layers split over the target's tensor-parallel group (this rank's slices only)."""
+    if placement not in DRAFTER_PLACEMENTS:
+        raise ValueError(f"placement: expected one of {DRAFTER_PLACEMENTS}, got {placement!r}")
     path = Path(path)
-    drafter = DFlashDrafter(DFlashConfig.load(path, yarn_attention=yarn_attention))
+    tp = getattr(target, "tp", TensorParallel()) if placement == "sharded" else TensorParallel()
+    drafter = DFlashDrafter(DFlashConfig.load(path, yarn_attention=yarn_attention), tp)
     state = {name.removeprefix("model."): t for name, t in read_safetensors(path).items()}
     expected = set(drafter.state_dict())
     if set(state) != expected:
         raise ValueError(f"{path}: weights missing {sorted(expected - set(state))[:5]}, "
                          f"unexpected {sorted(set(state) - expected)[:5]}")
+    for name in expected:
+        dim = getattr(drafter.get_submodule(name.rsplit(".", 1)[0]), "tp_dim", None)
+        if dim is not None and name.endswith(".weight"):
+            share = state[name].shape[dim] // tp.size
+            state[name] = state[name].narrow(dim, tp.rank * share, share)
     drafter.load_state_dict(state)
     drafter.bind(target)
     weight = drafter.target.weight

@@ -1,6 +1,7 @@
 """Tensor-parallel decode on the CPU: greedy DDTree, chain and AR at TP=2 over gloo equal TP=1 and
 each other token for token on a made-to-format real pair (K2.6 layout, INT4 experts, a YaRN
-drafter), prefill in chunks equals one chunk, the launcher under torchrun, bad paths."""
+drafter, replicated or sharded), a sharded drafter's drafts equal the whole one's, prefill in chunks
+equals one chunk, the launcher under torchrun, bad paths."""
 import json
 import os
 import shutil
@@ -12,7 +13,8 @@ import numpy as np
 import torch
 
 from kdtree_lib.decode import checkpoint_pair, generate, generate_tp, main
-from kdtree_lib.model import load_target
+from kdtree_lib.dflash import load_drafter
+from kdtree_lib.model import launch, load_target
 from kdtree_lib.model.reference import save_kimi_pair
 from kdtree_lib.paths import REPO_ROOT
 
@@ -33,15 +35,34 @@ def tokens_of(result):
 
 
 def test_tp2_over_gloo_equals_tp1_and_autoregressive(pair):
+    """TP=2 with the drafter sharded too (the replicated drafter at TP=2 runs in the launcher test)."""
     target, drafter = pair
     one = generate_tp(target, drafter, PROMPTS, tp=1, runs=RUNS)
-    two = generate_tp(target, drafter, PROMPTS, tp=2, runs=RUNS)
+    two = generate_tp(target, drafter, PROMPTS, tp=2, runs=RUNS, drafter_placement="sharded")
     ar = tokens_of(one[2])
     assert [len(t) for t in ar] == [NEW_TOKENS] * 2 and all(len(set(t)) > 3 for t in ar)
     for run, single, sharded in zip(RUNS, one, two):
         assert tokens_of(single) == ar, run["method"]
         assert tokens_of(sharded) == ar, run["method"]
         assert (sharded.method, sharded.budget) == (single.method, single.budget)
+        assert [a.tolist() for a in sharded.acceptance] == [a.tolist() for a in single.acceptance], run["method"]
+
+
+def draft_both_placements(tp, target_path, drafter_path):
+    """A rank's drafts from the whole drafter and from its shard, on the same random features."""
+    target = load_target(target_path, dtype=torch.float32, tp_group=tp.group)
+    drafts = []
+    for placement in ("replicated", "sharded"):
+        drafter = load_drafter(drafter_path, target, placement=placement)
+        features = torch.randn(2, 9, drafter.config.feature_size, generator=torch.Generator().manual_seed(3))
+        drafts.append(drafter.draft(drafter.new_cache(2, 16), features, torch.tensor([5, 7]), torch.tensor([9, 4])))
+    return drafts
+
+
+def test_sharded_drafter_drafts_what_the_whole_one_drafts(pair):
+    whole, sharded = launch(draft_both_placements, 2, str(pair[0]), str(pair[1]))
+    assert whole.shape == (2, 7, 576)
+    torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
 
 
 def assert_near(got, want):

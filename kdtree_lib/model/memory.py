@@ -12,8 +12,8 @@ Items (every figure is per GPU, computed from the configs, not measured):
     weights fp32       the routers' correction biases (kept in fp32)
     MLA cache          [B, L, 576] bf16 per layer, whole on every rank (one latent per token, no heads
                        to split), L = the decoder's capacity for `context` tokens and one tree
-    drafter            the DFlash weights in bf16: whole ("replicated", what decode.py runs) or
-                       their attention and MLP 1/tp ("sharded", a what-if: not implemented)
+    drafter            the DFlash weights in bf16: whole ("replicated", decode's default) or their
+                       attention and MLP 1/tp ("sharded", load_drafter(placement="sharded"))
     drafter cache      its context keys/values [B, G, L, d] bf16 per layer (1/tp of G when sharded)
     workspace          verify logits (fp32 [B, N, V] gathered, its rank's slice, a softmax at T > 0),
                        draft logits (fp32 [B, D, V] gathered and sliced), a prefill chunk's
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import check_positive_int
+from ..dflash import DRAFTER_PLACEMENTS, DFlashDrafter
 from ..paths import BF16_BYTES, FP32_BYTES
 from .config import ModelConfig
 from .model import Experts, Transformer
@@ -41,7 +42,6 @@ BOX_GPU_BYTES = 97_887 * 2 ** 20       # an RTX PRO 6000 Blackwell as nvidia-smi
 RUNTIME_RESERVE = 2 * GIB              # CUDA context, NCCL and cuBLAS buffers, allocator slack (assumed)
 PREFILL_ACTIVATION_COPIES = 8          # [B, C, D] buffers alive at once in a layer (residual, norms, outputs)
 CAPACITY_ROUND = 64                    # the decoder rounds cache capacities so (decode.CAPACITY_ROUND)
-DRAFTER_PLACEMENTS = ("replicated", "sharded")
 
 
 class MemoryPlanError(ValueError):
@@ -155,7 +155,7 @@ class _Sizing:
         if self.drafter is not None and placement == "replicated":
             sharded = self.plan(batch, context, "sharded")
             if sharded.fits:
-                advice.append(f"a TP-sharded drafter ({sharded.total / GIB:.2f} GiB per GPU; not implemented)")
+                advice.append(f"a TP-sharded drafter ({sharded.total / GIB:.2f} GiB per GPU; drafter_placement='sharded')")
         smaller = next((b for b in range(batch - 1, 0, -1) if self.plan(b, context, placement).fits), None)
         if smaller:
             advice.append(f"batch {smaller} at context {context}")
@@ -189,7 +189,6 @@ def target_weight_bytes(config: ModelConfig, tp: int) -> dict[str, int]:
 
 def drafter_weight_bytes(drafter, tp: int, placement: str = "replicated") -> int:
     """The DFlash drafter's bf16 weights on one rank: whole, or attention and MLP 1/tp ("sharded")."""
-    from ..dflash import DFlashDrafter
     with torch.device("meta"):
         model = DFlashDrafter(drafter)
     total = 0

@@ -57,7 +57,7 @@ class KitSettings:
     """What the kit measures and where its rows go (defaults: the box's sizes)."""
     target: str
     drafter: str
-    results_dir: str
+    results_dir: str | None                    # None: data/results/ (results' default)
     tokenizer: str | None = None               # default: the target's folder
     device: str = "cuda"                       # "cuda": rank r on cuda:r (NCCL); "cpu": gloo
     dtype: str = "bfloat16"
@@ -247,12 +247,12 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
                 rows = measure_drafter(target, drafter, settings, common)
         seconds = time.perf_counter() - begin
         if tp.rank == 0:
-            results.append_rows(TOPICS[step], rows, results_dir=settings.results_dir)
+            path = results.append_rows(TOPICS[step], rows, results_dir=settings.results_dir)
             results.append_rows(TOPICS["steps"], [{"run": settings.run, "pair": pair, "tp": tp.size, "step": step,
                                                    "rows": len(rows), "wall_seconds": seconds,
                                                    "settings": json.dumps(asdict(settings))}],
                                 results_dir=settings.results_dir)
-            print(f"{step}: {len(rows)} rows in {seconds:.1f} s -> {settings.results_dir}/{TOPICS[step]}.csv", flush=True)
+            print(f"{step}: {len(rows)} rows in {seconds:.1f} s -> {path}", flush=True)
         written[TOPICS[step]] = written.get(TOPICS[step], 0) + len(rows)
     return written
 

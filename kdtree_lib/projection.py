@@ -442,11 +442,11 @@ def assumed(name: str, value: float, parameter: str, why: str) -> Input:
     return Input(name, float(value), f"parameter {parameter}: {why}", False)
 
 
-def rows_source(topic: str, rows: list[dict], what: str) -> str:
-    """'data/results/<topic>.csv, <what>: <n> rows of <device> at commit <c>, <date>' for printing."""
+def rows_source(file: str, rows: list[dict], what: str) -> str:
+    """'<file>, <what>: <n> rows of <device> at commit <c>, <date>' for printing."""
     stamps = sorted({(str(r.get("device")), str(r.get("commit")), str(r.get("date"))[:10]) for r in rows})
     runs = "; ".join(f"{device} at commit {commit}, {date}" for device, commit, date in stamps[:3])
-    return f"data/results/{topic}.csv, {what}: {len(rows)} rows of {runs}" + (" ..." if len(stamps) > 3 else "")
+    return f"{file}, {what}: {len(rows)} rows of {runs}" + (" ..." if len(stamps) > 3 else "")
 
 
 def fit_kernel_time(bytes_seconds, measured_seconds, flops_seconds=None) -> KernelTime:
@@ -479,7 +479,7 @@ def fit_residuals(time: KernelTime, bytes_seconds, measured_seconds, flops_secon
     return time.time(np.asarray(bytes_seconds, float), flops) / np.asarray(measured_seconds, float) - 1
 
 
-def kernel_fit(name: str, topic: str, rows: list[dict], *, bytes_seconds, measured, flops_seconds=None, what: str,
+def kernel_fit(name: str, file: str, rows: list[dict], *, bytes_seconds, measured, flops_seconds=None, what: str,
                assumed_time: KernelTime, parameter: str) -> tuple[KernelTime, list[Input], list[dict]]:
     """(KernelTime, its Inputs, the rows used) fitted on rows (functions of a row, in seconds), or the
     parameter's assumption when fewer rows than terms exist."""
@@ -488,13 +488,13 @@ def kernel_fit(name: str, topic: str, rows: list[dict], *, bytes_seconds, measur
     try:
         fitted = fit_kernel_time(*terms)
         residuals = fit_residuals(fitted, *terms)
-        source = rows_source(topic, rows, f"{what}, fitted as fixed + bytes + FLOPs terms (model within "
+        source = rows_source(file, rows, f"{what}, fitted as fixed + bytes + FLOPs terms (model within "
                                           f"{residuals.min():+.0%} .. {residuals.max():+.0%} of every row)")
         measured_here = True
     except ValueError:
         if rows:
             raise
-        fitted, source, measured_here = assumed_time, f"parameter {parameter}: no {what} rows in data/results/{topic}.csv yet", False
+        fitted, source, measured_here = assumed_time, f"parameter {parameter}: no {what} rows in {file} yet", False
         rows = []
     values = {"fixed_seconds": fitted.fixed, "bytes_efficiency": fitted.bytes_efficiency,
               "flops_efficiency": fitted.flops_efficiency}
@@ -515,7 +515,7 @@ def verify_kernel_inputs(rows: list[dict], *, heads: int,
                          assumed_time: KernelTime = KernelTime(15e-6, 0.3, 0.1)) -> tuple[KernelTime, list[Input], list[dict]]:
     """The portable verify kernel's time model from data/results/verify_attn.csv rows (its bytes and
     FLOPs over the run's measured ceilings), or the assumption (parameter assumed_verify_time)."""
-    return kernel_fit("verify_attention", "verify_attn", portable_verify_rows(rows, heads=heads),
+    return kernel_fit("verify_attention", "data/results/verify_attn.csv", portable_verify_rows(rows, heads=heads),
                       bytes_seconds=lambda r: float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12),
                       flops_seconds=lambda r: float(r["flops"]) / (float(r["matmul_tflops"]) * 1e12),
                       measured=lambda r: float(r["time_us"]) * 1e-6, assumed_time=assumed_time,
@@ -529,7 +529,7 @@ def moe_kernel_inputs(rows: list[dict], *, tp: int,
     of the TP=tp slice (touched bytes over the run's copy bandwidth), or the assumption (parameter
     assumed_moe_time): that file does not exist until kdtree_lib.bench.moe_int4 runs on a GPU."""
     picked = results.latest_run(results.select(rows, provider=BOX_MOE_PROVIDER, tp=tp))
-    return kernel_fit("int4_experts", "moe_int4", picked,
+    return kernel_fit("int4_experts", "data/results/moe_int4.csv", picked,
                       bytes_seconds=lambda r: float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12),
                       measured=lambda r: float(r["time_us"]) * 1e-6, assumed_time=assumed_time,
                       what=f"{BOX_MOE_PROVIDER}, TP={tp}", parameter="assumed_moe_time")
@@ -615,9 +615,10 @@ class AcceptanceSource:
     measured: bool
 
 
-def measured_acceptance(name: str, topic: str, rows: list[dict], *, depth: int, **filters) -> AcceptanceSource | None:
-    """The oracle tree curve (T = 0) of the biggest measurement in `rows` matching filters, and its
-    chain at depth `depth` (measured where the file has chain rows); None without tree rows."""
+def measured_acceptance(name: str, file: str, rows: list[dict], *, depth: int, **filters) -> AcceptanceSource | None:
+    """The oracle tree curve (T = 0) of the biggest measurement in `rows` (read from `file`, e.g.
+    data/results/acceptance.csv or a kit's box_acceptance.csv) matching filters, and its chain at
+    depth `depth` (measured where the file has chain rows); None without tree rows."""
     from .acceptance import largest_measurement
     tree = largest_measurement(rows, source="oracle", mode="tree", temperature=0, **filters)
     if not tree:
@@ -628,10 +629,10 @@ def measured_acceptance(name: str, topic: str, rows: list[dict], *, depth: int, 
                   if int(float(r["budget"])) >= depth]
     if chain_rows:
         chain = Input("chain_acceptance", acceptance_curve(chain_rows)[min(int(float(r["budget"])) for r in chain_rows)],
-                      rows_source(topic, chain_rows, "oracle chain rows"), True)
+                      rows_source(file, chain_rows, "oracle chain rows"), True)
     else:
         chain = _chain_assumption(curve)
-    return AcceptanceSource(name, curve, chain, rows_source(topic, tree, what), True)
+    return AcceptanceSource(name, curve, chain, rows_source(file, tree, what), True)
 
 
 def service_acceptance(observed: dict[int, float] = SERVICE_OBSERVED) -> AcceptanceSource:

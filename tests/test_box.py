@@ -53,7 +53,7 @@ def test_stand_in_dry_run_writes_rows_the_projection_reads(tmp_path):
         assert len({r["run"] for r in topic_rows}) == 1
     assert [r["step"] for r in rows["box_steps"]] == list(box.STEPS)
 
-    source = projection.measured_acceptance("real pair", "box_acceptance", rows["box_acceptance"], depth=7)
+    source = projection.measured_acceptance("real pair", "box_acceptance.csv", rows["box_acceptance"], depth=7)
     assert sorted(source.curve) == [1, 4, 8] and source.measured and source.chain.measured
     assert all(1 <= a <= 8 for a in source.curve.values()) and source.curve[1] <= source.curve[8]
     config = load_config(TARGET)

@@ -23,6 +23,7 @@ SECONDS_PER_NOTEBOOK = 60
 SMALL_PARAMETERS = {
     "01_tree_build": {"mc_walks": 800, "max_budget": 64},
     "03_tree_accept": {"samples": 800, "new_tokens": 32},
+    "14_box_kit": {"budgets": [1, 4, 8], "nodes": [1, 4, 8], "new_tokens": 12, "repeats": 1},
     "15_live_service": {"max_new_tokens": 4},
 }
 
@@ -206,6 +207,23 @@ def check_projection(values, figures):
         <= figures
 
 
+def check_box_kit(values, figures):
+    rows_dir = Path(values["rows_dir"])  # a dry run: its rows in this run's folder, every step's
+    assert not values["appended"] and rows_dir.name == "results" and not rows_dir.is_relative_to(RESULTS_DIR)
+    assert values["steps"] == ["acceptance", "verify", "union", "drafter"]
+    for topic, count in values["written"].items():
+        assert count > 0 and len(read_rows(topic, results_dir=rows_dir)) == count, topic
+    assert sorted(map(int, values["acceptance"])) == SMALL_PARAMETERS["14_box_kit"]["budgets"]
+    assert all(1 <= a <= values["block_size"] for a in values["acceptance"].values())
+    assert values["chain_measured"] and 1 <= values["chain"] <= values["block_size"]
+    assert values["verify_nodes"] == SMALL_PARAMETERS["14_box_kit"]["nodes"]
+    assert values["reads"]["acceptance source"] and values["reads"]["overlap"]
+    assert all(0 <= c <= 0.999 for c in values["correlation"].values())
+    if values["tree_timing"] == ["host_reference"]:  # a CPU run: no ceilings, so no calibration is invented
+        assert not values["reads"]["calibration"] and "copy_bandwidth" in values["calibration_error"]
+    assert {f"14_box_kit-{name}.png" for name in ("acceptance", "verify-components", "expert-union")} <= figures
+
+
 def check_live_service(values, figures):
     assert values["local_server"], "the default run serves this engine on 127.0.0.1"
     assert values["requests"] == values["expected_requests"] and values["failed"] == 0
@@ -231,6 +249,7 @@ EXPECTATIONS = {
     "11_acceptance_vs_budget": check_acceptance_vs_budget,
     "12_tp_verify_step": check_tp_decode,
     "13_ct200_projection": check_projection,
+    "14_box_kit": check_box_kit,
     "03_tree_accept": check_tree_accept,
     "04_tree_build_cupy": check_tree_build_cupy,
     "06_tree_accept_cupy": check_tree_accept_cupy,

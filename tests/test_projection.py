@@ -62,7 +62,7 @@ def test_calibration_recovers_known_efficiencies():
 # ----------------------------------------------------------------------------------------------
 # the box's inputs and the table
 
-STAND_IN = projection.measured_acceptance("stand-in", "acceptance", read_rows("acceptance"), depth=7, block_size=8)
+STAND_IN = projection.measured_acceptance("stand-in", "data/results/acceptance.csv", read_rows("acceptance"), depth=7, block_size=8)
 
 
 def acceptance_rows(curve, chain):
@@ -85,7 +85,7 @@ def round_options(**overrides):
 
 
 def test_each_acceptance_source_gives_the_table():
-    box_source = projection.measured_acceptance("real pair", "box_acceptance", acceptance_rows({8: 4.6, 16: 5.5, 32: 6.3}, 4.0),
+    box_source = projection.measured_acceptance("real pair", "box_acceptance.csv", acceptance_rows({8: 4.6, 16: 5.5, 32: 6.3}, 4.0),
                                                 depth=7)
     assert box_source.chain.measured and box_source.chain.value == 4.0
     sources = [STAND_IN, projection.service_acceptance(), box_source]

@@ -21,7 +21,8 @@ from kdtree_lib.serving import client
 from kdtree_lib.serving.server import Engine, EngineSettings, RequestError, Service, running_server
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
-SHARPNESS, BUDGET, CONTEXT, MAX_BATCH = 0.3, 32, 96, 4
+SHARPNESS, BUDGET, MAX_BATCH = 0.3, 32, 4
+CONTEXT = 2048  # room for a request that cannot finish before its client has left (a few seconds of rounds)
 PROMPTS = ["def load fn", "import numpy as np", "class Tree:", "for x in range 7:", "return a b c d e"]
 
 

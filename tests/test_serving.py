@@ -238,7 +238,7 @@ def test_a_full_queue_answers_503():
 
 class FailingHandler(http.server.BaseHTTPRequestHandler):
     """/generate answers 500, chat answers something that is no event stream, completions stall past any
-    client timeout, nothing else exists."""
+    client timeout, GETs answer a page that is not JSON, nothing else exists."""
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -252,11 +252,11 @@ class FailingHandler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(404, {"detail": "Not Found"})
 
-    def do_GET(self):
-        self._reply(404, {"detail": "Not Found"})
+    def do_GET(self):  # /get_server_info and the rest: a page that is not JSON
+        self._reply(200, b"<html>not the server's info</html>")
 
     def _reply(self, status, body):
-        data = json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

@@ -162,16 +162,17 @@ async def measure(client: httpx.AsyncClient, url: str, endpoint: str, prompt, *,
 # ----------------------------------------------------------------------------------------------
 # what the server says about itself
 
-async def server_info(client: httpx.AsyncClient, url: str) -> dict:
-    """/get_server_info (or /server_info on newer SGLang); {} where neither is offered or answers."""
+async def server_info(client: httpx.AsyncClient, url: str, timeout_s: float) -> dict:
+    """/get_server_info (or /server_info on newer SGLang); {} where neither is offered or answers
+    within timeout_s."""
     for path in SERVER_INFO_PATHS:
         try:
-            response = await client.get(url + path)
-        except httpx.HTTPError:
+            response = await asyncio.wait_for(client.get(url + path), timeout_s)
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, asyncio.TimeoutError, ValueError):
             return {}
-        if response.status_code == 200:
-            with_info = response.json()
-            return with_info if isinstance(with_info, dict) else {}
+        if info is not None:
+            return info if isinstance(info, dict) else {}
     return {}
 
 
@@ -195,11 +196,12 @@ def budget_label_of(info: dict) -> str:
     return str(info.get("speculative_algorithm") or info.get("decode_method") or "ar").lower()
 
 
-async def flush_cache(client: httpx.AsyncClient, url: str) -> bool | None:
-    """POST /flush_cache: True when the server flushed, False when it refused, None where not offered."""
+async def flush_cache(client: httpx.AsyncClient, url: str, timeout_s: float) -> bool | None:
+    """POST /flush_cache: True when the server flushed, False when it refused, None where not offered
+    (or no answer within timeout_s)."""
     try:
-        response = await client.post(url + "/flush_cache")
-    except httpx.HTTPError:
+        response = await asyncio.wait_for(client.post(url + "/flush_cache"), timeout_s)
+    except (httpx.HTTPError, asyncio.TimeoutError):
         return None
     if response.status_code in (404, 405):
         return None
@@ -246,7 +248,7 @@ async def sweep(url: str, prompts: list, *, concurrencies=(1, 2, 4, 8), endpoint
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=max(concurrencies), max_keepalive_connections=max(concurrencies))
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        info = await server_info(client, url)
+        info = await server_info(client, url, timeout_s)
         config = reported_config(info)
         fixed = {"run": uuid.uuid4().hex[:12], "server_url": url, "server_config": json.dumps(config, sort_keys=True),
                  "budget_label": budget_label or budget_label_of(info), "prompt_set": prompt_set,
@@ -260,7 +262,7 @@ async def sweep(url: str, prompts: list, *, concurrencies=(1, 2, 4, 8), endpoint
         arms = [(endpoint, concurrency) for endpoint in endpoints for concurrency in concurrencies]
         with tqdm(total=len(arms) * len(prompts), unit="request", disable=not progress) as bar:
             for endpoint, concurrency in arms:
-                flushed = await flush_cache(client, url) if flush else None
+                flushed = await flush_cache(client, url, timeout_s) if flush else None
                 slots = asyncio.Semaphore(concurrency)
                 arm_start = time.perf_counter()
 

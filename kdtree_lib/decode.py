@@ -581,7 +581,7 @@ def _now(device) -> float:
 
 def generate_tp(target_path, drafter_path, prompt_ids, *, tp: int = 2, device: str = "cpu",
                 dtype: torch.dtype = torch.float32, runs=None, yarn_attention: str = "transformers",
-                drafter_placement: str = "replicated", gpu_bytes: int | None = None, **options):
+                drafter_placement: str = "sharded", gpu_bytes: int | None = None, **options):
     """generate over the checkpoint at target_path sharded on `tp` spawned ranks (gloo on CPUs;
     device "cuda": rank r on cuda:r over NCCL), the drafter at drafter_path on each:
     whole ("replicated") or its layers split over the ranks ("sharded").
@@ -728,7 +728,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--yarn-attention", choices=("transformers", "legacy"), default="transformers")
-    parser.add_argument("--drafter-placement", choices=("replicated", "sharded"), default="replicated",
+    parser.add_argument("--drafter-placement", choices=("replicated", "sharded"), default="sharded",
                         help="the drafter whole on every rank, or its layers split over the ranks")
     parser.add_argument("--stop-at-eos", action="store_true", help="stop a request at the tokenizer's eos")
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ def k26_drafter():
 
 
 def test_k26_at_tp8_int4_weights_are_about_71_gib(k26, k26_drafter):
-    result = plan(k26, 8, 1, 4096, 32, k26_drafter)
+    result = plan(k26, 8, 1, 4096, 32, k26_drafter, drafter_placement="replicated")
     c, tp = k26, 8
     hidden, layers, moe_layers = c.hidden_size, c.num_hidden_layers, c.num_hidden_layers - c.first_k_dense_replace
     # written out from the config: routed experts at 4.5 bits (int4 + a bf16 scale per 32)
@@ -41,10 +41,13 @@ def test_k26_at_tp8_int4_weights_are_about_71_gib(k26, k26_drafter):
     assert 70.5 < result.weights / GIB < 71.5 and 75.5e9 < result.weights < 76.5e9
     assert 6.4 < result.items["drafter"] / GIB < 6.6   # the real drafter, replicated, bf16
     assert result.fits and result.check() is result
+    sharded = plan(k26, 8, 1, 4096, 32, k26_drafter)    # the default: its layers 1/8 per GPU, fc whole
+    assert 1.2 < sharded.items["drafter"] / GIB < 1.4
 
 
 def test_batch_8_at_32k_does_not_fit_on_the_box(k26, k26_drafter):
-    result = plan(k26, 8, 8, 32768, 32, k26_drafter)
+    """With the replicated MLA cache and a replicated drafter (DESIGN.md §7); the sharded drafter fits."""
+    result = plan(k26, 8, 8, 32768, 32, k26_drafter, drafter_placement="replicated")
     assert 17.0 < result.items["MLA cache"] / GIB < 17.4   # 61 layers x 576 bf16, replicated
     assert not result.fits and result.gpu_bytes == BOX_GPU_BYTES
     with pytest.raises(MemoryPlanError, match="batch/context/tp") as error:
@@ -52,8 +55,9 @@ def test_batch_8_at_32k_does_not_fit_on_the_box(k26, k26_drafter):
     assert "DOES NOT FIT" in str(error.value) and "MLA cache" in str(error.value)
     fixes = "\n".join(result.advice)
     assert "TP-sharded drafter" in fixes and "batch 5 at context 32768" in fixes
-    smaller = plan(k26, 8, 5, 32768, 32, k26_drafter)
-    assert smaller.fits and not plan(k26, 8, 6, 32768, 32, k26_drafter).fits
+    smaller = plan(k26, 8, 5, 32768, 32, k26_drafter, drafter_placement="replicated")
+    assert smaller.fits and not plan(k26, 8, 6, 32768, 32, k26_drafter, drafter_placement="replicated").fits
+    assert plan(k26, 8, 8, 32768, 32, k26_drafter).fits
 
 
 def test_with_the_service_running_nothing_fits(k26, k26_drafter):

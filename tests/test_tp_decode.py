@@ -35,10 +35,10 @@ def tokens_of(result):
 
 
 def test_tp2_over_gloo_equals_tp1_and_autoregressive(pair):
-    """TP=2 with the drafter sharded too (the replicated drafter at TP=2 runs in the launcher test)."""
+    """TP=2 with the drafter replicated (the sharded default runs in the launcher test)."""
     target, drafter = pair
     one = generate_tp(target, drafter, PROMPTS, tp=1, runs=RUNS)
-    two = generate_tp(target, drafter, PROMPTS, tp=2, runs=RUNS, drafter_placement="sharded")
+    two = generate_tp(target, drafter, PROMPTS, tp=2, runs=RUNS, drafter_placement="replicated")
     ar = tokens_of(one[2])
     assert [len(t) for t in ar] == [NEW_TOKENS] * 2 and all(len(set(t)) > 3 for t in ar)
     for run, single, sharded in zip(RUNS, one, two):

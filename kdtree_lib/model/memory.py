@@ -92,7 +92,7 @@ class MemoryPlan:
 
 
 def plan(config: ModelConfig, tp: int, batch: int, context: int, budget: int, drafter=None, *,
-         gpu_bytes: int = BOX_GPU_BYTES, drafter_placement: str = "replicated", temperature: float = 0.0,
+         gpu_bytes: int = BOX_GPU_BYTES, drafter_placement: str = "sharded", temperature: float = 0.0,
          prefill_chunk: int = 256) -> MemoryPlan:
     """Bytes per GPU of a decode of `batch` requests of up to `context` tokens (prompt + new) with
     trees of `budget` nodes; drafter: its DFlashConfig (None: autoregressive, no drafter)."""

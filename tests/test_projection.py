@@ -158,3 +158,34 @@ def test_the_verify_kernel_model_reproduces_its_rows_within_their_spread():
     roofline = np.maximum(terms[0], terms[2])
     ratio = np.median(np.array(terms[1]) / roofline)
     assert np.max(np.abs(roofline * ratio / np.array(terms[1]) - 1)) > 2 * np.max(np.abs(residuals))
+
+
+def test_the_latency_aware_stop_adds_a_node_only_while_it_pays():
+    log_weights = np.array([[*np.log([1.0, 0.9, 0.5, 0.1]), -np.inf]])  # root, three drafts, a padding slot
+    assert projection.latency_aware_budgets(log_weights, lambda n: 1.0, 4).tolist() == [3]  # free nodes: all, not the padding
+    # T(n) = 1 + 0.2 n: a node of weight w pays while w (1 + 0.2 n) > 0.2 A: 0.9 and 0.5 do, 0.1 does not
+    assert projection.latency_aware_budgets(log_weights, lambda n: 1 + 0.2 * n, 4).tolist() == [2]
+    assert projection.latency_aware_budgets(log_weights, lambda n: 10.0 ** n, 4).tolist() == [0]
+
+
+@pytest.fixture(scope="module")
+def stand_in_records():
+    from kdtree_lib.acceptance import record_oracle
+    from kdtree_lib.pairs import pair_with_prompts
+    chosen = pair_with_prompts(8, prompts_per_package=1, prompt_tokens=24)
+    if not chosen.stand_in:
+        pytest.skip("no stand-in checkpoint")
+    return [r for prompts in chosen.packages.values() for r in record_oracle(chosen.target, chosen.drafter, prompts, 32, 16)]
+
+
+def test_stop_rule_comparison_against_fixed_budgets(stand_in_records):
+    from kdtree_lib.acceptance import mean_acceptance
+    budgets = [1, 4, 16]
+    flat = projection.stop_rule_comparison(stand_in_records, lambda n: 2.0, budgets)
+    for budget in budgets:  # a fixed budget's rate is its mean acceptance over the round's time
+        assert flat["fixed"][budget] == pytest.approx(mean_acceptance(stand_in_records, budget) / 2.0)
+    # free nodes: the stop never halts, so it is the largest budget exactly
+    assert flat["latency_aware"] == pytest.approx(flat["fixed"][16]) and flat["latency_aware_mean_budget"] == 16
+    assert flat["best_fixed_budget"] == 16 and not flat["beats_best_fixed"]
+    steep = projection.stop_rule_comparison(stand_in_records, lambda n: 1.0 + n, budgets)
+    assert steep["latency_aware_mean_budget"] < 16 and steep["best_fixed_budget"] < 16

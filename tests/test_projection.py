@@ -189,3 +189,21 @@ def test_stop_rule_comparison_against_fixed_budgets(stand_in_records):
     assert flat["best_fixed_budget"] == 16 and not flat["beats_best_fixed"]
     steep = projection.stop_rule_comparison(stand_in_records, lambda n: 1.0 + n, budgets)
     assert steep["latency_aware_mean_budget"] < 16 and steep["best_fixed_budget"] < 16
+
+
+def test_the_explorer_redraws_for_each_choice():
+    import matplotlib
+    matplotlib.use("Agg")
+    from kdtree_lib.plots.projection import projection_explorer
+    drafter = projection.real_drafter_config(K26)
+    drafters = {p: (lambda b, c, shards=projection.drafter_shards(p, 8): projection.drafter_seconds(
+        drafter, CT200, batch=b, context=c, shards=shards, head_shards=8, efficiency=0.3)) for p in projection.DRAFTER_PLACEMENTS}
+    options = round_options()
+    options.pop("drafter")
+    panel = projection_explorer(K26, [STAND_IN, projection.service_acceptance()], drafters=drafters,
+                                overlaps=projection.OVERLAPS, batches=[1, 8], contexts=[4096], **options)
+    replicated = panel.result
+    assert replicated["source"] == "stand-in" and replicated["batch"] == 1
+    placement = next(w for w in panel.kwargs_widgets if w.description == "drafter")
+    placement.value = "sharded"
+    assert panel.result["speedup_vs_ar"] > replicated["speedup_vs_ar"]  # a cheaper drafter, a faster round

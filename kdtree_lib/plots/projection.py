@@ -144,3 +144,40 @@ def plot_speedup_band(axes, table: list[dict], *, contexts, batches, marked: flo
                      f"lines at overlap {nearest:g} (the stand-in's fit: {marked:.2f})", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+
+
+def projection_explorer(config, sources: list, *, drafters: dict, overlaps, batches, contexts, **round_options):
+    """An ipywidgets panel (notebook 13's explorer): pick the acceptance source, the routing overlap,
+    batch, context and drafter placement (drafters: placement -> seconds(batch, context)); it redraws
+    the speedups over AR and over the chain against budget and prints the best budget."""
+    import ipywidgets
+    import matplotlib.pyplot as plt
+
+    from ..projection import CT200, round_rows
+    by_name = {source.name: source for source in sources}
+    hardware = round_options.pop("hardware", CT200)
+
+    def redraw(source, overlap, batch, context, placement):
+        rows = round_rows(config, hardware, by_name[source], batch=batch, context=context, correlation=overlap,
+                          drafter=drafters[placement], **round_options)
+        best = max(rows, key=lambda r: r["tokens_per_second"])
+        fig, ax = plt.subplots(figsize=(7.5, 3.8))
+        for key, style in (("speedup_vs_ar", "o-"), ("speedup_vs_chain", "s--")):
+            ax.plot([r["budget"] for r in rows], [r[key] for r in rows], style, label=key.replace("_", " "))
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (draft nodes per tree)")
+        ax.set_ylabel("speedup")
+        ax.set_title(f"{source}, overlap {overlap:g}, B={batch}, L={context}, drafter {placement}: best budget "
+                     f"{best['budget']} ({best['speedup_vs_ar']:.2f}x AR, {best['speedup_vs_chain']:.2f}x chain)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        plt.show()
+        return best
+
+    return ipywidgets.interactive(
+        redraw, source=ipywidgets.Dropdown(options=list(by_name), description="acceptance"),
+        overlap=ipywidgets.SelectionSlider(options=list(overlaps), description="overlap"),
+        batch=ipywidgets.Dropdown(options=list(batches), description="batch"),
+        context=ipywidgets.Dropdown(options=list(contexts), description="context"),
+        placement=ipywidgets.Dropdown(options=list(drafters), description="drafter"))

@@ -151,9 +151,11 @@ def test_a_default_run_writes_only_what_git_ignores(tmp_path, capsys):
                    "save_figure(plt.figure(), '00_writes', 'demo')")
     assert main(["--notebooks-dir", str(folder), "--no-progress"]) == 0
     run_dir = Path(capsys.readouterr().out.split("executed notebooks in ")[-1].strip())
-    written = [p for p in run_dir.rglob("*") if p.is_file()] + list((REPO_ROOT / "data" / "figures").glob("00_writes-*"))
+    figures = list((REPO_ROOT / "data" / "figures").glob("00_writes-*"))
+    written = [p for p in run_dir.rglob("*") if p.is_file()] + figures
     try:
-        assert {p.name for p in written} >= {"00_writes.ipynb", "00_writes.json", "demo_topic.csv", "00_writes-demo.png"}
+        expected = {"00_writes.ipynb", "00_writes.json", "demo_topic.csv", "00_writes-demo.png"}
+        assert {p.name for p in written} >= expected
         relative = [str(p.relative_to(REPO_ROOT)) for p in written]
         ignored = subprocess.run(["git", "check-ignore", "--no-index", *relative], cwd=REPO_ROOT, capture_output=True,
                                  text=True).stdout.split()

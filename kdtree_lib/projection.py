@@ -512,9 +512,10 @@ def portable_verify_rows(rows: list[dict], *, heads: int) -> list[dict]:
 
 
 def verify_kernel_inputs(rows: list[dict], *, heads: int,
-                         assumed_time: KernelTime = KernelTime(15e-6, 0.3, 0.1)) -> tuple[KernelTime, list[Input], list[dict]]:
+                         assumed_time: KernelTime) -> tuple[KernelTime, list[Input], list[dict]]:
     """The portable verify kernel's time model from data/results/verify_attn.csv rows (its bytes and
-    FLOPs over the run's measured ceilings), or the assumption (parameter assumed_verify_time)."""
+    FLOPs over the run's measured ceilings), or `assumed_time` (the caller's parameter
+    assumed_verify_time, labelled as an ASSUMPTION) when there are no such rows."""
     return kernel_fit("verify_attention", "data/results/verify_attn.csv", portable_verify_rows(rows, heads=heads),
                       bytes_seconds=lambda r: float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12),
                       flops_seconds=lambda r: float(r["flops"]) / (float(r["matmul_tflops"]) * 1e12),
@@ -524,10 +525,10 @@ def verify_kernel_inputs(rows: list[dict], *, heads: int,
 
 
 def moe_kernel_inputs(rows: list[dict], *, tp: int,
-                      assumed_time: KernelTime = KernelTime(10e-6, 0.6)) -> tuple[KernelTime, list[Input], list[dict]]:
+                      assumed_time: KernelTime) -> tuple[KernelTime, list[Input], list[dict]]:
     """The INT4 MoE kernel's time model on the box's 99 KB plan from data/results/moe_int4.csv rows
-    of the TP=tp slice (touched bytes over the run's copy bandwidth), or the assumption (parameter
-    assumed_moe_time): that file does not exist until kdtree_lib.bench.moe_int4 runs on a GPU."""
+    of the TP=tp slice (touched bytes over the run's copy bandwidth), or `assumed_time` (the caller's
+    parameter assumed_moe_time, labelled): that file does not exist until bench.moe_int4 runs on a GPU."""
     picked = results.latest_run(results.select(rows, provider=BOX_MOE_PROVIDER, tp=tp))
     return kernel_fit("int4_experts", "data/results/moe_int4.csv", picked,
                       bytes_seconds=lambda r: float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12),
@@ -571,12 +572,13 @@ def nearest_row(rows: list[dict], **target) -> dict:
     return min(reversed(rows), key=distance)
 
 
-def tree_stage_cost(build_rows: list[dict], accept_rows: list[dict], *, depth: int, scale: float = 1.0,
-                    assumed_seconds: float = 50e-6) -> Callable[[int, int], Input]:
+def tree_stage_cost(build_rows: list[dict], accept_rows: list[dict], *, depth: int, assumed_seconds: float,
+                    scale: float = 1.0) -> Callable[[int, int], Input]:
     """Input(batch, budget): the tree stage of a round measured on the GPU kernels, times `scale`:
     draft top-k over the vocabulary (data/results/tree_build.csv stage draft_topk), the build (stage
     build, CUDA graph, at `depth`), accept + 61-layer compaction (tree_accept.csv), each the newest
-    run's row nearest in batch and budget; without rows, the assumption."""
+    run's row nearest in batch and budget; without rows, `assumed_seconds` (the caller's parameter
+    assumed_tree_stage_seconds, labelled)."""
     topk = results.latest_run(results.select(build_rows, stage="draft_topk", method="kernel"))
     build = results.latest_run(results.select(build_rows, stage="build", method="kernel", timing="cuda_graph", depth=depth))
     walk = results.latest_run(results.select(accept_rows, method="accept_compact_kernel"))

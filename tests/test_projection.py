@@ -62,6 +62,7 @@ def test_calibration_recovers_known_efficiencies():
 # ----------------------------------------------------------------------------------------------
 # the box's inputs and the table
 
+ASSUMED_VERIFY, ASSUMED_MOE = projection.KernelTime(15e-6, 0.3, 0.1), projection.KernelTime(10e-6, 0.7)
 STAND_IN = projection.measured_acceptance("stand-in", "data/results/acceptance.csv", read_rows("acceptance"), depth=7, block_size=8)
 
 
@@ -74,9 +75,9 @@ def acceptance_rows(curve, chain):
 
 
 def round_options(**overrides):
-    verify, _, _ = projection.verify_kernel_inputs([], heads=8)
-    experts, _, _ = projection.moe_kernel_inputs([], tp=8)
-    stage = projection.tree_stage_cost([], [], depth=7)
+    verify, _, _ = projection.verify_kernel_inputs([], heads=8, assumed_time=ASSUMED_VERIFY)
+    experts, _, _ = projection.moe_kernel_inputs([], tp=8, assumed_time=ASSUMED_MOE)
+    stage = projection.tree_stage_cost([], [], depth=7, assumed_seconds=50e-6)
     drafter = projection.real_drafter_config(K26)
     return {"efficiency": projection.box_efficiency(Efficiency(0.5, 0.7, 0.8), verify, experts), "expert_bits": 4.5,
             "chain_budget": 7, "tree_stage": stage,
@@ -121,10 +122,10 @@ def test_a_replicated_real_drafter_costs_more_than_a_sharded_one():
 
 
 def test_absent_rows_are_loud_assumptions_naming_their_parameter():
-    _, inputs, used = projection.moe_kernel_inputs(read_rows("moe_int4"), tp=8)  # no such file yet
+    _, inputs, used = projection.moe_kernel_inputs(read_rows("moe_int4"), tp=8, assumed_time=ASSUMED_MOE)  # no file yet
     assert not used and inputs and all(not i.measured for i in inputs)
     assert all("ASSUMPTION" in i.line() and "assumed_moe_time" in i.line() for i in inputs)
-    stage = projection.tree_stage_cost([], [], depth=7)(1, 32)
+    stage = projection.tree_stage_cost([], [], depth=7, assumed_seconds=50e-6)(1, 32)
     assert not stage.measured and "assumed_tree_stage_seconds" in stage.line()
     assert all(not i.measured and "PCIe" in i.source for i in projection.allreduce_inputs(CT200))
 
@@ -134,7 +135,7 @@ def test_kernel_fit_recovers_a_known_time_and_needs_rows_that_grow():
     sizes = np.array([1e6, 1e7, 5e7, 2e8])
     rows = [{"provider": "kernel_99kb", "tp": "8", "bytes": str(b), "copy_tbps": "1.5", "time_us": str(truth.time(b / 1.5e12) * 1e6),
              "date": "d", "commit": "c", "device": "box"} for b in sizes]
-    fitted, inputs, used = projection.moe_kernel_inputs(rows, tp=8)
+    fitted, inputs, used = projection.moe_kernel_inputs(rows, tp=8, assumed_time=ASSUMED_MOE)
     assert len(used) == 4 and all(i.measured for i in inputs)
     assert fitted.fixed == pytest.approx(12e-6, rel=1e-6) and fitted.bytes_efficiency == pytest.approx(0.7, rel=1e-6)
     with pytest.raises(ValueError, match="measured_seconds: expected at least 2"):
@@ -145,7 +146,7 @@ def test_kernel_fit_recovers_a_known_time_and_needs_rows_that_grow():
 
 def test_the_verify_kernel_model_reproduces_its_rows_within_their_spread():
     rows = read_rows("verify_attn")
-    time, inputs, used = projection.verify_kernel_inputs(rows, heads=8)
+    time, inputs, used = projection.verify_kernel_inputs(rows, heads=8, assumed_time=ASSUMED_VERIFY)
     assert used and all(i.measured for i in inputs)
     assert {r["config"] for r in used} == set(projection.PORTABLE_VERIFY_CONFIGS.values())
     terms = ([float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12) for r in used], [float(r["time_us"]) * 1e-6 for r in used],

@@ -45,7 +45,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from .model.model import yarn_inv_freq, yarn_mscale
@@ -698,14 +699,28 @@ def write_safetensors(state: dict, path: Path, shard_bytes: int) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def read_safetensors(path: Path) -> dict:
+def read_drafter_weights(path: Path, drafter: DFlashDrafter) -> dict:
+    """This rank's slice of every tensor of the checkpoint at `path` (model.safetensors, or shards
+    with an index; names with or without z-lab's "model." prefix), read slice by slice: a sharded
+    drafter's rank reads only its 1/tp of the split weights."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        state = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state.update(load_file(str(path / shard)))
-        return state
-    return load_file(str(path / "model.safetensors"))
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    tp, state, names = drafter.tp, {}, set(drafter.state_dict())
+    for file in files:
+        if not (path / file).is_file():
+            raise ValueError(f"{path}: weight file {file} is missing")
+        with safe_open(path / file, framework="pt") as handle:
+            for stored in handle.keys():
+                name = stored.removeprefix("model.")
+                owner = name.rsplit(".", 1)[0]
+                dim = getattr(drafter.get_submodule(owner), "tp_dim", None) if name in names else None
+                if dim is None or not name.endswith(".weight"):
+                    state[name] = handle.get_tensor(stored)
+                    continue
+                tensor = handle.get_slice(stored)
+                share = tensor.get_shape()[dim] // tp.size
+                state[name] = tensor[(slice(None),) * dim + (slice(tp.rank * share, (tp.rank + 1) * share),)]
+    return state
 
 
 DRAFTER_PLACEMENTS = ("replicated", "sharded")
@@ -721,16 +736,11 @@ def load_drafter(path, target, *, device=None, dtype=None, yarn_attention: str =
     path = Path(path)
     tp = getattr(target, "tp", TensorParallel()) if placement == "sharded" else TensorParallel()
     drafter = DFlashDrafter(DFlashConfig.load(path, yarn_attention=yarn_attention), tp)
-    state = {name.removeprefix("model."): t for name, t in read_safetensors(path).items()}
+    state = read_drafter_weights(path, drafter)
     expected = set(drafter.state_dict())
     if set(state) != expected:
         raise ValueError(f"{path}: weights missing {sorted(expected - set(state))[:5]}, "
                          f"unexpected {sorted(set(state) - expected)[:5]}")
-    for name in expected:
-        dim = getattr(drafter.get_submodule(name.rsplit(".", 1)[0]), "tp_dim", None)
-        if dim is not None and name.endswith(".weight"):
-            share = state[name].shape[dim] // tp.size
-            state[name] = state[name].narrow(dim, tp.rank * share, share)
     drafter.load_state_dict(state)
     drafter.bind(target)
     weight = drafter.target.weight

@@ -11,7 +11,7 @@ import torch
 
 import kdtree_lib.model.checkpoint as checkpoint
 from kdtree_lib.decode import generate
-from kdtree_lib.dflash import DFlashConfig, load_drafter
+from kdtree_lib.dflash import DFlashConfig, DFlashDrafter, load_drafter, read_drafter_weights
 from kdtree_lib.model import CheckpointReader, ModelConfig, TensorParallel, load_config, load_target
 from kdtree_lib.model.memory import plan
 from kdtree_lib.model.reference import (CONFIG_DIR, kimi_text_config, qwen3_rope, save_kimi_pair,
@@ -69,6 +69,15 @@ def test_each_rank_reads_only_its_bytes(pair):
     ranks = [bytes_read(TensorParallel(rank=r, size=2)) for r in range(2)]
     print(f"bytes read: TP=1 {whole}, TP=2 ranks {ranks}")
     assert ranks[0] == ranks[1] < 0.62 * whole   # shards are half; q_a/kv_a, norms and routers are whole
+    drafter_config = DFlashConfig.load(pair[1])
+    read = []
+    for tp in (TensorParallel(), TensorParallel(rank=0, size=2), TensorParallel(rank=1, size=2)):
+        drafter = DFlashDrafter(drafter_config, tp)
+        state = read_drafter_weights(pair[1], drafter)
+        assert {name: tuple(t.shape) for name, t in state.items()} == {
+            name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+        read.append(sum(t.numel() * t.element_size() for t in state.values()))
+    assert read[1] == read[2] < 0.62 * read[0]   # a sharded drafter's rank: its slices (fc and norms whole)
 
 
 def test_real_drafter_config_parses_to_designs_values():

@@ -15,6 +15,7 @@ import torch
 from kdtree_lib.decode import checkpoint_pair, generate, generate_tp, main
 from kdtree_lib.dflash import load_drafter
 from kdtree_lib.model import launch, load_target
+from kdtree_lib.model.memory import MemoryPlanError
 from kdtree_lib.model.reference import save_kimi_pair
 from kdtree_lib.paths import REPO_ROOT
 
@@ -129,6 +130,8 @@ def test_bad_paths_name_the_argument(pair, tmp_path):
         generate_tp(target, drafter, PROMPTS, tp=0)
     with pytest.raises(ValueError, match="prompt_ids"):
         generate_tp(target, drafter, [[10 ** 6]], tp=1)
+    with pytest.raises(MemoryPlanError, match="DOES NOT FIT"):  # refused before anything loads
+        generate_tp(target, drafter, PROMPTS, tp=1, gpu_bytes=10 ** 6)
 
 
 def test_checkpoint_pair_for_the_notebooks(pair, tmp_path):

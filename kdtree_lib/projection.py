@@ -12,6 +12,7 @@ can print them beside the plot.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable
@@ -726,6 +727,7 @@ def stop_rule_comparison(records, seconds_of_nodes: Callable[[int], float], budg
     so one build per budget): {"fixed": {budget: tokens/s}, "latency_aware": tokens/s,
     "latency_aware_mean_budget": ..., "best_fixed_budget": ..., "beats_best_fixed": bool}."""
     from .acceptance import accepted_at_every_position, round_lengths
+    seconds_of_nodes = functools.lru_cache(maxsize=None)(seconds_of_nodes)
     grid = np.array(sorted(budgets))
     fixed = {int(b): [0, 0.0] for b in grid}
     adaptive, adaptive_budgets = [0, 0.0], []

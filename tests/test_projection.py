@@ -172,11 +172,14 @@ def test_the_latency_aware_stop_adds_a_node_only_while_it_pays():
 @pytest.fixture(scope="module")
 def stand_in_records():
     from kdtree_lib.acceptance import record_oracle
+    from kdtree_lib.model.tp import one_cpu_thread
     from kdtree_lib.pairs import pair_with_prompts
     chosen = pair_with_prompts(8, prompts_per_package=1, prompt_tokens=24)
     if not chosen.stand_in:
         pytest.skip("no stand-in checkpoint")
-    return [r for prompts in chosen.packages.values() for r in record_oracle(chosen.target, chosen.drafter, prompts, 32, 16)]
+    with one_cpu_thread():  # a spinning OpenMP pool on a shared CPU slows these tiny ops tenfold
+        return [r for prompts in chosen.packages.values()
+                for r in record_oracle(chosen.target, chosen.drafter, prompts, 32, 16)]
 
 
 def test_stop_rule_comparison_against_fixed_budgets(stand_in_records):

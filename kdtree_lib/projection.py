@@ -597,6 +597,13 @@ def tree_stage_cost(build_rows: list[dict], accept_rows: list[dict], *, depth: i
     return seconds
 
 
+def hardware_inputs(hardware: Hardware) -> list[Input]:
+    """The box's bandwidth and matmul rate as the projection takes them: constants, not measured there."""
+    why = f"{hardware.name}: the projection's constant, not measured on the box"
+    return [assumed("memory_bandwidth", hardware.memory_bandwidth, "hardware.memory_bandwidth", why),
+            assumed("matmul_flops", hardware.matmul_flops, "hardware.matmul_flops", why)]
+
+
 def allreduce_inputs(hardware: Hardware) -> list[Input]:
     """The all-reduce model's two constants, labelled: parameters with PCIe defaults (CT200's)."""
     why = ("ring over PCIe without NVLink; default = a small NCCL all-reduce's latency and nccl-tests' bus "
@@ -634,23 +641,25 @@ def measured_acceptance(name: str, file: str, rows: list[dict], *, depth: int, *
         chain = Input("chain_acceptance", acceptance_curve(chain_rows)[min(int(float(r["budget"])) for r in chain_rows)],
                       rows_source(file, chain_rows, "oracle chain rows"), True)
     else:
-        chain = _chain_assumption(curve)
+        chain = _chain_assumption(curve, depth)
     return AcceptanceSource(name, curve, chain, rows_source(file, tree, what), True)
 
 
-def service_acceptance(observed: dict[int, float] = SERVICE_OBSERVED) -> AcceptanceSource:
-    """The live service's observed acceptance (DESIGN.md §7), budgets it ran only: not a measurement here."""
+def service_acceptance(observed: dict[int, float] = SERVICE_OBSERVED, *, depth: int = 7) -> AcceptanceSource:
+    """The live service's observed acceptance (DESIGN.md §7), budgets it ran only: not a measurement here;
+    its chain (depth drafts) is not observed either."""
     curve = {int(b): float(a) for b, a in sorted(observed.items())}
-    return AcceptanceSource("service", curve, _chain_assumption(curve),
+    return AcceptanceSource("service", curve, _chain_assumption(curve, depth),
                             "parameter service_acceptance: the live service's observations as DESIGN.md "
                             "§7 quotes them (budget 8 ≈ 4.5, 16–32: 5.3–6.4), read as 16 → 5.3, 32 → 6.4", False)
 
 
-def _chain_assumption(curve: dict[int, float]) -> Input:
-    smallest = min(curve)
-    return assumed("chain_acceptance", curve[smallest], "chain_acceptance",
-                   f"no chain rows: the tree's acceptance at budget {smallest} (a chain of the block's drafts accepts "
-                   "at most about that; generous to the chain)")
+def _chain_assumption(curve: dict[int, float], depth: int) -> Input:
+    """Without chain rows: the tree's acceptance at the smallest budget of at least `depth` nodes."""
+    budget = min((b for b in curve if b >= depth), default=max(curve))
+    return assumed("chain_acceptance", curve[budget], "chain_acceptance",
+                   f"no chain rows: the tree's acceptance at budget {budget} (a chain of {depth} drafts accepts at most "
+                   "about what a tree of as many nodes does; generous to the chain)")
 
 
 def round_rows(config: ModelConfig, hardware: Hardware, source: AcceptanceSource, *, batch: int, context: int,

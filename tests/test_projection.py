@@ -128,6 +128,9 @@ def test_absent_rows_are_loud_assumptions_naming_their_parameter():
     stage = projection.tree_stage_cost([], [], depth=7, assumed_seconds=50e-6)(1, 32)
     assert not stage.measured and "assumed_tree_stage_seconds" in stage.line()
     assert all(not i.measured and "PCIe" in i.source for i in projection.allreduce_inputs(CT200))
+    assert all(not i.measured and "not measured" in i.source for i in projection.hardware_inputs(CT200))
+    service = projection.service_acceptance(depth=7)  # no chain observed: the tree's at the first budget >= 7 drafts
+    assert not service.chain.measured and service.chain.value == projection.SERVICE_OBSERVED[8]
 
 
 def test_kernel_fit_recovers_a_known_time_and_needs_rows_that_grow():

@@ -16,13 +16,8 @@ SERIES = {  # method -> (label, style) in the plots
 
 def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
     """Time per step vs budget (log-log) for every build method of one run."""
-    for method, (label, style) in SERIES.items():
-        points = sorted((r["budget"], r["time_us"]) for r in select(rows, method=method, batch=batch, depth=depth))
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=f"tree build, B={batch}, D={depth}")
-    ax.set_xscale("log", base=2)
-    ax.grid(True, which="both", alpha=0.3)
+    _time_vs_budget(ax, rows, [(method, label, style) for method, (label, style) in SERIES.items()],
+                    title=f"tree build, B={batch}, D={depth}", batch=batch, depth=depth)
 
 
 def plot_topk_times(ax, rows: list[dict], *, k: int) -> None:
@@ -40,14 +35,19 @@ def plot_topk_times(ax, rows: list[dict], *, k: int) -> None:
 
 def plot_tree_stage(ax, rows: list[dict], *, batch: int, depth: int) -> None:
     """Time per step vs budget for SGLang's build path, the drop-in and kdtree's stage (eager and graph)."""
-    for method, label, style in (("sglang", "SGLang's build path", "o-"), ("dropin", "the drop-in", "s-"),
-                                 ("kdtree", "kdtree draft_topk → build_tree", "^-"),
-                                 ("kdtree_graph", "kdtree, CUDA graph", "^:")):
-        points = sorted((r["budget"], r["time_us"]) for r in select(rows, stage="tree_stage", method=method,
-                                                                              batch=batch, depth=depth))
+    series = [("sglang", "SGLang's build path", "o-"), ("dropin", "the drop-in", "s-"),
+              ("kdtree", "kdtree draft_topk → build_tree", "^-"), ("kdtree_graph", "kdtree, CUDA graph", "^:")]
+    _time_vs_budget(ax, rows, series, title=f"tree stage, B={batch}, D={depth}", stage="tree_stage", batch=batch,
+                    depth=depth)
+
+
+def _time_vs_budget(ax, rows: list[dict], series, *, title: str, **where) -> None:
+    """One line per (method, label, style) of time per step against budget, on log axes."""
+    for method, label, style in series:
+        points = sorted((r["budget"], r["time_us"]) for r in select(rows, method=method, **where))
         if points:
             ax.plot(*zip(*points), style, label=label)
-    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=f"tree stage, B={batch}, D={depth}")
+    ax.set(yscale="log", xlabel="budget (nodes)", ylabel="time per step (µs)", title=title)
     ax.set_xscale("log", base=2)
     ax.grid(True, which="both", alpha=0.3)
 

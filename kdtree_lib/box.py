@@ -38,10 +38,9 @@ from .acceptance import live_rows, oracle_rows, record_oracle
 from .bench.inputs import random_cache, synthetic_tree
 from .bench.timing import Clock
 from .bench.tp_step import BenchSettings, time_drafter, time_tree_kernels, time_verify_step
-from .contracts import DraftTopK
 from .corpus import PROMPTS_PATH
 from .draft_topk import draft_topk
-from .model import TensorParallel, launch, load_config
+from .model import TensorParallel, launch
 from .model.tp import one_cpu_thread
 from .routing import routed_experts, union_curve
 from .tree_accept import accept
@@ -148,7 +147,7 @@ def measure_verify_step(target, settings: KitSettings, common: dict) -> list[dic
     for context in settings.contexts:
         for batch in settings.batches:
             cache = random_cache(target, batch, context, context + max(settings.nodes))
-            for nodes in _progress(settings.nodes, f"verify B={batch} L={context}", settings, common["tp"]):
+            for nodes in _progress(settings.nodes, f"verify B={batch} L={context}", settings):
                 tree = synthetic_tree(batch, nodes, depth=bench.draft_depth, vocab=min(bench.draft_vocab,
                                                                                        target.config.vocab_size))
                 where = {**common, "batch": batch, "nodes": nodes, "context": context}
@@ -196,7 +195,7 @@ def host_tree_stage(batch: int, budget: int, *, depth: int, vocab: int, repeats:
         begin = time.perf_counter()
         draft = draft_topk(logits, min(budget, vocab), backend="numpy")
         built = time.perf_counter()
-        tree = build_tree(DraftTopK(draft.logp, draft.ids), budget, backend="numpy")
+        tree = build_tree(draft, budget, backend="numpy")
         walked = time.perf_counter()
         accept(tree, tree.tokens, backend="numpy")
         times["draft_topk"].append(built - begin)
@@ -210,7 +209,7 @@ def _bench_settings(target, settings: KitSettings) -> BenchSettings:
                          warmup=settings.warmup, graphs=settings.graphs, topic=None, run=settings.run)
 
 
-def _progress(items, description: str, settings: KitSettings, tp: int):
+def _progress(items, description: str, settings: KitSettings):
     from tqdm.auto import tqdm
     return tqdm(list(items), desc=description, disable=not settings.progress, file=sys.stderr, leave=False)
 

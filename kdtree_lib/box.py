@@ -1,14 +1,15 @@
 """The box kit: measure on the box, with the real pair, what the CT200 projection assumes.
 
 Run it with the service stopped (the real pair at TP=8 needs the GPUs' memory). Every rank loads its
-shard of the target and the whole drafter (replicated, as the decode does), then, in this order:
+shard of the target and the drafter as the decode places it (sharded over the ranks by default, or
+replicated: --drafter-placement), then, in this order:
 
     acceptance  the pair's oracle acceptance vs budget (tree and chain, T = 0) on the committed held-out
                 prompts, plus live decodes at a few budgets           -> box_acceptance.csv
     verify      one verify step of the loaded model vs tree nodes N by component (attention, moe,
                 allreduce, rest; bench.tp_step's segments), per batch and context -> box_verify_step.csv
     union       the experts each MoE layer's router picks on held-out text, unions vs N -> box_expert_union.csv
-    drafter     the drafter's forward and the tree stage (top-k, build, accept + compaction) per
+    drafter     the drafter's forward (its placement in every row) and the tree stage (top-k, build, accept + compaction) per
                 batch, context and budget (scope "draft" rows)        -> box_verify_step.csv
 
 Each step's wall time goes to box_steps.csv. Rows are stamped (date, commit, device, run) and appended
@@ -39,6 +40,7 @@ from .bench.inputs import random_cache, synthetic_tree
 from .bench.timing import Clock
 from .bench.tp_step import BenchSettings, time_drafter, time_tree_kernels, time_verify_step
 from .corpus import PROMPTS_PATH
+from .dflash import DRAFTER_PLACEMENTS
 from .draft_topk import draft_topk
 from .model import TensorParallel, launch
 from .model.tp import one_cpu_thread
@@ -60,6 +62,7 @@ class KitSettings:
     tokenizer: str | None = None               # default: the target's folder
     device: str = "cuda"                       # "cuda": rank r on cuda:r (NCCL); "cpu": gloo
     dtype: str = "bfloat16"
+    drafter_placement: str = "sharded"         # as decode.generate_tp places it at TP > 1; or "replicated"
     steps: tuple[str, ...] = STEPS
     budgets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     live_budgets: tuple[int, ...] = (8, 32, 128)
@@ -90,6 +93,8 @@ def check_settings(settings: KitSettings) -> KitSettings:
     unknown = sorted(set(settings.steps) - set(STEPS))
     if unknown or not settings.steps:
         raise ValueError(f"steps: expected some of {STEPS}, got {list(settings.steps)}")
+    if settings.drafter_placement not in DRAFTER_PLACEMENTS:
+        raise ValueError(f"drafter_placement: expected one of {DRAFTER_PLACEMENTS}, got {settings.drafter_placement!r}")
     if settings.device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {settings.device!r}")
     if settings.device == "cuda" and not torch.cuda.is_available():
@@ -226,9 +231,10 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = getattr(torch, settings.dtype)
     target = load_target(settings.target, device=device, dtype=dtype, tp_group=tp.group)
-    drafter = load_drafter(settings.drafter, target)
+    drafter = load_drafter(settings.drafter, target, placement=settings.drafter_placement)
     pair = f"{Path(settings.target).name}+{Path(settings.drafter).name}"
     common = {"run": settings.run, "pair": pair, "tp": tp.size, "gpus": tp.size if on_gpu else 0,
+              "drafter_placement": settings.drafter_placement,
               "layers": target.config.num_hidden_layers, "dtype": settings.dtype, "expert_bits": _expert_bits(target),
               **(_ceilings() if on_gpu else {})}
     written: dict[str, int] = {}
@@ -290,6 +296,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="ranks to spawn (under torchrun: the world)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=defaults.device)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--drafter-placement", choices=DRAFTER_PLACEMENTS, default=defaults.drafter_placement)
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     for name in ("budgets", "live_budgets", "batches", "contexts", "nodes"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=list(getattr(defaults, name)))

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import results
 from .contracts import tree_nodes
+from .dflash import DRAFTER_PLACEMENTS
 from .paths import BF16_BYTES
 
 if TYPE_CHECKING:
@@ -554,11 +555,9 @@ def real_drafter_config(config: ModelConfig) -> DFlashConfig:
                         rope_theta=50000.0)
 
 
-DRAFTER_PLACEMENTS = ("replicated", "sharded")
-
-
 def drafter_shards(placement: str, tp: int) -> int:
-    """GPUs the drafter's layers are split over: 1 replicated (what the code does), tp sharded."""
+    """GPUs the drafter's layers are split over: 1 replicated, tp sharded (dflash.load_drafter's
+    placements; decode.generate_tp shards it by default at TP > 1)."""
     if placement not in DRAFTER_PLACEMENTS:
         raise ValueError(f"placement: expected one of {DRAFTER_PLACEMENTS}, got {placement!r}")
     return 1 if placement == "replicated" else tp

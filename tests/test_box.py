@@ -36,6 +36,8 @@ def test_command_line_refuses_clearly(tmp_path, capsys):
     assert code == 2 and "target: no checkpoint at" in capsys.readouterr().err
     with pytest.raises(ValueError, match="steps"):
         box.check_settings(kit(tmp_path, steps=("acceptance", "dance")))
+    with pytest.raises(ValueError, match="drafter_placement"):
+        box.check_settings(kit(tmp_path, drafter_placement="everywhere"))
 
 
 def read_back(settings: box.KitSettings) -> dict[str, list[dict]]:
@@ -69,10 +71,13 @@ def test_stand_in_dry_run_writes_rows_the_projection_reads(tmp_path):
 
 def test_made_to_format_pair_dry_run_at_tp2_over_gloo(tmp_path):
     target, drafter = save_kimi_pair(tmp_path / "pair")
-    settings = kit(tmp_path, target=target, drafter=drafter, steps=("verify", "union"), batches=(1,), nodes=(1, 4))
+    settings = kit(tmp_path, target=target, drafter=drafter, steps=("verify", "union", "drafter"), batches=(1,),
+               nodes=(1, 4))
     written = box.run_kit(settings, tp=2)
     rows = read_back(settings)
     assert written == {"box_verify_step": len(rows["box_verify_step"]), "box_expert_union": len(rows["box_expert_union"])}
+    assert projection.select_rows(rows["box_verify_step"], "draft"), "the sharded drafter's forward is timed"
     assert {int(r["tp"]) for r in rows["box_verify_step"]} == {2}
+    assert {r["drafter_placement"] for r in rows["box_verify_step"]} == {"sharded"}  # decode.generate_tp's default
     assert any(float(r["allreduce_seconds"]) > 0 for r in projection.select_rows(rows["box_verify_step"], "layer"))
     assert Path(settings.results_dir, "box_steps.csv").is_file()

@@ -181,7 +181,8 @@ def measure_drafter(target, drafter, settings: KitSettings, common: dict) -> lis
     for context in settings.contexts:
         for batch in settings.batches:
             forward = time_drafter(drafter, batch, context, bench, clock, graph=on_gpu and settings.graphs)
-            cache = random_cache(target, batch, context, context + max(settings.nodes)) if on_gpu else None
+            # the compaction moves only the accepted nodes: a short cache times it as a long one would
+            cache = random_cache(target, batch, 1, 1 + max(settings.nodes)) if on_gpu else None
             for nodes in [n for n in settings.nodes if n > 1]:
                 stage = (time_tree_kernels(cache, batch, nodes, bench, target.config.vocab_size) if on_gpu else
                          host_tree_stage(batch, nodes - 1, depth=drafter.config.draft_depth,
@@ -230,6 +231,11 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
     on_gpu = settings.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = getattr(torch, settings.dtype)
+    if on_gpu:  # refuse before loading what would not fit (the decode's memory plan at the kit's largest sizes)
+        memory = memory_plan(settings, tp.size, gpu_bytes=torch.cuda.mem_get_info(device)[0])
+        if tp.rank == 0:
+            print(memory.table(), flush=True)
+        memory.check()
     target = load_target(settings.target, device=device, dtype=dtype, tp_group=tp.group)
     drafter = load_drafter(settings.drafter, target, placement=settings.drafter_placement)
     pair = f"{Path(settings.target).name}+{Path(settings.drafter).name}"
@@ -260,6 +266,19 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
             print(f"{step}: {len(rows)} rows in {seconds:.1f} s -> {path}", flush=True)
         written[TOPICS[step]] = written.get(TOPICS[step], 0) + len(rows)
     return written
+
+
+def memory_plan(settings: KitSettings, tp: int, *, gpu_bytes: int):
+    """model.memory.plan for the kit's largest batch, context + tree and budget, with its drafter placement."""
+    from .dflash import DFlashConfig
+    from .model import load_config
+    from .model.memory import plan
+    context = max(settings.contexts) + max(settings.nodes)
+    if "acceptance" in settings.steps:
+        context = max(context, settings.prompt_tokens + settings.new_tokens)
+    return plan(load_config(settings.target), tp, max(settings.batches), context,
+                max(max(settings.budgets), max(settings.nodes) - 1), DFlashConfig.load(settings.drafter),
+                drafter_placement=settings.drafter_placement, gpu_bytes=gpu_bytes)
 
 
 def _expert_bits(target) -> float:

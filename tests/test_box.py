@@ -40,6 +40,16 @@ def test_command_line_refuses_clearly(tmp_path, capsys):
         box.check_settings(kit(tmp_path, drafter_placement="everywhere"))
 
 
+@needs_stand_in
+def test_the_memory_plan_refuses_what_does_not_fit(tmp_path):
+    from kdtree_lib.model.memory import MemoryPlanError
+    settings = kit(tmp_path, batches=(8,), contexts=(32768,), nodes=(1, 257))
+    plan = box.memory_plan(settings, 2, gpu_bytes=96 * 10**9)  # the stand-in at the box's sizes fits a box GPU
+    assert plan.fits and plan.batch == 8 and plan.context >= 32768 + 257
+    with pytest.raises(MemoryPlanError, match="batch/context/tp"):
+        box.memory_plan(settings, 2, gpu_bytes=10**6).check()
+
+
 def read_back(settings: box.KitSettings) -> dict[str, list[dict]]:
     return {topic: results.read_rows(topic, results_dir=settings.results_dir) for topic in set(box.TOPICS.values())}
 

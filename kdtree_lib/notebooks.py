@@ -79,7 +79,13 @@ def store_rows(topic: str, rows: list[dict], *, append_results: bool = False) ->
     never changes a committed file by default. Returns the file written."""
     from .results import append_rows
 
-    return append_rows(topic, rows, results_dir=None if append_results else this_run_dir() / "results")
+    return append_rows(topic, rows, results_dir=rows_file(topic, append_results=append_results).parent)
+
+
+def rows_file(topic: str, *, append_results: bool = False) -> Path:
+    """Where store_rows puts a topic's rows: this run's folder, or data/results/ when asked."""
+    from .results import resolve_results_dir
+    return (resolve_results_dir(None) if append_results else this_run_dir() / "results") / f"{topic}.csv"
 
 
 def read_record(run_dir: Path, notebook: str) -> dict:

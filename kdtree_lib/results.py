@@ -43,7 +43,7 @@ def append_rows(topic: str, rows: list[dict], *, results_dir: Path | None = None
     """
     if not rows:
         raise ValueError("rows: expected at least one row")
-    directory = _results_dir(results_dir)
+    directory = resolve_results_dir(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{topic}.csv"
     stamp_values = stamp()
@@ -62,7 +62,7 @@ def append_rows(topic: str, rows: list[dict], *, results_dir: Path | None = None
 
 def read_rows(topic: str, *, results_dir: Path | None = None) -> list[dict]:
     """All rows of a topic as dicts of strings (empty list when there is no file yet)."""
-    path = _results_dir(results_dir) / f"{topic}.csv"
+    path = resolve_results_dir(results_dir) / f"{topic}.csv"
     if not path.exists():
         return []
     with open(path, newline="") as handle:
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _results_dir(results_dir) -> Path:
+def resolve_results_dir(results_dir) -> Path:
+    """`results_dir`, else $KDTREE_RESULTS_DIR, else data/results/."""
     if results_dir is not None:
         return Path(results_dir)
     return Path(os.environ.get("KDTREE_RESULTS_DIR") or RESULTS_DIR)

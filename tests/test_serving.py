@@ -365,3 +365,16 @@ def test_arm_summaries_read_csv_text():
     (summary,) = client.arm_summaries(rows)
     assert summary["requests"] == 3 and summary["failed"] == 1 and summary["accept_length"] == 2.5
     assert summary["aggregate_tokens_per_second"] == pytest.approx(20 / 1.5) and summary["ttft_s"] is None
+
+
+def test_summary_table_and_an_operators_endpoint():
+    """The table has a line per arm with unmeasured values as "-"; an operator's URL is swept as given."""
+    from kdtree_lib.serving.server import endpoint
+    summary = {"budget_label": "8", "endpoint": "generate", "concurrency": 2, "requests": 3, "failed": 1,
+               "accept_length": 2.5, "request_tokens_per_second": 10.0, "aggregate_tokens_per_second": None,
+               "ttft_s": None, "tpot_s": 0.0125}
+    header, line = client.summary_table([summary]).splitlines()
+    assert header.split()[:2] == ["budget", "endpoint"]
+    assert line.split() == ["8", "generate", "2", "3", "1", "2.50", "10.0", "-", "-", "12.5"]
+    with endpoint("http://127.0.0.1:1") as url:
+        assert url == "http://127.0.0.1:1"

@@ -319,6 +319,29 @@ def arm_summaries(rows: list[dict]) -> list[dict]:
     return summaries
 
 
+SUMMARY_COLUMNS = (  # heading, width, summary key, scale, digits
+    ("budget", 6, "budget_label", None, None), ("endpoint", 11, "endpoint", None, None),
+    ("conc", 4, "concurrency", None, None), ("requests", 8, "requests", None, None), ("failed", 6, "failed", None, None),
+    ("accept", 6, "accept_length", 1.0, 2), ("tok/s req", 9, "request_tokens_per_second", 1.0, 1),
+    ("tok/s all", 9, "aggregate_tokens_per_second", 1.0, 1), ("TTFT ms", 8, "ttft_s", 1e3, 0),
+    ("TPOT ms", 8, "tpot_s", 1e3, 1))
+
+
+def format_value(value, scale: float = 1.0, digits: int = 2) -> str:
+    """A measured number for a table or a sentence, "-" where it was not measured."""
+    return "-" if value is None else f"{scale * value:.{digits}f}"
+
+
+def summary_table(summaries: list[dict]) -> str:
+    """arm_summaries as a fixed-width text table ("-" where a value was not measured)."""
+    def cell(summary, key, scale, digits):
+        return str(summary[key]) if scale is None else format_value(summary[key], scale, digits)
+    lines = [" ".join(f"{heading:>{width}s}" for heading, width, *_ in SUMMARY_COLUMNS)]
+    lines += [" ".join(f"{cell(s, key, scale, digits):>{width}s}" for _, width, key, scale, digits in SUMMARY_COLUMNS)
+              for s in summaries]
+    return "\n".join(lines)
+
+
 def _number(value):
     return None if value in (None, "") else float(value)
 

@@ -621,6 +621,17 @@ def running_server(*arguments: str, startup_timeout_s: float = 120.0, stop_timeo
         log.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def endpoint(server_url: str | None, *arguments: str):
+    """The URL to sweep: an operator's live endpoint as it is, or (server_url None) this engine's server
+    started with ARGUMENTS for the duration of the block."""
+    if server_url is not None:
+        yield server_url
+        return
+    with running_server(*arguments) as server:
+        yield server.url
+
+
 def _await_ready(process: subprocess.Popen, timeout_s: float, log: Path) -> str:
     """The URL of READY_LINE; a reader thread keeps draining the server's stdout afterwards."""
     lines: queue.Queue = queue.Queue()

@@ -56,7 +56,7 @@ from .checks import check_positive_int, dtype_name, to_numpy
 from .dflash import DFlashDrafter
 from .tree_accept import accept, compact_cache
 from .verify_attn import KERNEL_DTYPES
-from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents
+from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents, tree_nodes
 from .draft_topk import draft_topk
 from .model.model import PREFILL_CHUNK
 from .model.tp import TensorParallel, launch
@@ -146,14 +146,22 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     if profile_stages and graph:
         raise ValueError("profile_stages: stage times need cuda_graph=False (a graph replays the step as a whole)")
     depth = drafter.config.draft_depth if method != "ar" else 0
-    budget = {"ar": 1, "chain": min(budget, depth), "ddtree": budget}[method]  # one decoder per distinct step
-    nodes = {"ar": 1, "chain": budget + 1, "ddtree": budget + 1}[method]
+    budget, nodes = step_shape(method, budget, depth)  # one decoder per distinct step
     capacity = decoder_capacity(prompts, max_new_tokens, nodes, depth)
     decoder = _cached_decoder(target, drafter if method != "ar" else None, method=method, budget=budget,
                               batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen,
                               prefill_chunk=check_positive_int("prefill_chunk", prefill_chunk))
     return decoder.run(prompts, max_new_tokens=max_new_tokens, stop_tokens=stops, seed=seed, cuda_graph=graph,
                        profile_stages=profile_stages, sync_every=sync_every)
+
+
+def step_shape(method: str, budget: int, depth: int) -> tuple[int, int]:
+    """(draft nodes, tree capacity N) of one step: AR verifies the root alone, the chain drafts at most
+    its depth D, DDTree `budget` nodes."""
+    if method == "ar":
+        return 1, 1
+    step_budget = min(budget, depth) if method == "chain" else budget
+    return step_budget, tree_nodes(step_budget)
 
 
 def resolve_backend(backend: str, target) -> str:
@@ -290,7 +298,7 @@ class Decoder:
         vocab = target.config.vocab_size
         self.depth = drafter.config.draft_depth if self.drafting else 0
         self.topk = topk or (1 if method == "chain" else min(budget, vocab))
-        self.nodes = {"root": 1, "chain": min(budget, self.depth) + 1, "tree": budget + 1}[self.tree_mode]
+        self.nodes = 1 if self.tree_mode == "root" else tree_nodes(budget, mode=self.tree_mode, depth=self.depth)
         self.feature_layers = tuple(drafter.config.target_layer_ids) if self.drafting else ()
         device = self.device = target.device
         long = dict(dtype=torch.long, device=device)

@@ -51,7 +51,8 @@ import tornado.netutil
 import tornado.web
 
 from .. import __version__
-from ..decode import METHODS, MAX_STOP_TOKENS, Decoder, check_pair, decoder_capacity, resolve_backend
+from ..decode import (MAX_STOP_TOKENS, METHODS, Decoder, check_pair, decoder_capacity, resolve_backend,
+                      step_shape)
 from ..paths import REPO_ROOT
 
 READY_LINE = "kdtree server listening on"   # the line `running_server` waits for, then the URL
@@ -115,10 +116,7 @@ class Engine:
         self.target, self.drafter, self.settings = target, drafter if settings.method != "ar" else None, settings
         self.backend = resolve_backend(settings.backend, target)
         self.depth = drafter.config.draft_depth if self.drafter is not None else 0
-        # the step's draft nodes as generate sizes them: the chain drafts at most D, AR none
-        self.step_budget = {"ar": 1, "chain": min(settings.budget, self.depth),
-                            "ddtree": settings.budget}[settings.method]
-        self.nodes = 1 if settings.method == "ar" else self.step_budget + 1
+        self.step_budget, self.nodes = step_shape(settings.method, settings.budget, self.depth)  # as generate
         self.waiting: deque[Job] = deque()
         self.running = 0
         self.finished = 0

@@ -25,7 +25,7 @@ WHEELHOUSE_MAX_MB ?= 40
 # --python-version says: so a Python 3.12 does the download and the check where one runs here, and
 # aiohttp (papermill's dependency on 3.12 only) is named explicitly for when none does.
 WHEEL_PYTHON ?= $(or $(shell PYENV_VERSION=3.12 python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null),$(PYTHON))
-WHEELHOUSE_PACKAGES := papermill nbclient nbformat ipykernel ipywidgets jupyter_client aiohttp
+WHEELHOUSE_PACKAGES := papermill nbclient nbformat ipykernel ipywidgets jupyter_client aiohttp httpx tornado tiktoken
 WHEEL_TARGET := --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	--platform manylinux2010_x86_64 --platform manylinux1_x86_64
@@ -60,7 +60,7 @@ check-notebooks-clean: $(STAMP)
 strip-notebooks: $(STAMP)
 	$(PY) -m kdtree_lib.notebooks --strip
 
-# Wheels for `pip install --no-index --find-links wheelhouse papermill ipykernel ipywidgets` on a
+# Wheels for `pip install --no-index --find-links wheelhouse papermill ipykernel ipywidgets httpx tornado tiktoken` on a
 # Python 3.12 x86_64 host that has torch, CuPy, numpy, matplotlib, tqdm and transformers already.
 # The resolve check ignores this machine's pip configuration, so it sees only the wheelhouse.
 wheelhouse:
@@ -68,7 +68,7 @@ wheelhouse:
 	$(WHEEL_PYTHON) -m pip download --quiet --dest $(WHEELHOUSE) $(WHEEL_TARGET) $(WHEELHOUSE_PACKAGES)
 	target=$$(mktemp -d) && env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
 		$(WHEEL_PYTHON) -m pip install --dry-run --quiet --ignore-installed --no-index --find-links $(WHEELHOUSE) \
-		$(WHEEL_TARGET) --target $$target papermill ipykernel ipywidgets && rm -rf $$target
+		$(WHEEL_TARGET) --target $$target papermill ipykernel ipywidgets httpx tornado tiktoken && rm -rf $$target
 	@size=$$(du -sm $(WHEELHOUSE) | cut -f1); \
 	echo "wheelhouse: $$(ls $(WHEELHOUSE) | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1) (limit $(WHEELHOUSE_MAX_MB) MB); offline install resolves"; \
 	test $$size -lt $(WHEELHOUSE_MAX_MB)

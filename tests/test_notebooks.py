@@ -168,6 +168,13 @@ def check_ddtree_decode(values, figures):
     assert acceptance["ar/1"] == 1.0 and all(a >= 1.0 for a in acceptance.values())
     if values["stand_in"]:  # the trained drafter's guesses are accepted
         assert max(a for key, a in acceptance.items() if key.startswith("ddtree/")) > 1.5, acceptance
+    lossless = values.get("gpu_lossless", {})  # the committed GPU rows' two facts, when there are rows
+    if "float32" in lossless:
+        assert lossless["float32"]["runs_equal"] == lossless["float32"]["runs"] and lossless["float32"]["prompts"] >= 16
+    if "bfloat16" in lossless:
+        facts = lossless["bfloat16"]
+        assert len(facts["bf16_errors"]) == len(facts["top2_gaps"])
+        assert all(gap <= 4 * error for gap, error in zip(facts["top2_gaps"], facts["bf16_errors"]))
     assert {"10_ddtree_decode-acceptance.png", "10_ddtree_decode-this-run-stages.png"} <= figures
 
 

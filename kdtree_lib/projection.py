@@ -563,6 +563,40 @@ def drafter_shards(placement: str, tp: int) -> int:
     return 1 if placement == "replicated" else tp
 
 
+def drafter_costs(drafter: DFlashConfig, hardware: Hardware, *, efficiency: float,
+                  placements=DRAFTER_PLACEMENTS) -> dict[str, Callable[[int, int], float]]:
+    """placement -> seconds(batch, context) of one drafter forward on `hardware` (projection.drafter_seconds):
+    its layers over drafter_shards(placement, hardware.gpus) GPUs, the target's LM head over all of them,
+    at `efficiency` of the roofline."""
+    def cost(shards: int) -> Callable[[int, int], float]:
+        def seconds(batch: int, context: int) -> float:
+            return drafter_seconds(drafter, hardware, batch=batch, context=context, shards=shards,
+                                   head_shards=hardware.gpus, efficiency=efficiency)
+        return seconds
+    return {placement: cost(drafter_shards(placement, hardware.gpus)) for placement in placements}
+
+
+def round_seconds_of_nodes(config: ModelConfig, hardware: Hardware, *, context: int, correlation: float,
+                           efficiency: Efficiency, expert_bits: float, drafter: Callable[[int, int], float],
+                           tree_stage: Callable[[int, int], Input]) -> Callable[[int], float]:
+    """seconds(n): one batch-1 round of a tree of n nodes (root included) at `context`: the verify step
+    (projection.step_costs) plus the drafter's forward drafter(1, context) and the tree stage at budget
+    max(n − 1, 1); what projection.stop_rule_comparison and latency_aware_budgets take."""
+    def seconds(nodes: int) -> float:
+        extra = drafter(1, context) + tree_stage(1, max(nodes - 1, 1)).value
+        return step_costs(config, hardware, batch=1, nodes=nodes, context=context, expert_bits=expert_bits,
+                          correlation=correlation, efficiency=efficiency, fixed_seconds=extra)["total"]
+    return seconds
+
+
+def nearest_overlap(overlaps, marked: float) -> float:
+    """The overlap of `overlaps` nearest `marked` (the stand-in's fitted correlation); the first of equals."""
+    overlaps = list(overlaps)
+    if not overlaps:
+        raise ValueError("overlaps: expected at least one")
+    return overlaps[int(np.argmin([abs(c - marked) for c in overlaps]))]
+
+
 def nearest_row(rows: list[dict], **target) -> dict:
     """The row nearest `target` (column -> number) in summed |log2| distance; the newest of equals."""
     if not rows:

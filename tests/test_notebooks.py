@@ -210,6 +210,15 @@ def check_projection(values, figures):
         fastest = max((r for r in projected if f"L{r['context']}_B{r['batch']}" == key),
                       key=lambda r: r["tokens_per_second"])
         assert budget == fastest["budget"] and values["best_speedup"][key] == fastest["speedup"], key
+    # the table covers every acceptance source x overlap; the headline's rows are the first source's at one overlap
+    assert values["sources"] and "service" in values["sources"] and values["nearest_overlap"] in values["overlaps"]
+    assert values["table_rows"] >= len(projected) * len(values["overlaps"])
+    kernels = values["kernel_inputs"]  # the box's two kernels, fitted on rows or the labelled parameter
+    assert {"verify_attention.bytes_efficiency", "int4_experts.bytes_efficiency"} <= set(kernels)
+    assert all(np.isfinite(v) and v > 0 for v in kernels.values()), kernels
+    contexts = {str(r["context"]) for r in projected}  # the latency-aware stop, checked at every context on the stand-in
+    assert all(isinstance(b, bool) for b in values["stop_rule"].values())
+    assert set(values["stop_rule"]) == (contexts if values["stop_rule_checked"] else set()), values["stop_rule"]
     assert {f"13_ct200_projection-{name}.png" for name in ("acceptance", "speedup-vs-budget", "round-components")} \
         <= figures
 

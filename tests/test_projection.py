@@ -122,7 +122,9 @@ def test_a_replicated_real_drafter_costs_more_than_a_sharded_one():
 
 
 def test_absent_rows_are_loud_assumptions_naming_their_parameter():
-    _, inputs, used = projection.moe_kernel_inputs(read_rows("moe_int4"), tp=8, assumed_time=ASSUMED_MOE)  # no file yet
+    _, inputs, used = projection.moe_kernel_inputs([], tp=8, assumed_time=ASSUMED_MOE)  # no moe_int4.csv rows
+    other_slice = [r for r in read_rows("moe_int4") if r.get("tp") != "8"]  # rows, but none of the box's TP=8 slice
+    assert projection.moe_kernel_inputs(other_slice, tp=8, assumed_time=ASSUMED_MOE)[2] == []
     assert not used and inputs and all(not i.measured for i in inputs)
     assert all("ASSUMPTION" in i.line() and "assumed_moe_time" in i.line() for i in inputs)
     stage = projection.tree_stage_cost([], [], depth=7, assumed_seconds=50e-6)(1, 32)
@@ -203,8 +205,7 @@ def test_the_explorer_redraws_for_each_choice():
     matplotlib.use("Agg")
     from kdtree_lib.plots.projection import projection_explorer
     drafter = projection.real_drafter_config(K26)
-    drafters = {p: (lambda b, c, shards=projection.drafter_shards(p, 8): projection.drafter_seconds(
-        drafter, CT200, batch=b, context=c, shards=shards, head_shards=8, efficiency=0.3)) for p in projection.DRAFTER_PLACEMENTS}
+    drafters = projection.drafter_costs(drafter, CT200, efficiency=0.3)
     options = round_options()
     options.pop("drafter")
     panel = projection_explorer(K26, [STAND_IN, projection.service_acceptance()], drafters=drafters,
@@ -214,3 +215,42 @@ def test_the_explorer_redraws_for_each_choice():
     placement = next(w for w in panel.kwargs_widgets if w.description == "drafter")
     placement.value = "sharded"
     assert panel.result["speedup_vs_ar"] > replicated["speedup_vs_ar"]  # a cheaper drafter, a faster round
+
+
+def test_drafter_costs_are_drafter_seconds_per_placement():
+    drafter = projection.real_drafter_config(K26)
+    costs = projection.drafter_costs(drafter, CT200, efficiency=0.3)
+    assert set(costs) == set(projection.DRAFTER_PLACEMENTS)
+    for placement, seconds in costs.items():
+        assert seconds(8, 32768) == projection.drafter_seconds(
+            drafter, CT200, batch=8, context=32768, shards=projection.drafter_shards(placement, CT200.gpus),
+            head_shards=CT200.gpus, efficiency=0.3)
+    assert costs["replicated"](1, 4096) > 2 * costs["sharded"](1, 4096)
+    assert projection.drafter_costs(drafter, CT200, efficiency=0.6)["sharded"](1, 4096) < costs["sharded"](1, 4096)
+    with pytest.raises(ValueError, match="placement"):
+        projection.drafter_costs(drafter, CT200, efficiency=0.3, placements=("everywhere",))
+
+
+def test_round_seconds_of_nodes_is_a_batch_one_round():
+    options = round_options()
+    drafter, stage = options["drafter"], options["tree_stage"]
+    seconds = projection.round_seconds_of_nodes(K26, CT200, context=4096, correlation=0.5, efficiency=options["efficiency"],
+                                                expert_bits=4.5, drafter=drafter, tree_stage=stage)
+    for nodes in (1, 2, 33):
+        step = step_costs(K26, CT200, batch=1, nodes=nodes, context=4096, expert_bits=4.5, correlation=0.5,
+                          efficiency=options["efficiency"],
+                          fixed_seconds=drafter(1, 4096) + stage(1, max(nodes - 1, 1)).value)
+        assert seconds(nodes) == step["total"]
+    assert all(seconds(a) < seconds(b) for a, b in ((1, 8), (8, 64), (64, 256)))
+    # the round rows of a budget pay the same at batch 1: budget b is a tree of b + 1 nodes
+    row = next(r for r in projection.round_rows(K26, CT200, projection.service_acceptance(), batch=1, context=4096,
+                                                correlation=0.5, **options) if r["budget"] == 16)
+    assert row["round_seconds"] == pytest.approx(seconds(17), rel=1e-12)
+
+
+def test_nearest_overlap():
+    assert projection.nearest_overlap(projection.OVERLAPS, 0.31) == 0.25
+    assert projection.nearest_overlap(projection.OVERLAPS, 0.0) == 0.0
+    assert projection.nearest_overlap([0.0, 0.5], 0.25) == 0.0  # the first of equals
+    with pytest.raises(ValueError, match="overlaps"):
+        projection.nearest_overlap([], 0.3)

@@ -14,6 +14,7 @@ import pytest
 
 from kdtree_lib.paths import NOTEBOOKS_DIR, REPO_ROOT, RESULTS_DIR
 from kdtree_lib.notebooks import discover, read_record, run_notebook
+from kdtree_lib.bench.lossless import within_bf16_resolution
 from kdtree_lib.precision import rounding_bound
 from kdtree_lib.results import read_rows
 
@@ -174,7 +175,8 @@ def check_ddtree_decode(values, figures):
     if "bfloat16" in lossless:
         facts = lossless["bfloat16"]
         assert len(facts["bf16_errors"]) == len(facts["top2_gaps"])
-        assert all(gap <= 4 * error for gap, error in zip(facts["top2_gaps"], facts["bf16_errors"]))
+        assert all(within_bf16_resolution(gap, spacing, error) for gap, spacing, error in
+                   zip(facts["top2_gaps"], facts["bf16_spacings"], facts["bf16_errors"]))
     assert {"10_ddtree_decode-acceptance.png", "10_ddtree_decode-this-run-stages.png"} <= figures
 
 

@@ -6,9 +6,11 @@ tokens as long as the tree step and the one-node step agree on every argmax:
   meets, so DDTree (any budget) and the chain equal AR token for token;
 - in bf16 each run's logits carry bf16's error (8 significant bits, accumulated through the layers) along
   different paths, so two runs may pick different tokens where the float32 top-2 gap is within that error,
-  and only there: at most 4 x a bf16 forward's logit error at that position (two tokens' errors, and a run
-  erring up to twice as much as the bf16 prefill that measures it: flash-attention's criterion). bf16's
-  spacing at the logit (one rounding of the output alone) is recorded beside it; a gap can exceed it.
+  and only there (`within_bf16_resolution`): within 4 x a bf16 prefill's logit error at that position (two tokens' errors,
+  and a run erring up to twice as much as the prefill that measures it: flash-attention's criterion), or
+  within 2 bf16 spacings at the logit (each of the two compared logits rounded to bf16 at least once; a
+  tree-shaped forward rounds along other paths than the prefill that measures the error, so the measured
+  error alone can understate it). One spacing alone is not a bound: gaps up to 1.7 spacings parted on the H200.
 
 `lossless_rows` decodes held-out prompts with AR, the chain and DDTree at `budgets` and writes one row per
 (method, budget, prompt): whether the tokens equal AR's and, at the first difference, the float32 top-2 gap,
@@ -39,6 +41,12 @@ BF16_MANTISSA_BITS = 7  # stored bits; 8 significant
 def bf16_spacing(value: float) -> float:
     """The distance between adjacent bf16 numbers at |value|: what bf16 cannot tell apart there."""
     return 2.0 ** (math.floor(math.log2(abs(value))) - BF16_MANTISSA_BITS) if value else 0.0
+
+
+def within_bf16_resolution(top2_gap: float, spacing: float, error: float | None) -> bool:
+    """Whether a float32 top-2 gap is within what bf16 can flip (see the module docstring): 4 x the
+    measured bf16 logit error there, or 2 bf16 spacings at the top logit."""
+    return top2_gap <= max(4 * (error or 0.0), 2 * spacing)
 
 
 def first_difference(want, got) -> int | None:

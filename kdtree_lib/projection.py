@@ -204,10 +204,22 @@ def calibrate(measured: list[dict], config, hardware: Hardware, **layer_options)
 
 def assumptions(hardware: Hardware, efficiency: Efficiency, **extra) -> list[str]:
     """Printable lines: every constant the projection rests on."""
-    lines = [f"{key} = {value}" for key, value in asdict(hardware).items()]
+    lines = [f"{key} = {_with_unit(key, value)}" for key, value in asdict(hardware).items()]
     lines += [f"efficiency.{key} = {value:.3g}" for key, value in asdict(efficiency).items() if value is not None]
     lines += [f"{key} = {value}" for key, value in extra.items()]
     return lines
+
+
+HARDWARE_UNITS = {"memory_bandwidth": (1e12, "TB/s"), "matmul_flops": (1e12, "TFLOP/s"),
+                  "allreduce_latency": (1e-6, "us"), "allreduce_bus_bandwidth": (1e9, "GB/s")}
+
+
+def _with_unit(key: str, value) -> str:
+    """A Hardware field as people read it: 1.5e12 bytes/s is "1.5 TB/s"."""
+    if key not in HARDWARE_UNITS:
+        return str(value)
+    scale, unit = HARDWARE_UNITS[key]
+    return f"{value / scale:g} {unit}"
 
 
 def _roofline(num_bytes: float, flops: float, hardware: Hardware) -> float:

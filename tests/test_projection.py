@@ -254,3 +254,12 @@ def test_nearest_overlap():
     assert projection.nearest_overlap([0.0, 0.5], 0.25) == 0.0  # the first of equals
     with pytest.raises(ValueError, match="overlaps"):
         projection.nearest_overlap([], 0.3)
+
+
+def test_assumptions_print_hardware_with_units():
+    """The footer reads 1.5 TB/s, not 1500000000000.0."""
+    from kdtree_lib.projection import CT200, Efficiency, assumptions
+    lines = assumptions(CT200, Efficiency())
+    assert "memory_bandwidth = 1.5 TB/s" in lines and "matmul_flops = 500 TFLOP/s" in lines
+    assert "allreduce_latency = 24 us" in lines and "allreduce_bus_bandwidth = 40 GB/s" in lines
+    assert not any("e+" in line or "000000" in line for line in lines if line.startswith(("memory", "matmul", "allreduce")))

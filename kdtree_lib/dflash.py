@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .model.model import yarn_inv_freq, yarn_mscale
+from .model.model import RMSNorm, yarn_inv_freq, yarn_mscale
 from .model.tp import TensorParallel
 
 SHARD_BYTES = 16 * 1024 * 1024
@@ -246,18 +246,6 @@ def _rope(raw: dict, yarn_attention: str) -> tuple[float, YarnRope | None]:
 
 # ----------------------------------------------------------------------------------------------
 # modules (Qwen3's layers; attention takes the context's keys and values from outside)
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
 
 def rotate_half(x):
     half = x.shape[-1] // 2

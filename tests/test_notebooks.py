@@ -112,8 +112,10 @@ def check_tree_build_cupy(values, figures):
     assert values["history_current_min_us"] <= values["history_current_max_us"]
     if "ptxas_spilled_bytes" in values:
         assert values["ptxas_spilled_bytes"] == 0 and values["build_shared_bytes"] <= 99 * 1024
-    if values.get("topk_fused_faster_from_rows") is not None:  # behind at batch 1: fewer rows than that
-        assert min(values["topk_rows_measured"]) < values["topk_fused_faster_from_rows"]
+    if "topk_rows_measured" in values:  # ahead and behind split the measured row counts, as printed
+        ahead, behind = values["topk_rows_ahead"], values["topk_rows_behind"]
+        assert sorted(ahead + behind) == values["topk_rows_measured"] and not set(ahead) & set(behind)
+        assert values["topk_fused_faster_from_rows"] == (min(ahead) if ahead else None)
     if "kernel_identical" in values:
         assert all(values["kernel_identical"].values()), values["kernel_identical"]
     if "dropin equals sglang on every row" in values:

@@ -415,7 +415,8 @@ def main(argv=None) -> int:
                 rows += live_rows(target, drafter, prompts, budgets, package=package, max_new_tokens=args.new_tokens,
                                   temperature=args.temperature, seeds=range(args.seeds), pair=pair)
     if rows:  # the measurement's size, which largest_measurement ranks runs by
-        rows = [{**row, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens} for row in rows]
+        run = results.new_run_id()
+        rows = [{**row, "run": run, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens} for row in rows]
         print(f"{len(rows)} rows -> {results.append_rows(TOPIC, rows, results_dir=args.results_dir)}")
     return 0
 

@@ -10,6 +10,7 @@ import datetime as _dt
 import os
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 
 from .backend import device_name
@@ -27,6 +28,12 @@ def git_commit() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def new_run_id() -> str:
+    """A stamp for the rows of one command: its start time and a random suffix, so two commands in the
+    same second are still two runs."""
+    return f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}-{uuid.uuid4().hex[:8]}"
 
 
 def stamp() -> dict:
@@ -111,11 +118,12 @@ def newest_per(rows: list[dict], keys: tuple[str, ...], **where) -> list[dict]:
 
 def largest_run(rows: list[dict], size, **where) -> list[dict]:
     """The rows matching `where` of the biggest measurement by size(its rows), the newest of equal ones:
-    the numbers to report, whatever smaller runs were appended since. A measurement is the rows
-    written together (one date/commit/device stamp)."""
+    the numbers to report, whatever smaller runs were appended since. A measurement is its `run` stamp,
+    else the rows written together (one date/commit/device stamp, to the second)."""
     runs: dict[tuple, list[dict]] = {}
     for row in select(rows, **where):
-        runs.setdefault(tuple(row.get(k) for k in STAMP_COLUMNS), []).append(row)
+        key = (row["run"],) if row.get("run") else tuple(row.get(k) for k in STAMP_COLUMNS)
+        runs.setdefault(key, []).append(row)
     if not runs:
         return []
     return max(runs.values(), key=lambda run_rows: (size(run_rows), max(r.get("date") or "" for r in run_rows)))

@@ -54,3 +54,15 @@ def test_recent_runs_newest_first_by_their_newest_row():
 def test_parse_number_reads_cells_back():
     assert [results.parse_number(x) for x in ("3", "2.5", "True", "False", "", "bf16")] == [3, 2.5, True, False, None,
                                                                                          "bf16"]
+
+
+def test_largest_run_tells_two_commands_of_the_same_second_apart():
+    """Rows of one stamp but two run ids are two measurements; without a run id the stamp groups them."""
+    from kdtree_lib.results import largest_run, new_run_id
+    first, second = new_run_id(), new_run_id()
+    assert first != second
+    stamp = {"date": "2026-12-01T00:00:00Z", "commit": "abc", "device": "cpu"}
+    rows = [{**stamp, "run": first, "size": 8}, {**stamp, "run": first, "size": 8}, {**stamp, "run": second, "size": 4}]
+    picked = largest_run(rows, lambda run_rows: sum(r["size"] for r in run_rows))
+    assert {r["run"] for r in picked} == {first}
+    assert len(largest_run([{**r, "run": ""} for r in rows], len)) == 3

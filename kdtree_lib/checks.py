@@ -45,6 +45,18 @@ def to_numpy(x) -> np.ndarray:
     return x.cpu().numpy()
 
 
+def as_torch(x):
+    """The same data as a torch tensor: itself, a zero-copy view of a CuPy array on the current CUDA
+    device, or a NumPy array (made contiguous)."""
+    import torch
+    kind = framework(x)
+    if kind == "torch":
+        return x
+    if kind == "cupy":
+        return torch.as_tensor(x, device="cuda")
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
 def check_array(name: str, x, *, dtypes: tuple[str, ...] | str | None = None,
                 ndim: int | None = None, shape: tuple | None = None):
     """Check one argument's framework, dtype, rank and shape (None entries in `shape` are free)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend as _backend
-from .checks import check_array, dtype_name, framework, is_on_gpu, to_numpy
+from .checks import as_torch, check_array, dtype_name, framework, is_on_gpu, to_numpy
 
 GROUP_SIZE = 32        # the checkpoint's quantization group (inputs per bf16 scale)
 CODES_PER_WORD = 8     # 4-bit codes per int32, along the input dimension
@@ -267,7 +267,7 @@ def _moe_reference(x, routes, weights, experts):
     torch = _torch()
     import torch.nn.functional as F
     as_numpy = framework(x) == "numpy"
-    x, routes, weights = (_as_torch(a) for a in (x, routes, weights))
+    x, routes, weights = (as_torch(a) for a in (x, routes, weights))
     if as_numpy:
         x = x.float()
     out = torch.zeros_like(x)
@@ -281,15 +281,6 @@ def _moe_reference(x, routes, weights, experts):
         y = F.linear(F.silu(gate) * up, down)                                    # (n, H)
         out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
     return out.numpy() if as_numpy else out
-
-
-def _as_torch(a):
-    torch = _torch()
-    if framework(a) == "torch":
-        return a
-    if framework(a) == "cupy":
-        return torch.as_tensor(a, device="cuda")
-    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _check_args(x, routes, weights, experts, capacity=None):
@@ -316,7 +307,7 @@ def _check_values(routes, weights, experts):
         torch = _torch()
         if torch.cuda.is_current_stream_capturing():
             return
-        routes_t, weights_t = _as_torch(routes), _as_torch(weights)
+        routes_t, weights_t = as_torch(routes), as_torch(weights)
         summary = torch.stack([routes_t.min().long(), routes_t.max().long(),
                                (~torch.isfinite(weights_t)).any().long()]).tolist()
     else:
@@ -449,8 +440,8 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
     if out is None:
         out = torch.empty_like(x)
     check_array("out", out, dtypes="bfloat16", shape=(tokens, hidden))
-    routes32 = _as_torch(routes).to(device=x.device, dtype=torch.int32).contiguous()
-    weights32 = _as_torch(weights).to(device=x.device, dtype=torch.float32).contiguous()
+    routes32 = as_torch(routes).to(device=x.device, dtype=torch.int32).contiguous()
+    weights32 = as_torch(weights).to(device=x.device, dtype=torch.float32).contiguous()
     keep = {"x": x.contiguous(), "routes": routes32, "weights": weights32, "out": out,
             "meta": torch.empty(2 * n_experts + 2, dtype=torch.int32, device=x.device),
             "sorted_token": torch.empty(capacity, dtype=torch.int32, device=x.device),

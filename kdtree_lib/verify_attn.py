@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend as _backend
-from .checks import check_array, check_same_device, dtype_name, framework, to_numpy
+from .checks import as_torch, check_array, check_same_device, dtype_name, framework, to_numpy
 from .contracts import Tree, unpack_mask
 
 LATENT_DIM = 512
@@ -43,7 +43,7 @@ def verify_attention(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: flo
         return _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale)
     torch = _torch()
     as_numpy = framework(q_latent) == "numpy"
-    q_latent, q_rope, cache = (_as_torch(x) for x in (q_latent, q_rope, cache))
+    q_latent, q_rope, cache = (as_torch(x) for x in (q_latent, q_rope, cache))
     allowed = key_mask(lengths, tree, cache.shape[1], device=cache.device)  # (B, N, L)
     kv = cache.float()
     scores = (torch.einsum("bnhc,blc->bnhl", q_latent.float(), kv[..., :LATENT_DIM])
@@ -65,7 +65,7 @@ def verify_attention_naive(q_nope, q_rope, cache, lengths, tree: Tree, *, w_uk, 
     kv_b_proj; keys are c_kv·W_UKᵀ ⊕ k_rope, values c_kv·W_UVᵀ. Returns (out [B, N, H, d_v], lse).
     """
     torch = _torch()
-    q_nope, q_rope, cache, w_uk, w_uv = (_as_torch(x).float() for x in (q_nope, q_rope, cache, w_uk, w_uv))
+    q_nope, q_rope, cache, w_uk, w_uv = (as_torch(x).float() for x in (q_nope, q_rope, cache, w_uk, w_uv))
     allowed = key_mask(lengths, tree, cache.shape[1], device=cache.device)
     c_kv, k_rope = cache[..., :LATENT_DIM], cache[..., LATENT_DIM:]
     k_nope = torch.einsum("blc,hdc->blhd", c_kv, w_uk)  # (B, L, H, d_nope)
@@ -122,15 +122,6 @@ def _check_args(q_latent, q_rope, cache, lengths, tree, scale):
             raise ValueError(f"lengths: each must be >= 0 with lengths + {nodes} tree nodes "
                              f"<= L_max={cache.shape[1]}")
     return batch, nodes, heads
-
-
-def _as_torch(x):
-    torch = _torch()
-    if framework(x) == "torch":
-        return x
-    if framework(x) == "cupy":
-        return torch.as_tensor(x, device="cuda")
-    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def _torch():

@@ -308,19 +308,66 @@ def test_a_server_that_is_not_there_gives_transport_errors():
     assert len(rows) == 1 and rows[0]["status"] == "transport" and "ConnectError" in rows[0]["error"]
 
 
-def test_rows_measured_before_a_failure_are_on_disk(failing_server, tmp_path):
+def test_rows_measured_before_a_failure_are_on_disk(failing_server, tmp_path, monkeypatch):
     class Stopped(Exception):
         pass
 
-    def store(batch):  # the sweep is stopped at its fourth row, as a crash or an operator would
-        if len(read_rows(client.TOPIC, results_dir=tmp_path)) == 3:
-            raise Stopped
-        client.append_rows(client.TOPIC, batch, results_dir=tmp_path)
+    measured = client.measure
+    calls = []
 
+    async def stopping_at_the_fourth(*args, **kwargs):  # the sweep is stopped mid-arm, as a crash or an operator would
+        calls.append(None)
+        if len(calls) == 4:
+            raise Stopped
+        return await measured(*args, **kwargs)
+
+    monkeypatch.setattr(client, "measure", stopping_at_the_fourth)
     with pytest.raises(Stopped):
-        client.run_sweep(failing_server, ["ab"] * 6, concurrencies=(1,), max_new_tokens=2, timeout_s=1,
-                         warmup_requests=0, progress=False, store=store)
-    assert len(read_rows(client.TOPIC, results_dir=tmp_path)) == 3
+        client.run_sweep(failing_server, ["ab"] * 6, concurrencies=(1,), max_new_tokens=2, timeout_s=30,
+                         warmup_requests=0, progress=False,
+                         store=lambda batch: client.append_rows(client.TOPIC, batch, results_dir=tmp_path))
+    assert [r["prompt_index"] for r in read_rows(client.TOPIC, results_dir=tmp_path)] == ["0", "1", "2"]
+
+
+def test_rows_are_written_between_arms_never_while_a_request_is_timed(failing_server, monkeypatch):
+    """The order of events, not their times: every store comes after all the requests of an arm have
+    ended and before the next arm's first starts, one store per arm."""
+    events = []
+    measured = client.measure
+
+    async def bracketed(*args, **kwargs):
+        events.append("start")
+        try:
+            return await measured(*args, **kwargs)
+        finally:
+            events.append("end")
+
+    monkeypatch.setattr(client, "measure", bracketed)
+    rows = client.run_sweep(failing_server, ["ab", "cd", "ef", "gh"], concurrencies=(1, 3), max_new_tokens=2,
+                            timeout_s=30, warmup_requests=0, progress=False,
+                            store=lambda batch: events.append(("store", len(batch))))
+    in_flight, most, stores = 0, 0, []
+    for at, event in enumerate(events):
+        if event == "start":
+            in_flight += 1
+            most = max(most, in_flight)
+        elif event == "end":
+            in_flight -= 1
+        else:
+            assert in_flight == 0, f"rows written while {in_flight} requests were timed: {events}"
+            stores.append((at, event[1]))
+    assert most == 3, "the concurrent arm overlapped its requests (else this test shows nothing)"
+    assert [(sum(e == "end" for e in events[:at]), size) for at, size in stores] == [(4, 4), (8, 4)], events
+    assert len(rows) == 8
+
+
+def test_the_command_line_checks_the_results_folder_before_any_request(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = client.main(["--url", "http://127.0.0.1:9", "--results-dir", str(blocker / "rows"), "--count", "1"])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith(f"error: results_dir: cannot write rows to {blocker}") \
+        and error.count("\n") == 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,31 +2,35 @@
 the same): each request's numbers from the native /generate (meta_info: completion tokens, latency,
 spec_verify_ct, spec_accept_length) or from the OpenAI-compatible streaming endpoints (time to first
 token, time per output token), and a sweep over endpoints and concurrency that appends one stamped
-row per request to serving.csv as it goes.
+row per request to serving.csv.
 
     python -m kdtree_lib.serving.client --url http://127.0.0.1:30000 --concurrency 1 2 4 8 --budget-label 32
     python -m kdtree_lib.serving.client --url URL --prompts my_prompts.jsonl --endpoints generate completions chat
 
 Budgets change across server restarts: run one sweep per budget and label it (--budget-label; by
 default the label is read from the server's reported configuration). Every request has a timeout and
-every failure (HTTP status, transport error, timeout) is a row of its own, so a sweep always ends
-and the rows measured so far are on disk whatever happens next.
+every failure (HTTP status, transport error, timeout) is a row of its own, so a sweep always ends.
+An arm's rows are written when the arm ends, with no request in flight (writing a file inside the
+event loop would add its time to every request measured meanwhile), and whatever stops a sweep
+(an error, Ctrl-C) the rows it measured are written before it stops.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from statistics import median
 
 import httpx
 
 from ..corpus import PROMPTS_PATH
-from ..results import append_rows
+from ..results import append_rows, check_writable
 
 TOPIC = "serving"
 ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -236,15 +240,18 @@ async def sweep(url: str, prompts: list, *, concurrencies=(1, 2, 4, 8), endpoint
     """Every prompt on every endpoint at every concurrency (an *arm* each); returns the rows.
 
     Before the first arm, `warmup_requests` unrecorded requests; before each arm, /flush_cache where
-    offered (a flushed cache per arm: no arm reads another's prefixes). Each finished request is
-    handed to `store` at once as a one-row list (default: append_rows to data/results/serving.csv),
-    so the rows measured so far are kept whatever stops the sweep. ignore_eos=True (the default)
-    makes every request generate max_new_tokens tokens.
+    offered (a flushed cache per arm: no arm reads another's prefixes). Each arm's rows are handed
+    to `store` as one list when the arm has ended (default: append_rows to data/results/serving.csv,
+    checked writable before the first request), never while a request is timed; if the sweep stops
+    mid-arm, the rows of the requests that finished are stored before it stops. ignore_eos=True (the
+    default) makes every request generate max_new_tokens tokens.
     """
     _check_sweep(prompts, concurrencies, endpoints, max_new_tokens, timeout_s, warmup_requests)
     from tqdm.auto import tqdm
 
-    store = store or (lambda rows: append_rows(TOPIC, rows))
+    if store is None:
+        check_writable(topics=(TOPIC,))
+        store = partial(append_rows, TOPIC)
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=max(concurrencies), max_keepalive_connections=max(concurrencies))
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
@@ -258,27 +265,39 @@ async def sweep(url: str, prompts: list, *, concurrencies=(1, 2, 4, 8), endpoint
                        timeout_s=timeout_s)
         for prompt in prompts[:warmup_requests]:
             await measure(client, url, endpoints[0], prompt, **request)
-        rows = []
+        rows, unstored = [], []
         arms = [(endpoint, concurrency) for endpoint in endpoints for concurrency in concurrencies]
-        with tqdm(total=len(arms) * len(prompts), unit="request", disable=not progress) as bar:
-            for endpoint, concurrency in arms:
-                flushed = await flush_cache(client, url, timeout_s) if flush else None
-                slots = asyncio.Semaphore(concurrency)
-                arm_start = time.perf_counter()
+        try:
+            with tqdm(total=len(arms) * len(prompts), unit="request", disable=not progress) as bar:
+                for endpoint, concurrency in arms:
+                    flushed = await flush_cache(client, url, timeout_s) if flush else None
+                    slots = asyncio.Semaphore(concurrency)
+                    arm_start = time.perf_counter()
 
-                async def one(index: int, prompt) -> None:
-                    async with slots:
-                        started = time.perf_counter() - arm_start
-                        result = await measure(client, url, endpoint, prompt, **request)
-                    row = {**fixed, "endpoint": endpoint, "concurrency": concurrency, "cache_flushed": flushed,
-                           "prompt_index": index, "started_s": started, "finished_s": started + result["latency_s"],
-                           **result}
-                    store([row])
-                    rows.append(row)
-                    bar.update()
+                    async def one(index: int, prompt) -> None:
+                        async with slots:
+                            started = time.perf_counter() - arm_start
+                            result = await measure(client, url, endpoint, prompt, **request)
+                        row = {**fixed, "endpoint": endpoint, "concurrency": concurrency, "cache_flushed": flushed,
+                               "prompt_index": index, "started_s": started,
+                               "finished_s": started + result["latency_s"], **result}
+                        rows.append(row)
+                        unstored.append(row)
+                        bar.update()
 
-                await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(prompts)))
+                    await asyncio.gather(*(one(index, prompt) for index, prompt in enumerate(prompts)))
+                    _store(store, unstored)  # the arm has ended: no request is in flight
+        finally:
+            if unstored:  # stopped mid-arm: keep the requests that finished
+                _store(store, unstored)
     return rows
+
+
+def _store(store, pending: list[dict]) -> None:
+    """Hand the pending rows to `store` once (emptied first, so a store that fails is not retried)."""
+    batch = pending[:]
+    pending.clear()
+    store(batch)
 
 
 def run_sweep(url: str, prompts: list, **settings) -> list[dict]:
@@ -373,12 +392,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
     args = parser.parse_args(argv)
-    prompts = load_prompt_texts(args.prompts, count=args.count, max_chars=args.max_chars)
-    rows = run_sweep(args.url, prompts, concurrencies=args.concurrency, endpoints=args.endpoints,
-                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, budget_label=args.budget_label,
-                     prompt_set=args.prompts.stem if args.prompts else "heldout", warmup_requests=args.warmup,
-                     flush=not args.no_flush, timeout_s=args.timeout,
-                     store=lambda batch: append_rows(TOPIC, batch, results_dir=args.results_dir))
+    try:
+        check_writable(args.results_dir, topics=(TOPIC,))
+        prompts = load_prompt_texts(args.prompts, count=args.count, max_chars=args.max_chars)
+        rows = run_sweep(args.url, prompts, concurrencies=args.concurrency, endpoints=args.endpoints,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         budget_label=args.budget_label, prompt_set=args.prompts.stem if args.prompts else "heldout",
+                         warmup_requests=args.warmup, flush=not args.no_flush, timeout_s=args.timeout,
+                         store=lambda batch: append_rows(TOPIC, batch, results_dir=args.results_dir))
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for line in arm_summaries(rows):
         print(json.dumps(line))
     return 0 if all(row["ok"] for row in rows) else 1

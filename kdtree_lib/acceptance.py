@@ -386,6 +386,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=4, help="live runs per budget at T > 0")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    results.check_writable(args.results_dir, topics=(TOPIC,))  # before measuring, not after
+    run = results.new_run_id()
+
+    def keep(measured: list[dict]) -> list[dict]:
+        """Append a measurement's rows as soon as it completes (a run stopped mid-way keeps them), with
+        the run's size, which largest_measurement ranks runs by."""
+        results.append_rows(TOPIC, [{**row, "run": run, "prompt_tokens": args.prompt_tokens,
+                                     "new_tokens": args.new_tokens} for row in measured], results_dir=args.results_dir)
+        return measured
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
@@ -403,21 +413,20 @@ def main(argv=None) -> int:
             if device == "cuda":
                 records = [record.to_torch(device) for record in records]
             for mode in ("tree", "chain"):
-                rows += oracle_rows(records, args.budgets, package=package, block_size=block_size, mode=mode,
-                                    n_new_tokens=args.new_tokens, pair=pair)
-            rows += live_rows(target, drafter, prompts, args.live_budgets, package=package,
-                              max_new_tokens=args.new_tokens, pair=pair)
+                rows += keep(oracle_rows(records, args.budgets, package=package, block_size=block_size, mode=mode,
+                                         n_new_tokens=args.new_tokens, pair=pair))
+            rows += keep(live_rows(target, drafter, prompts, args.live_budgets, package=package,
+                                   max_new_tokens=args.new_tokens, pair=pair))
             if args.temperature > 0:
                 sampled = record_sampled(target, drafter, prompts, args.new_tokens, budget=args.mc_budget,
                                          temperature=args.temperature)
                 budgets = [b for b in args.live_budgets if b <= args.mc_budget]
-                rows += monte_carlo_rows(sampled, budgets, package=package, block_size=block_size, pair=pair)
-                rows += live_rows(target, drafter, prompts, budgets, package=package, max_new_tokens=args.new_tokens,
-                                  temperature=args.temperature, seeds=range(args.seeds), pair=pair)
-    if rows:  # the measurement's size, which largest_measurement ranks runs by
-        run = results.new_run_id()
-        rows = [{**row, "run": run, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens} for row in rows]
-        print(f"{len(rows)} rows -> {results.append_rows(TOPIC, rows, results_dir=args.results_dir)}")
+                rows += keep(monte_carlo_rows(sampled, budgets, package=package, block_size=block_size, pair=pair))
+                rows += keep(live_rows(target, drafter, prompts, budgets, package=package,
+                                       max_new_tokens=args.new_tokens, temperature=args.temperature,
+                                       seeds=range(args.seeds), pair=pair))
+    if rows:
+        print(f"{len(rows)} rows -> {results.topic_path(TOPIC, args.results_dir)}")
     return 0
 
 

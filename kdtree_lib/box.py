@@ -84,6 +84,7 @@ class KitSettings:
 
 def check_settings(settings: KitSettings) -> KitSettings:
     """ValueError naming what is wrong before anything loads: checkpoints, tokenizer, steps."""
+    results.check_writable(settings.results_dir, topics=sorted(set(TOPICS.values())))  # before any step is measured
     for name in ("target", "drafter"):
         if not (Path(getattr(settings, name)) / "config.json").is_file():
             raise ValueError(f"{name}: no checkpoint at {getattr(settings, name)} (its config.json is missing)")

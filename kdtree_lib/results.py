@@ -103,9 +103,7 @@ def check_writable(results_dir: Path | None = None, topics=()) -> Path:
     for topic in topics:
         try:
             _refuse_unwritable_file(topic_path(topic, directory))
-        except OSError as error:
-            raise ValueError(f"results_dir: cannot write rows to {directory}: {error}") from None
-        except ValueError as error:
+        except (OSError, ValueError) as error:
             raise ValueError(f"results_dir: cannot write rows to {directory}: {error}") from None
     return directory
 

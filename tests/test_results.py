@@ -87,7 +87,8 @@ def _append_many(results_dir, writer, count, start):
 
 
 def test_parallel_writers_lose_no_row_and_write_one_header(tmp_path, monkeypatch):
-    monkeypatch.setenv("KDTREE_COMMIT", "abc1234")  # no git subprocess per append in the writers
+    monkeypatch.setenv("KDTREE_COMMIT", "abc1234")  # the forked writers run no git and touch no GPU
+    monkeypatch.setattr(results, "device_name", lambda: "test-device")
     context = multiprocessing.get_context("fork")
     writers, count = 4, 40
     start = context.Barrier(writers)
@@ -113,7 +114,8 @@ def _rewrite_and_hang(results_dir, ready):
     results.append_rows("demo", [{"x": 2, "new_column": 3}], results_dir=results_dir)
 
 
-def test_a_writer_killed_mid_rewrite_leaves_nothing_git_tracks_and_the_next_writer_cleans_up(tmp_path):
+def test_a_writer_killed_mid_rewrite_leaves_nothing_git_tracks_and_the_next_writer_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "device_name", lambda: "test-device")  # the forked writer touches no GPU
     folder = tmp_path / "results"
     results.append_rows("demo", [{"x": 1}], results_dir=folder)
     before = (folder / "demo.csv").read_bytes()

@@ -211,7 +211,7 @@ def _dropin_parts(logits, budget: int, finish) -> dict:
     from ..integrations import sglang as dropin
     batch, depth, vocab = (int(n) for n in logits.shape)
     policy = dropin.policy_from_environment()
-    width = 1 if budget == depth else min(policy.width(budget, depth), vocab)
+    width = dropin.topk_width(policy, budget, depth, vocab)
     logp, ids = torch_topk_logprobs(logits, width)
     parts = {"dropin_topk": (wall_seconds(lambda: (torch_topk_logprobs(logits, width), finish())), "wall")}
     if logits.device.type != "cuda":

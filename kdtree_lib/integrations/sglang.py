@@ -172,7 +172,7 @@ class PreparedBuild:
 
     def __init__(self, batch: int, depth: int, vocab: int, budget: int, device_index: int, policy: SGLangPolicy):
         self.budget = budget
-        self.topk = 1 if budget == depth else min(policy.width(budget, depth), vocab)
+        self.topk = topk_width(policy, budget, depth, vocab)
         self.launch = SGLangBuildLaunch(batch, depth, self.topk, budget, device_index, policy=policy, ids_int64=True,
                                         links=False)
 
@@ -193,8 +193,8 @@ def _prepared(key: tuple, make):
     return prepared
 
 
-def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
-    """The prepared build for these logits' shape, budget and the knobs now (checked), made once."""
+def _check_build_args(draft_logits, tree_budget):
+    """build_ddtree_tree's checks (metadata and knobs): (batch, depth, vocab, budget, policy)."""
     _check_tensor("draft_logits", draft_logits, ndim=3, dtypes=LOGIT_DTYPES)
     budget = _check_budget("tree_budget", tree_budget)
     batch, depth, vocab = (int(n) for n in draft_logits.shape)
@@ -202,6 +202,18 @@ def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
     if vocab < 1:
         raise ValueError(f"draft_logits: expected a vocabulary of at least 1 token, got shape {tuple(draft_logits.shape)}")
     policy = policy_from_environment()
+    check_values_from_environment()
+    return batch, depth, vocab, budget, policy
+
+
+def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int:
+    """The candidates SGLang's build_ddtree_tree takes per position (1 on its spine fast path)."""
+    return 1 if budget == depth else min(policy.width(budget, depth), vocab)
+
+
+def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
+    """The prepared build for these logits' shape, budget and the knobs now (checked), made once."""
+    batch, depth, vocab, budget, policy = _check_build_args(draft_logits, tree_budget)
     if draft_logits.device.type != "cuda":
         raise ValueError(f"draft_logits: the kernel build needs a CUDA tensor, got device {draft_logits.device}")
     key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, policy)
@@ -245,9 +257,8 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
     device = _torch_device(device)
     if getattr(draft_logits, "device", None) is not None and getattr(draft_logits.device, "type", None) == "cuda":
         prepared = prepared_build(draft_logits, tree_budget)
-        check_values = check_values_from_environment()
         out = prepared(draft_logits)
-        if check_values:
+        if check_values_from_environment():
             _raise_if_flagged(out["bad"], "draft_logits")
         fresh = [out["node_tokens"], out["node_depths"], out["parents"], out["visibility"]]
         sizes = out["sizes"]
@@ -265,16 +276,8 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
 def _host_build(draft_logits, tree_budget, device):
     """kdtree's host reference of the policy, in SGLang's layout (logits on the CPU; values checked)."""
     import torch
-    _check_tensor("draft_logits", draft_logits, ndim=3, dtypes=LOGIT_DTYPES)
-    budget = _check_budget("tree_budget", tree_budget)
-    batch, depth, vocab = (int(n) for n in draft_logits.shape)
-    _check_depth("draft_logits", depth)
-    if vocab < 1:
-        raise ValueError(f"draft_logits: expected a vocabulary of at least 1 token, got shape {tuple(draft_logits.shape)}")
-    policy = policy_from_environment()
-    check_values_from_environment()
-    width = 1 if budget == depth else min(policy.width(budget, depth), vocab)
-    logp, ids = torch_topk_logprobs(draft_logits, width)
+    batch, depth, vocab, budget, policy = _check_build_args(draft_logits, tree_budget)
+    logp, ids = torch_topk_logprobs(draft_logits, topk_width(policy, budget, depth, vocab))
     draft = DraftTopK(logp=logp.cpu().numpy(), ids=ids.to(torch.int32).cpu().numpy())
     if not np.isfinite(draft.logp[..., 0]).all():
         raise ValueError("draft_logits: a row holds NaN or +inf, or is entirely -inf (its log-probabilities are NaN)")

@@ -525,8 +525,8 @@ build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const
 // relabel (depth-major, a parent's children contiguous, in pop order). With no bonus, no stop and
 // no relabel it is the paper's heap in pop order (SGLang PR #29907's build_ddtree_tree_from_topk).
 // The derived arrays (visibility, first child, next sibling) are written by the whole block.
-// The plain argmax costs ~budget / 32 shared loads per lane per pop: at SGLang's budgets (<= 128)
-// that is a few loads; the v2 frontier is not worth its complexity here (docs/kernel-notes.md).
+// A pop scans ~count / 32 slots per lane in shared memory, then v2's warp_winner (two REDUX); the
+// draft's first ranks are staged in shared memory (docs/kernel-notes.md has the measurements).
 
 #define KD_SGLANG_THREADS 256
 
@@ -548,13 +548,11 @@ __device__ __forceinline__ int slot_code(int slot, const SGLangScratch& g) {
     return entry_code(slot, g.slot_rank[slot], g.s.depth[slot] + 1);
 }
 
-// logp [D, K] row `row`, rank `rank` (float32 -> float64, the reference's arithmetic).
-__device__ __forceinline__ double draft_value(const float* __restrict__ logp, int topk, int row, int rank) {
-    return (double)logp[(long long)row * topk + rank];
-}
+#define KD_SGLANG_STAGED 4096  // draft values staged in shared memory (16 KB): ranks < 4096 / D of every depth
 
-// The policy's pops of one request by warp 0 into g.s; returns the node count, root included.
-__device__ int sglang_pops(const float* __restrict__ logp, int depth_limit, int topk, int width, int budget,
+// The policy's pops of one request by warp 0 into g.s; returns the node count, root included. The
+// draft's values are float32, added as float64 (the reference's arithmetic).
+__device__ int sglang_pops(const DraftRowsOf<float>& lp, int depth_limit, int width, int budget,
                            double depth_bonus, double stop_below, SGLangScratch& g) {
     const int lane = kd_lane();
     for (int j = lane; j < budget; j += KD_WARP_SIZE) {
@@ -564,7 +562,7 @@ __device__ int sglang_pops(const float* __restrict__ logp, int depth_limit, int 
     }
     __syncwarp();
     if (lane == 0) {
-        g.weight[0] = draft_value(logp, topk, 0, 0);
+        g.weight[0] = lp(0, 0);
         g.spine[0] = 1;
     }
     __syncwarp();
@@ -579,15 +577,10 @@ __device__ int sglang_pops(const float* __restrict__ logp, int depth_limit, int 
                 code = c;
             }
         }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const double other = __shfl_xor_sync(KD_FULL_MASK, best, offset);
-            const int other_code = __shfl_xor_sync(KD_FULL_MASK, code, offset);
-            if (pops_first(other, other_code, best, code, g.s)) {
-                best = other;
-                code = other_code;
-            }
-        }
+        // the warp's first entry: two REDUX on the weight's key, rank tuples only for equal weights
+        const int winner = warp_winner(best, code, g.s);
+        best = __shfl_sync(KD_FULL_MASK, best, winner);
+        code = __shfl_sync(KD_FULL_MASK, code, winner);
         if (best == kd_neg_inf_d()) break;  // the heap is empty (every lane sees it)
         const int slot = entry_slot(code), rank = entry_rank(code), row = entry_depth(code) - 1;
         const bool on_spine = g.spine[slot] && rank == 0;
@@ -605,12 +598,11 @@ __device__ int sglang_pops(const float* __restrict__ logp, int depth_limit, int 
                 if (g.last[slot] == 0) g.s.first_child[slot] = (short)i;
                 else g.s.next_sibling[g.last[slot]] = (short)i;
                 g.last[slot] = (short)i;
-                g.weight[slot] = rank + 1 < width ? (best - draft_value(logp, topk, row, rank))
-                                                       + draft_value(logp, topk, row, rank + 1)
+                g.weight[slot] = rank + 1 < width ? (best - (double)lp(row, rank)) + (double)lp(row, rank + 1)
                                                  : kd_neg_inf_d();
                 g.slot_rank[slot] = (short)(rank + 1);
                 if (i < budget) {
-                    g.weight[i] = row + 1 < depth_limit ? best + draft_value(logp, topk, row + 1, 0) + depth_bonus
+                    g.weight[i] = row + 1 < depth_limit ? best + (double)lp(row + 1, 0) + depth_bonus
                                                         : kd_neg_inf_d();
                     g.slot_rank[i] = 0;
                     g.last[i] = 0;
@@ -648,6 +640,7 @@ build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, 
                   long long* __restrict__ sizes, long long* __restrict__ next_token,
                   long long* __restrict__ next_sibling, int* __restrict__ bad) {
     __shared__ SGLangScratch g;
+    __shared__ float staged[KD_SGLANG_STAGED];
     const int b = blockIdx.x, t = threadIdx.x, capacity = budget + 1;
     const long long draft_base = (long long)b * depth_limit * topk;
     const float* draft = logp + draft_base;
@@ -661,7 +654,8 @@ build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, 
         g.head[j] = -1;
     }
     if (t == 0) g.bad = 0;
-    __syncthreads();
+    const DraftRowsOf<float> lp = stage_draft(draft, depth_limit, topk, min(width, KD_SGLANG_STAGED / depth_limit),
+                                              staged);  // (synchronises the block)
     const int checked = finite_all ? width : 1;
     for (int e = t; e < depth_limit * checked; e += blockDim.x) {
         const float v = draft[(long long)(e / checked) * topk + e % checked];
@@ -678,9 +672,9 @@ build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, 
         }
         if (t == 0) g.s.n_nodes = min(budget, depth_limit) + 1;
     } else if (t < KD_WARP_SIZE) {
-        const double first = draft_value(draft, topk, 0, 0);
+        const double first = lp(0, 0);
         const double stop_below = use_stop ? (first - log_budget) - stop_margin : kd_neg_inf_d();
-        const int count = sglang_pops(draft, depth_limit, topk, width, budget, depth_bonus, stop_below, g);
+        const int count = sglang_pops(lp, depth_limit, width, budget, depth_bonus, stop_below, g);
         if (t == 0) g.s.n_nodes = count;
     }
     __syncthreads();

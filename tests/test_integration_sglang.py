@@ -523,15 +523,16 @@ def test_kernel_writes_every_output_element(policy):
 
 @pytest.mark.gpu
 @cuda
-def test_batched_from_topk_equals_each_request():
-    logits = draft_logits("repeated", 6, 7, 3000, seed=4).cuda()
-    logits[2] = draft_logits("flat", 1, 7, 3000, seed=5)[0].cuda()
-    logp, ids = torch_topk(logits, 20)
-    batched = dropin.build_ddtree_tree_from_topk_batched(logp, ids.int(), 48)
+@pytest.mark.parametrize("depth, k, budget", [(7, 20, 48), (32, 400, 400)])  # the second reads past the staged ranks
+def test_batched_from_topk_equals_each_request(depth, k, budget):
+    logits = draft_logits("repeated", 6, depth, 3000, seed=4).cuda()
+    logits[2] = draft_logits("flat", 1, depth, 3000, seed=5)[0].cuda()
+    logp, ids = torch_topk(logits, k)
+    batched = dropin.build_ddtree_tree_from_topk_batched(logp, ids.int(), budget)
     for b in range(6):
-        single = dropin.build_ddtree_tree_from_topk(logp[b].cpu(), ids[b].cpu(), 48)
+        single = dropin.build_ddtree_tree_from_topk(logp[b].cpu(), ids[b].cpu(), budget)
         assert_batched_row_equals(batched, b, single, f"request {b}")
-        assert_same_pr_outputs(dropin.build_ddtree_tree_from_topk(logp[b], ids[b], 48), single, f"cuda {b}")
+        assert_same_pr_outputs(dropin.build_ddtree_tree_from_topk(logp[b], ids[b], budget), single, f"cuda {b}")
 
 
 @pytest.mark.gpu

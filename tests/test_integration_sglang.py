@@ -595,3 +595,20 @@ def test_the_drop_in_never_synchronizes_without_the_value_check(monkeypatch):
         dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_launch_passes_sglangs_own_options_on(monkeypatch):
+    started = {}
+    monkeypatch.setattr(dropin.runpy, "run_module", lambda name, **kw: started.update(name=name, argv=list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delenv(dropin.INSTALL_ENV, raising=False)
+    assert dropin.main(["launch", "--model-path", "m", "--speculative-algorithm", "DDTREE"]) == 0
+    assert started == {"name": "sglang.launch_server",
+                       "argv": ["sglang.launch_server", "--model-path", "m", "--speculative-algorithm", "DDTREE"]}
+    assert os.environ[dropin.INSTALL_ENV] == "1"
+
+
+def test_a_device_that_is_not_one_is_refused():
+    with pytest.raises(ValueError, match="device: expected a torch device, got 'nonsense'"):
+        dropin.build_ddtree_tree(torch.zeros(1, 7, 50), 8, "nonsense")

@@ -700,15 +700,15 @@ def main(argv=None) -> int:
                             ("uninstall", "remove that .pth file"), ("status", "say whether it is installed")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--site-packages", required=True, help="the service environment's site-packages")
-    launch = commands.add_parser("launch", help="sglang.launch_server with the patch (arguments passed on)")
-    launch.add_argument("sglang_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    if args.command == "launch":
+    commands.add_parser("launch", help="sglang.launch_server with the patch (every later argument passed on)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # SGLang's options are its own: not parsed here
         os.environ[INSTALL_ENV] = "1"
         patch_on_import()
-        sys.argv = ["sglang.launch_server"] + args.sglang_args
+        sys.argv = ["sglang.launch_server"] + argv[1:]
         runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
         return 0
+    args = parser.parse_args(argv)
     try:
         if args.command == "install":
             print(install_pth(args.site_packages))

@@ -227,7 +227,7 @@ def _check_build_args(draft, budget, root, policy, mode):
 def _check_kernel_policy(policy, mode: str) -> None:
     if mode == "tree" and not isinstance(policy, PaperPolicy):
         raise ValueError(f"policy: the kernel builds the 'paper' policy (and the chain); {policy.name!r} "
-                         "runs on the host (backend='numpy')")
+                         "runs on the host (backend='numpy'), or in SGLang's layout (SGLangBuildLaunch)")
 
 
 def _zeros_like_batch(x, batch):
@@ -341,3 +341,94 @@ def _allow_draft_cache(device: int) -> None:
     with cupy.cuda.Device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # CuPy is moving this attribute
         cuda.device_function("tree_build.cu", BUILD_KERNEL, device).max_dynamic_shared_size_bytes = DRAFT_CACHE_BYTES
+
+
+# ----------------------------------------------------------------------------------------------
+# The "sglang" policy (and PR #29907's paper heap in pop order) on the GPU, in SGLang's layout
+# (kernels/tree_build.cu: build_tree_sglang, eagle_tree_format), for kdtree_lib.integrations.sglang.
+
+SGLANG_BUILD_KERNEL = "build_tree_sglang"
+EAGLE_FORMAT_KERNEL = "eagle_tree_format"
+SGLANG_THREADS = 256  # KD_SGLANG_THREADS
+SGLANG_OUTPUTS = ("node_tokens", "node_depths", "parents", "visibility", "sizes", "next_token", "next_sibling", "bad")
+
+
+class SGLangBuildLaunch:
+    """One prepared build in SGLang's layout, for one shape on one CUDA device (torch tensors).
+
+    Inputs: logp float32 [B, D, K] and ids int32|int64 [B, D, K], contiguous (SGLang's top-k). `policy`:
+    an SGLangPolicy (its width, depth bonus, early stop off the spine, breadth-first order, and the
+    top-1 chain when budget == D: SGLang's build_ddtree_tree) or PaperPolicy (the paper's heap over
+    min(budget, K) ranks, nodes in pop order: SGLang PR #29907's build_ddtree_tree_from_topk).
+    Outputs (allocate()): node_tokens, node_depths int64 [B, budget], parents int64 [B, N], visibility
+    bool [B, N, N], sizes int64 [B], next_token, next_sibling int64 [B, N] (the EAGLE first-child /
+    next-sibling arrays, written only with links=True), bad int32 [B] (1: the request's draft held
+    NaN or +-inf at rank 0, or, with finite_all, anywhere it is read; its tree is then the root
+    alone). Calling it enqueues one CTA per request on torch's current stream; nothing here reads a
+    device value or synchronises.
+    """
+
+    def __init__(self, batch: int, depth: int, topk: int, budget: int, device: int, *, policy, ids_int64: bool,
+                 links: bool = True, finite_all: bool = False):
+        policy = resolve_policy(policy)
+        if isinstance(policy, SGLangPolicy):
+            chain = budget == depth
+            width = 1 if chain else min(policy.width(budget, depth), topk)
+            bonus, margin, stop, relabel = float(policy.depth_bonus), float(policy.stop_margin), True, True
+        elif isinstance(policy, PaperPolicy):
+            chain, width, bonus, margin, stop, relabel = False, topk, 0.0, 0.0, False, False
+        else:
+            raise ValueError(f"policy: SGLang's layout is built for the 'sglang' and 'paper' policies, got {policy.name!r}")
+        self.batch, self.budget, self.links = batch, budget, links
+        # a rank >= budget never pops (it needs budget siblings popped first), so it is never read
+        self.width = min(width, budget)
+        self._function = cuda.device_function("tree_build.cu", SGLANG_BUILD_KERNEL, device)
+        self._scalars = (np.int32(ids_int64), np.int32(depth), np.int32(topk), np.int32(self.width), np.int32(budget),
+                         np.int32(chain), np.int32(relabel), np.int32(finite_all), np.float64(bonus),
+                         np.float64(math.log(max(budget, 1))), np.float64(margin), np.int32(stop))
+
+    def allocate(self, like) -> dict:
+        """Uninitialised outputs on the device of `like` (the kernel writes every element)."""
+        import torch
+        batch, nodes = self.batch, self.budget + 1
+        spec = {"node_tokens": ((batch, self.budget), torch.int64), "node_depths": ((batch, self.budget), torch.int64),
+                "parents": ((batch, nodes), torch.int64), "visibility": ((batch, nodes, nodes), torch.bool),
+                "sizes": ((batch,), torch.int64), "next_token": ((batch, nodes), torch.int64),
+                "next_sibling": ((batch, nodes), torch.int64), "bad": ((batch,), torch.int32)}
+        if not self.links:
+            del spec["next_token"], spec["next_sibling"]
+        return {name: torch.empty(shape, dtype=dtype, device=like.device) for name, (shape, dtype) in spec.items()}
+
+    def __call__(self, logp, ids, out: dict) -> dict:
+        if self.batch:
+            null = np.uint64(0)
+            pointers = tuple(cuda.pointer(out[name]) if name in out else null for name in SGLANG_OUTPUTS)
+            self._function((self.batch,), (SGLANG_THREADS,),
+                           (cuda.pointer(logp), cuda.pointer(ids)) + self._scalars + pointers,
+                           stream=cuda.current_stream())
+        return out
+
+
+class EagleFormatLaunch:
+    """SGLang's build_eagle_tree_format on the GPU, prepared for one (batch, columns, width) shape:
+    parents int64 [B, columns] and sizes int64 [B] (contiguous) -> retrive_index, retrive_next_token,
+    retrive_next_sibling int64 [B, width]. A size is clamped to [0, min(width, columns)] on the device
+    (SGLang's loop raises an IndexError past them); nothing is read back."""
+
+    def __init__(self, batch: int, columns: int, width: int, device: int):
+        if width > MAX_BUDGET + 1:
+            raise ValueError(f"draft_token_num: at most {MAX_BUDGET + 1} nodes, got {width}")
+        self.batch, self.width = batch, width
+        self._function = cuda.device_function("tree_build.cu", EAGLE_FORMAT_KERNEL, device)
+        self._scalars = (np.int32(columns), np.int32(width))
+
+    def __call__(self, parents, sizes):
+        import torch
+        index, next_token, next_sibling = (torch.empty((self.batch, self.width), dtype=torch.int64, device=parents.device)
+                                           for _ in range(3))
+        if self.batch:
+            self._function((self.batch,), (SGLANG_THREADS,),
+                           (cuda.pointer(parents), self._scalars[0], cuda.pointer(sizes), self._scalars[1],
+                            cuda.pointer(index), cuda.pointer(next_token), cuda.pointer(next_sibling)),
+                           stream=cuda.current_stream())
+        return index, next_token, next_sibling

@@ -510,3 +510,265 @@ build_tree_v2(const float* __restrict__ logp, const int* __restrict__ ids, const
         mask[base * words + e] = bits;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// SGLang's tree policy (its speculative/ddtree_utils.py) in SGLang's output layout, and the EAGLE
+// left-child/right-sibling arrays; launched from kdtree_lib/tree_build.py (SGLangBuildLaunch,
+// EagleFormatLaunch) for kdtree_lib.integrations.sglang.
+//
+// One CTA per request. Warp 0 pops with the same "one pending entry per popped node" frontier as
+// v2 (slot j: node j's next child), but plainly: a pop is a warp-wide argmax over the slots in
+// shared memory (float64 weights, equal weights by rank tuples: pops_first). The policy's parts
+// are parameters: the depth bonus added to every first child's weight, the early stop (an entry off
+// the top-1 spine lighter than (logp[0, 0] - log budget) - margin is dropped: no node, no pushes;
+// log budget comes from the host so the threshold is Python's to the bit), the breadth-first
+// relabel (depth-major, a parent's children contiguous, in pop order). With no bonus, no stop and
+// no relabel it is the paper's heap in pop order (SGLang PR #29907's build_ddtree_tree_from_topk).
+// The derived arrays (visibility, first child, next sibling) are written by the whole block.
+// A pop scans ~count / 32 slots per lane in shared memory, then v2's warp_winner (two REDUX); the
+// draft's first ranks are staged in shared memory (docs/kernel-notes.md has the measurements).
+
+#define KD_SGLANG_THREADS 256
+
+struct SGLangScratch {
+    TreeScratch s;                      // the popped nodes, in pop order (children lists in pop order)
+    double weight[KD_MAX_SLOTS];        // slot j's pending entry: node j's next child (-inf: none)
+    short slot_rank[KD_MAX_SLOTS];      // its rank (its depth is node j's + 1)
+    short last[KD_MAX_SLOTS];           // the last node popped from slot j (0: none yet)
+    unsigned char spine[KD_MAX_NODES];  // node on the top-1 spine (every rank on its path 0)
+    short order[KD_MAX_NODES];          // output index -> pop index
+    short new_index[KD_MAX_NODES];      // pop index -> output index
+    short new_parent[KD_MAX_NODES];     // output index -> its parent's output index (-1: none)
+    short head[KD_MAX_NODES];           // children lists by output index (see children_links)
+    int bad;
+};
+
+// The pending entry of slot j as pops_first compares it.
+__device__ __forceinline__ int slot_code(int slot, const SGLangScratch& g) {
+    return entry_code(slot, g.slot_rank[slot], g.s.depth[slot] + 1);
+}
+
+#define KD_SGLANG_STAGED 4096  // draft values staged in shared memory (16 KB): ranks < 4096 / D of every depth
+
+// The policy's pops of one request by warp 0 into g.s; returns the node count, root included. The
+// draft's values are float32, added as float64 (the reference's arithmetic).
+__device__ int sglang_pops(const DraftRowsOf<float>& lp, int depth_limit, int width, int budget,
+                           double depth_bonus, double stop_below, SGLangScratch& g) {
+    const int lane = kd_lane();
+    for (int j = lane; j < budget; j += KD_WARP_SIZE) {
+        g.weight[j] = kd_neg_inf_d();
+        g.slot_rank[j] = 0;
+        g.last[j] = 0;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        g.weight[0] = lp(0, 0);
+        g.spine[0] = 1;
+    }
+    __syncwarp();
+    int count = 0;  // nodes popped
+    while (count < budget) {
+        double best = kd_neg_inf_d();
+        int code = 0;
+        for (int j = lane; j <= count; j += KD_WARP_SIZE) {
+            const int c = slot_code(j, g);
+            if (pops_first(g.weight[j], c, best, code, g.s)) {
+                best = g.weight[j];
+                code = c;
+            }
+        }
+        // the warp's first entry: two REDUX on the weight's key, rank tuples only for equal weights
+        const int winner = warp_winner(best, code, g.s);
+        best = __shfl_sync(KD_FULL_MASK, best, winner);
+        code = __shfl_sync(KD_FULL_MASK, code, winner);
+        if (best == kd_neg_inf_d()) break;  // the heap is empty (every lane sees it)
+        const int slot = entry_slot(code), rank = entry_rank(code), row = entry_depth(code) - 1;
+        const bool on_spine = g.spine[slot] && rank == 0;
+        const bool dropped = !on_spine && best < stop_below;
+        __syncwarp();  // every lane has read the slots before lane 0 writes them
+        if (lane == 0) {
+            if (dropped) {
+                g.weight[slot] = kd_neg_inf_d();
+            } else {
+                const int i = count + 1;
+                g.s.parent[i] = (short)slot;
+                g.s.rank[i] = (short)rank;
+                g.s.depth[i] = (unsigned char)(row + 1);
+                g.spine[i] = on_spine;
+                if (g.last[slot] == 0) g.s.first_child[slot] = (short)i;
+                else g.s.next_sibling[g.last[slot]] = (short)i;
+                g.last[slot] = (short)i;
+                g.weight[slot] = rank + 1 < width ? (best - (double)lp(row, rank)) + (double)lp(row, rank + 1)
+                                                 : kd_neg_inf_d();
+                g.slot_rank[slot] = (short)(rank + 1);
+                if (i < budget) {
+                    g.weight[i] = row + 1 < depth_limit ? best + (double)lp(row + 1, 0) + depth_bonus
+                                                        : kd_neg_inf_d();
+                    g.slot_rank[i] = 0;
+                    g.last[i] = 0;
+                }
+            }
+        }
+        count += dropped ? 0 : 1;
+        __syncwarp();
+    }
+    return count + 1;
+}
+
+// Children lists from parents by output index, nodes 1 .. n-1 (a parent outside [0, n) is none):
+// first child and next sibling in ascending index order. One thread, last node first.
+__device__ void children_links(const short* new_parent, int n, short* head, long long* __restrict__ next_sibling) {
+    for (int c = n - 1; c >= 1; --c) {
+        const int q = new_parent[c];
+        const bool child = q >= 0 && q < n;
+        next_sibling[c] = child ? head[q] : -1;
+        if (child) head[q] = (short)c;
+    }
+}
+
+// logp float32 [B, D, K] and ids int32|int64 [B, D, K] (the first `width` columns read) -> SGLang's
+// tensors at capacity N = budget + 1, every element written: node_tokens, node_depths [B, budget]
+// (0 past the tree), parents [B, N] (-1 at the root and past the tree), visibility [B, N, N]
+// (ancestors and self), sizes [B] (nodes, root included), and when not null next_token and
+// next_sibling [B, N] (-1: none). bad[b] = 1, and a root-only tree, where the draft holds a value
+// the build cannot use (NaN or +-inf at rank 0; with finite_all, anywhere in the first `width`).
+extern "C" __global__ void __launch_bounds__(KD_SGLANG_THREADS)
+build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, int ids_is_int64, int depth_limit,
+                  int topk, int width, int budget, int chain_mode, int relabel, int finite_all, double depth_bonus,
+                  double log_budget, double stop_margin, int use_stop, long long* __restrict__ node_tokens,
+                  long long* __restrict__ node_depths, long long* __restrict__ parents, bool* __restrict__ visibility,
+                  long long* __restrict__ sizes, long long* __restrict__ next_token,
+                  long long* __restrict__ next_sibling, int* __restrict__ bad) {
+    __shared__ SGLangScratch g;
+    __shared__ float staged[KD_SGLANG_STAGED];
+    const int b = blockIdx.x, t = threadIdx.x, capacity = budget + 1;
+    const long long draft_base = (long long)b * depth_limit * topk;
+    const float* draft = logp + draft_base;
+    for (int j = t; j < capacity; j += blockDim.x) {
+        g.s.parent[j] = -1;
+        g.s.rank[j] = 0;
+        g.s.depth[j] = 0;
+        g.s.first_child[j] = -1;
+        g.s.next_sibling[j] = -1;
+        g.spine[j] = 0;
+        g.head[j] = -1;
+    }
+    if (t == 0) g.bad = 0;
+    const DraftRowsOf<float> lp = stage_draft(draft, depth_limit, topk, min(width, KD_SGLANG_STAGED / depth_limit),
+                                              staged);  // (synchronises the block)
+    const int checked = finite_all ? width : 1;
+    for (int e = t; e < depth_limit * checked; e += blockDim.x) {
+        const float v = draft[(long long)(e / checked) * topk + e % checked];
+        if (!(v > kd_neg_inf_f() && v < -kd_neg_inf_f())) g.bad = 1;  // NaN or +-inf
+    }
+    __syncthreads();
+    if (g.bad) {
+        if (t == 0) g.s.n_nodes = 1;
+    } else if (chain_mode) {  // budget == D: the top-1 chain, as SGLang's spine fast path
+        for (int d = t + 1; d <= min(budget, depth_limit); d += blockDim.x) {
+            g.s.parent[d] = (short)(d - 1);
+            g.s.depth[d] = (unsigned char)d;
+            g.s.first_child[d - 1] = (short)d;
+        }
+        if (t == 0) g.s.n_nodes = min(budget, depth_limit) + 1;
+    } else if (t < KD_WARP_SIZE) {
+        const double first = lp(0, 0);
+        const double stop_below = use_stop ? (first - log_budget) - stop_margin : kd_neg_inf_d();
+        const int count = sglang_pops(lp, depth_limit, width, budget, depth_bonus, stop_below, g);
+        if (t == 0) g.s.n_nodes = count;
+    }
+    __syncthreads();
+    const int n = g.s.n_nodes;
+    if (relabel) {  // output order: breadth-first from the root (a queue walked by one thread)
+        if (t == 0) {
+            g.order[0] = 0;
+            g.new_index[0] = 0;
+            int tail = 1;
+            for (int head = 0; head < tail; ++head) {
+                for (int c = g.s.first_child[g.order[head]]; c != -1; c = g.s.next_sibling[c]) {
+                    g.new_index[c] = (short)tail;
+                    g.order[tail++] = (short)c;
+                }
+            }
+        }
+    } else {  // pop order
+        for (int p = t; p < n; p += blockDim.x) {
+            g.order[p] = (short)p;
+            g.new_index[p] = (short)p;
+        }
+    }
+    __syncthreads();
+    for (int p = t; p < capacity; p += blockDim.x)
+        g.new_parent[p] = p == 0 || p >= n ? (short)-1 : g.new_index[g.s.parent[g.order[p]]];
+    __syncthreads();
+    const long long row_base = (long long)b * capacity;
+    const bool links = next_token != nullptr;  // with next_sibling
+    if (links && t == 0) {
+        children_links(g.new_parent, n, g.head, next_sibling + row_base);
+        next_sibling[row_base] = -1;
+    }
+    for (int j = t; j < budget; j += blockDim.x) {  // node j + 1
+        const int p = j + 1;
+        long long token = 0, depth = 0;
+        if (p < n) {
+            const int old = g.order[p];
+            const long long at = draft_base + (long long)(g.s.depth[old] - 1) * topk + g.s.rank[old];
+            token = ids_is_int64 ? ((const long long*)ids)[at] : (long long)((const int*)ids)[at];
+            depth = g.s.depth[old];
+        }
+        node_tokens[(long long)b * budget + j] = token;
+        node_depths[(long long)b * budget + j] = depth;
+    }
+    for (int p = t; p < capacity; p += blockDim.x) {
+        parents[row_base + p] = g.new_parent[p];
+        if (links && p >= n) next_sibling[row_base + p] = -1;
+    }
+    if (t == 0) {
+        sizes[b] = n;
+        bad[b] = g.bad;
+    }
+    if (visibility != nullptr) {
+        bool* rows = visibility + row_base * capacity;
+        for (long long e = t; e < (long long)capacity * capacity; e += blockDim.x) {
+            const int r = (int)(e / capacity), c = (int)(e - (long long)r * capacity);
+            int a = r;
+            if (r < n && c < n) {
+                while (a > c) a = g.new_parent[a];
+            }
+            rows[e] = r < n && c < n && a == c;
+        }
+    }
+    __syncthreads();  // head is complete
+    if (links) {
+        for (int p = t; p < capacity; p += blockDim.x) next_token[row_base + p] = p < n ? g.head[p] : -1;
+    }
+}
+
+// SGLang's build_eagle_tree_format: parents int64 [B, columns] and sizes int64 [B] -> retrive_index,
+// retrive_next_token, retrive_next_sibling int64 [B, width]. Node k < n = clamp(sizes[b], 0,
+// min(width, columns)) is a child of parents[b, k] when 1 <= k and 0 <= parents[b, k] < n; children in
+// ascending index order. Every element written.
+extern "C" __global__ void __launch_bounds__(KD_SGLANG_THREADS)
+eagle_tree_format(const long long* __restrict__ parents, int columns, const long long* __restrict__ sizes, int width,
+                  long long* __restrict__ retrive_index, long long* __restrict__ next_token,
+                  long long* __restrict__ next_sibling) {
+    __shared__ short parent_of[KD_MAX_NODES];
+    __shared__ short head[KD_MAX_NODES];
+    const int b = blockIdx.x, t = threadIdx.x;
+    const long long size = sizes[b];
+    const int n = (int)(size < 0 ? 0 : (size > min(width, columns) ? min(width, columns) : size));
+    const long long base = (long long)b * width;
+    for (int k = t; k < width; k += blockDim.x) {
+        const long long p = k < n ? parents[(long long)b * columns + k] : -1;
+        parent_of[k] = (short)(p >= 0 && p < n ? p : -1);
+        head[k] = -1;
+        retrive_index[base + k] = base + k;
+    }
+    __syncthreads();
+    if (t == 0) children_links(parent_of, n, head, next_sibling + base);
+    __syncthreads();
+    for (int k = t; k < width; k += blockDim.x) {
+        next_token[base + k] = k < n ? head[k] : -1;
+        if (k >= n || k == 0) next_sibling[base + k] = -1;
+    }
+}

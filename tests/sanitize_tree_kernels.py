@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_tree_kernels.py
 
 CuPy's memory pool is switched off so every array is its own allocation and memcheck sees
-out-of-bounds accesses at the array's edge. Exits non-zero if a result differs from the reference.
+out-of-bounds accesses at the array's edge (for the SGLang drop-in's torch tensors, run with
+PYTORCH_NO_CUDA_MEMORY_CACHING=1). Exits non-zero if a result differs from the reference.
 """
 import sys
 from pathlib import Path
@@ -49,8 +50,29 @@ def main() -> None:
     device_result = AcceptResult(*(cupy.asarray(x) for x in (result.path, result.n_accepted, result.bonus)))
     compact_cache(caches, cupy.asarray(lengths), device_result)
     assert all(np.array_equal(c.get(), w) for c, w in zip(caches, want_caches))
+    sglang_layout(rng)
     cupy.cuda.Device().synchronize()
     print("sanitizer workload: all results match")
+
+
+def sglang_layout(rng) -> None:
+    """The SGLang drop-in's kernels (build_tree_sglang, eagle_tree_format) against its host path."""
+    import torch
+    from kdtree_lib.integrations import sglang as dropin
+    logits = torch.from_numpy(rng.standard_normal((3, 12, 500)).astype(np.float32) * 3)
+    for budget in (12, 40, 1024):  # the chain, SGLang's policy, the PR's heap past the staged ranks (341)
+        want = dropin.build_ddtree_tree(logits, budget, "cpu")
+        got = dropin.build_ddtree_tree(logits.cuda(), budget, "cpu")
+        assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(got, want)) if i != 3)
+        want_eagle = dropin.build_eagle_tree_format(want[2], want[5], budget + 1, "cpu")
+        got_eagle = dropin.build_eagle_tree_format(got[2].cuda(), got[5].cuda(), budget + 1, "cpu")
+        assert all(torch.equal(a, b) for a, b in zip(got_eagle, want_eagle))
+        x = logits[0].float()
+        logp, ids = torch.topk(x, 500, dim=-1)
+        logp = logp - torch.logsumexp(x, dim=-1, keepdim=True)
+        host = dropin.build_ddtree_tree_from_topk(logp, ids, budget)
+        device = dropin.build_ddtree_tree_from_topk(logp.cuda(), ids.cuda(), budget)
+        assert all(a == b if isinstance(a, list) else torch.equal(a, b) for a, b in zip(device, host))
 
 
 if __name__ == "__main__":

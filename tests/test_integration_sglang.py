@@ -1,10 +1,13 @@
 """The SGLang drop-in (kdtree_lib.integrations.sglang) against SGLang's own functions, and its patching.
 
 With KDTREE_SGLANG_DDTREE_UTILS naming a local copy of sgl-project/sglang's
-python/sglang/srt/speculative/ddtree_utils.py (never committed), build_ddtree_tree and
-build_eagle_tree_format must equal SGLang's element for element on the same logits, under its defaults
-and its environment knobs. Without it: the EAGLE conversion against the Tree contract's own children
-lists, the lazy child maps, the policy's invariants, and install() on stand-in modules.
+python/sglang/srt/speculative/ddtree_utils.py, and KDTREE_SGLANG_PR29907_DDTREE_UTILS one of SGLang PR
+#29907's version (with build_ddtree_tree_from_topk), both never committed, the drop-in's functions must
+equal SGLang's element for element on the same inputs, under its defaults and its environment knobs.
+Always (CPU): the host path against kdtree's own references (the Tree contract's children lists and
+masks, the paper's heap), the lazy child maps, the policy's invariants, the refusals, install() on
+stand-in modules and the .pth install on a fake site-packages. With a GPU: the kernel path against
+the host path and SGLang's copies, poisoned outputs, CUDA-graph capture, and no host synchronisation.
 """
 import importlib
 import os
@@ -21,12 +24,21 @@ from kdtree_lib.integrations import sglang as dropin
 SGLANG_FILE = os.environ.get("KDTREE_SGLANG_DDTREE_UTILS")
 needs_sglang = pytest.mark.skipif(not SGLANG_FILE, reason="KDTREE_SGLANG_DDTREE_UTILS (a local copy of SGLang's "
                                                           "ddtree_utils.py) not set")
+PR_FILE = os.environ.get("KDTREE_SGLANG_PR29907_DDTREE_UTILS")
+needs_pr = pytest.mark.skipif(not PR_FILE, reason="KDTREE_SGLANG_PR29907_DDTREE_UTILS (a local copy of SGLang PR "
+                                                  "#29907's ddtree_utils.py) not set")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 OUTPUTS = ("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "actual_tree_sizes")
 
 
 @pytest.fixture(scope="module")
 def sglang_utils():
     return dropin.load_sglang_module(SGLANG_FILE)
+
+
+@pytest.fixture(scope="module")
+def pr_utils():
+    return dropin.load_sglang_module(PR_FILE)
 
 
 def draft_logits(style: str, batch: int, depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -85,12 +97,89 @@ def test_reused_output_buffers_equal_sglangs(sglang_utils):
 
 @needs_sglang
 @pytest.mark.gpu
+@cuda
 def test_build_ddtree_tree_equals_sglangs_on_the_gpu(sglang_utils):
     logits = draft_logits("peaked", 8, 7, 163_840, seed=1).cuda()
     for budget in (7, 16, 64):
         ours = dropin.build_ddtree_tree(logits, budget, logits.device)
         theirs = sglang_utils.build_ddtree_tree(logits, budget, logits.device)
         assert_same_outputs(ours, theirs, f"cuda budget={budget}")
+        eagle_ours = dropin.build_eagle_tree_format(ours[2], ours[5], budget + 1, logits.device)
+        eagle_theirs = sglang_utils.build_eagle_tree_format(theirs[2], theirs[5], budget + 1, logits.device)
+        for a, b in zip(eagle_ours, eagle_theirs):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"cuda budget={budget}"
+
+
+@needs_pr
+@pytest.mark.parametrize("style", ["peaked", "repeated", "flat"])
+@pytest.mark.parametrize("depth, vocab, budget", [(7, 3000, 8), (7, 3000, 7), (7, 3000, 1), (15, 2000, 64),
+                                                  (3, 5, 16), (7, 50, 128), (1, 40, 20)])
+def test_from_topk_equals_pr29907s(style, depth, vocab, budget, pr_utils):
+    logits = draft_logits(style, 1, depth, vocab, seed=depth * budget)[0]
+    ours = dropin.pr29907_build_ddtree_tree(logits, budget)
+    theirs = pr_utils.build_ddtree_tree(logits, budget)
+    assert_same_pr_outputs(ours, theirs, f"{style} D={depth} V={vocab} budget={budget}")
+    k = min(vocab, budget + 3)  # more ranks than the budget can reach
+    logp, ids = torch_topk(logits, k)
+    assert_same_pr_outputs(dropin.build_ddtree_tree_from_topk(logp, ids, budget),
+                           pr_utils.build_ddtree_tree_from_topk(logp, ids, budget), "from_topk")
+
+
+@needs_pr
+def test_from_topk_degenerate_inputs_equal_pr29907s(pr_utils):
+    logp, ids = torch_topk(draft_logits("peaked", 1, 4, 100, seed=0)[0], 8)
+    for args in ((logp, ids, 0), (logp, ids, -3), (logp[:0], ids[:0], 8)):
+        assert_same_pr_outputs(dropin.build_ddtree_tree_from_topk(*args), pr_utils.build_ddtree_tree_from_topk(*args),
+                               f"budget={args[2]} D={args[0].shape[0]}")
+
+
+@needs_pr
+@pytest.mark.gpu
+@cuda
+def test_from_topk_equals_pr29907s_on_the_gpu(pr_utils):
+    logits = draft_logits("peaked", 1, 7, 163_840, seed=2)[0].cuda()
+    for budget in (7, 16, 64):
+        logp, ids = torch_topk(logits, budget)
+        theirs = pr_utils.build_ddtree_tree_from_topk(logp, ids, budget)
+        assert_same_pr_outputs(dropin.build_ddtree_tree_from_topk(logp, ids, budget), theirs, f"cuda {budget}")
+        batched = dropin.build_ddtree_tree_from_topk_batched(logp[None], ids[None], budget)
+        assert_batched_row_equals(batched, 0, theirs, f"batched cuda {budget}")
+
+
+def torch_topk(logits, k):
+    x = logits.float()
+    values, ids = torch.topk(x, k, dim=-1)
+    return values - torch.logsumexp(x, dim=-1, keepdim=True), ids
+
+
+PR_OUTPUTS = ("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "retrieve_next_token",
+              "retrieve_next_sibling")
+
+
+def assert_same_pr_outputs(ours, theirs, context: str) -> None:
+    assert len(ours) == len(theirs) == 7, context
+    for name, a, b in zip(PR_OUTPUTS, ours, theirs):
+        if name in ("parents", "child_maps"):
+            assert type(a) is list and a == b, f"{name} ({context})"
+        else:
+            assert a.device.type == "cpu" and a.dtype == b.dtype and a.shape == b.shape, \
+                f"{name}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)} ({context})"
+            assert torch.equal(a, b), f"{name} differs ({context})"
+
+
+def assert_batched_row_equals(batched, b: int, single, context: str) -> None:
+    """Row b of the batched form is the single-request answer, padded."""
+    tokens, depths, parents, child_maps, visibility, next_token, next_sibling, sizes = batched
+    n = len(single[2])
+    assert int(sizes[b]) == n, context
+    assert torch.equal(tokens[b, : n - 1].cpu(), single[0]) and (tokens[b, n - 1:] == 0).all(), context
+    assert torch.equal(depths[b, : n - 1].cpu(), single[1]) and (depths[b, n - 1:] == 0).all(), context
+    assert parents[b, :n].tolist() == single[2] and (parents[b, n:] == -1).all(), context
+    assert child_maps[b] == single[3], context
+    assert torch.equal(visibility[b, :n, :n].cpu(), single[4]) and visibility[b, n:].sum() == 0 \
+        and visibility[b, :, n:].sum() == 0, context
+    assert torch.equal(next_token[b, :n].cpu(), single[5]) and (next_token[b, n:] == -1).all(), context
+    assert torch.equal(next_sibling[b, :n].cpu(), single[6]) and (next_sibling[b, n:] == -1).all(), context
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +271,7 @@ def test_install_patches_the_module_and_its_importers(monkeypatch):
 def test_load_sglang_module_refuses_other_files(tmp_path):
     other = tmp_path / "other.py"
     other.write_text("def build_ddtree_tree(*a):\n    return 1\n")
-    with pytest.raises(ValueError, match="path: .* defines none or only some of"):
+    with pytest.raises(ValueError, match="path: .* defines neither"):
         dropin.load_sglang_module(other)
 
 
@@ -208,8 +297,318 @@ def test_the_benchmarks_tree_stage_runs_on_the_cpu():
     utils = dropin.load_sglang_module(SGLANG_FILE) if SGLANG_FILE else None
     rows = bench_tree_stage(utils, batches=(2,), depths=(7,), budgets=(7, 16), vocab=500, device="cpu")
     methods = {r["method"] for r in rows}
-    parts = {"dropin_topk", "dropin_copy", "dropin_host_build"}
+    parts = {"dropin_topk", "dropin_host_build"}
     assert methods == ({"dropin", "kdtree", "sglang"} if utils else {"dropin", "kdtree"}) | parts
     assert all(r["stage"] == "tree_stage" and r["time_us"] > 0 for r in rows)
     if utils:
         assert all(r["matches_sglang"] is True for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# refusals (issue 28: knobs, numpy logits, depths, sizes of another batch)
+
+@pytest.mark.parametrize("knob, value", [("SGLANG_DDTREE_MAX_TOPK", "abc"), ("SGLANG_DDTREE_MAX_TOPK", "0"),
+                                         ("SGLANG_DDTREE_MAX_TOPK", "-2"), ("SGLANG_DDTREE_DEPTH_BONUS", "abc"),
+                                         ("SGLANG_DDTREE_DEPTH_BONUS", "nan"), ("SGLANG_DDTREE_DEPTH_BONUS", "inf"),
+                                         ("KDTREE_SGLANG_CHECK_VALUES", "yes")])
+def test_unusable_knobs_are_refused_by_name(knob, value, monkeypatch):
+    monkeypatch.setenv(knob, value)
+    with pytest.raises(ValueError, match=f"^{knob}: expected"):
+        dropin.build_ddtree_tree(torch.zeros(1, 7, 50), 16, "cpu")
+
+
+@pytest.mark.parametrize("logits, match", [
+    (np.zeros((1, 7, 50), np.float32), "draft_logits: expected a torch.Tensor, got ndarray"),
+    (torch.zeros(1, 33, 50), "draft_logits: depth .* 1..32, got 33"),
+    (torch.zeros(1, 0, 50), "draft_logits: depth .* got 0"),
+    (torch.zeros(1, 7, 0), "draft_logits: expected a vocabulary"),
+])
+def test_bad_logits_are_refused_by_name(logits, match):
+    with pytest.raises(ValueError, match=match):
+        dropin.build_ddtree_tree(logits, 16, "cpu")
+
+
+def test_eagle_format_refuses_sizes_of_another_batch():
+    parents = torch.tensor([[-1, 0, 0], [-1, 0, 1]])
+    with pytest.raises(ValueError, match=r"actual_tree_sizes: expected shape \(2,\)"):
+        dropin.build_eagle_tree_format(parents, torch.tensor([3]), 3, "cpu")
+    with pytest.raises(ValueError, match="parents: expected dtype"):
+        dropin.build_eagle_tree_format(parents.float(), torch.tensor([3, 3]), 3, "cpu")
+    with pytest.raises(ValueError, match="draft_token_num: expected a positive integer"):
+        dropin.build_eagle_tree_format(parents, torch.tensor([3, 3]), 0, "cpu")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda lp, ids, b: (lp.numpy(), ids, b), "top_log_probs: expected a torch.Tensor"),
+    (lambda lp, ids, b: (lp, ids.float(), b), "top_token_ids: expected dtype"),
+    (lambda lp, ids, b: (lp, ids[:, :2], b), "top_token_ids: expected top_log_probs' shape"),
+    (lambda lp, ids, b: (lp[None], ids[None], b), "top_log_probs: expected 2 dimensions"),
+    (lambda lp, ids, b: (lp, ids, 1025), "budget: at most 1024"),
+    (lambda lp, ids, b: (lp, ids, 2.5), "budget: expected an integer"),
+    (lambda lp, ids, b: (torch.full_like(lp, float("nan")), ids, b), "top_log_probs: holds NaN"),
+    (lambda lp, ids, b: (lp.expand(40, -1), ids.expand(40, -1), b), "top_log_probs: depth .* got 40"),
+])
+def test_from_topk_refuses_bad_input_by_name(change, match):
+    logp, ids = torch_topk(draft_logits("peaked", 1, 1, 100, seed=0)[0], 4)
+    with pytest.raises(ValueError, match=match):
+        dropin.build_ddtree_tree_from_topk(*change(logp, ids, 8))
+
+
+# ----------------------------------------------------------------------------------------------
+# PR #29907's format against kdtree's own references (the paper's heap, the Tree contract)
+
+@pytest.mark.parametrize("style", ["peaked", "repeated", "flat"])
+@pytest.mark.parametrize("depth, k, budget", [(7, 16, 8), (7, 40, 32), (15, 6, 64), (3, 5, 100), (5, 1, 3)])
+def test_from_topk_is_the_paper_tree(style, depth, k, budget):
+    from kdtree_lib.contracts import DraftTopK
+    from kdtree_lib.tree_build import build_tree
+    logp, ids = torch_topk(draft_logits(style, 1, depth, 300, seed=k + budget)[0], k)
+    tokens, depths, parents, child_maps, visibility, next_token, next_sibling = \
+        dropin.build_ddtree_tree_from_topk(logp, ids, budget)
+    width = min(budget, k)
+    tree = build_tree(DraftTopK(logp=logp[None, :, :width].numpy(), ids=ids[None, :, :width].to(torch.int32).numpy()),
+                      budget, policy="paper", backend="numpy")
+    n = int(tree.n_nodes[0])
+    assert len(parents) == n and parents == tree.parents[0, :n].tolist()
+    assert tokens.tolist() == tree.tokens[0, 1:n].tolist() and depths.tolist() == tree.depths[0, 1:n].tolist()
+    assert np.array_equal(visibility.numpy(), tree_visibility(tree, n))
+    assert next_token.tolist() == tree.first_child[0, :n].tolist()
+    assert next_sibling.tolist() == tree.next_sibling[0, :n].tolist()
+    assert all(child_maps[int(p)][int(t)] == c for c, (p, t) in enumerate(zip(parents[1:], tokens.tolist()), start=1))
+
+
+def tree_visibility(tree, n: int) -> np.ndarray:
+    from kdtree_lib.contracts import unpack_mask
+    return unpack_mask(tree.mask, tree.capacity)[0, :n, :n]
+
+
+# ----------------------------------------------------------------------------------------------
+# patching: PR #29907's flavour, and the .pth file in an environment
+
+def test_install_picks_pr29907s_flavour(monkeypatch):
+    utils = types.ModuleType(dropin.SGLANG_MODULE)
+    utils.build_ddtree_tree = utils.build_ddtree_tree_from_topk = lambda *args: "sglang"
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    replaced = dropin.install(utils)
+    assert utils.build_ddtree_tree is dropin.pr29907_build_ddtree_tree
+    assert utils.build_ddtree_tree_from_topk is dropin.build_ddtree_tree_from_topk and dropin.is_installed(utils)
+    dropin.uninstall(replaced)
+    assert not dropin.is_installed(utils)
+
+
+def fake_site_packages(root, flavour: str = "main"):
+    folder = root / "lib" / "site-packages"
+    package = folder / "sglang" / "srt" / "speculative"
+    package.mkdir(parents=True)
+    for part in (folder / "sglang", folder / "sglang" / "srt", package):
+        (part / "__init__.py").write_text("")
+    names = ("build_ddtree_tree", "build_eagle_tree_format") if flavour == "main" else \
+        ("build_ddtree_tree", "build_ddtree_tree_from_topk")
+    (package / "ddtree_utils.py").write_text("".join(f"def {name}(*a):\n    return 'sglang'\n\n" for name in names))
+    return folder
+
+
+def test_pth_install_status_uninstall(tmp_path, capsys):
+    folder = fake_site_packages(tmp_path)
+    run = lambda *args: dropin.main([*args, "--site-packages", str(folder)])  # noqa: E731
+    assert run("status") == 3 and "not installed" in capsys.readouterr().out
+    assert run("install") == 0 and "installed:" in capsys.readouterr().out
+    assert run("install") == 0 and "already installed" in capsys.readouterr().out
+    assert [p.name for p in folder.glob("*.pth")] == [dropin.PTH_NAME]
+    assert run("status") == 0 and "main's" in capsys.readouterr().out
+    assert run("uninstall") == 0 and "uninstalled" in capsys.readouterr().out
+    assert run("uninstall") == 0 and "not installed" in capsys.readouterr().out
+    assert not list(folder.glob("*.pth")) and not list(folder.glob("*.tmp"))
+
+
+def test_pth_refuses_other_folders_in_one_line(tmp_path, capsys):
+    no_sglang = tmp_path / "site-packages"
+    no_sglang.mkdir()
+    other_name = fake_site_packages(tmp_path / "x").parent / "other"
+    other_name.mkdir()
+    for folder, match in ((no_sglang, "holds no SGLang DDTree module"), (tmp_path / "missing", "not a folder"),
+                          (other_name, "expected a site-packages")):
+        assert dropin.main(["install", "--site-packages", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err and "Traceback" not in err
+    folder = fake_site_packages(tmp_path / "y")
+    (folder / dropin.PTH_NAME).write_text("someone else's\n")
+    assert dropin.main(["uninstall", "--site-packages", str(folder)]) == 2
+    assert "not written by this tool" in capsys.readouterr().err and (folder / dropin.PTH_NAME).exists()
+
+
+@pytest.mark.parametrize("flavour", ["main", "pr"])
+def test_pth_patches_a_new_process_of_that_environment(tmp_path, flavour):
+    import subprocess
+    folder = fake_site_packages(tmp_path, flavour)
+    assert dropin.main(["install", "--site-packages", str(folder)]) == 0
+    probe = ("import site, sys; site.addsitedir(sys.argv[1]); import sglang.srt.speculative.ddtree_utils as m; "
+             "from kdtree_lib.integrations import sglang as d; print(d.is_installed(m))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", dropin.INSTALL_ENV)}
+    done = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+    assert "SGLang's DDTree build is kdtree_lib's in process" in done.stderr
+    off = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True,
+                         env={**env, dropin.INSTALL_ENV: "0"}, cwd=tmp_path)
+    assert off.stdout.strip() == "False", off.stderr
+    assert dropin.main(["uninstall", "--site-packages", str(folder)]) == 0
+    after = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, env=env,
+                           cwd=tmp_path)
+    assert after.returncode != 0 or after.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel path (GPU): against the host path, poisoned, in a CUDA graph, without host syncs
+
+KERNEL_CASES = [(3, 7, 3000, 8), (3, 7, 3000, 7), (2, 7, 3000, 3), (4, 7, 3000, 32), (2, 15, 2000, 64),
+                (2, 15, 2000, 128), (1, 7, 50, 128), (2, 3, 5, 16), (2, 2, 40, 1024), (64, 7, 3000, 32)]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("style", ["peaked", "repeated", "flat"])
+@pytest.mark.parametrize("batch, depth, vocab, budget", KERNEL_CASES)
+@pytest.mark.parametrize("knobs", [{}, {"SGLANG_DDTREE_MAX_TOPK": "3"},
+                                   {"SGLANG_DDTREE_DEPTH_BONUS": "-0.5", "SGLANG_DDTREE_MAX_TOPK": "16"}])
+def test_kernel_path_equals_the_host_reference(style, batch, depth, vocab, budget, knobs, monkeypatch):
+    for name, value in knobs.items():
+        monkeypatch.setenv(name, value)
+    logits = draft_logits(style, batch, depth, vocab, seed=batch * budget + depth)
+    context = f"{style} B={batch} L={depth} V={vocab} budget={budget} {knobs}"
+    want = dropin.build_ddtree_tree(logits, budget, "cpu")
+    got = dropin.build_ddtree_tree(logits.cuda(), budget, "cpu")
+    assert_same_outputs(got, want, context)
+    got_gpu = dropin.build_ddtree_tree(logits.cuda(), budget, logits.cuda().device)
+    eagle_want = dropin.build_eagle_tree_format(want[2], want[5], budget + 1, "cpu")
+    eagle_got = dropin.build_eagle_tree_format(got_gpu[2], got_gpu[5], budget + 1, "cpu")
+    for a, b in zip(eagle_got, eagle_want):
+        assert a.dtype == b.dtype and torch.equal(a, b), context
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("width", [1, 7, 40, 129, 1025])
+def test_eagle_kernel_equals_the_torch_path(width):
+    rng = np.random.default_rng(width)
+    parents = torch.from_numpy(random_parents(rng, 9, width))
+    if width > 2:
+        parents[3, 2] = width + 5  # a parent outside the tree (and below: sizes past the columns, negative)
+    sizes = torch.from_numpy(rng.integers(-2, width + 3, 9))
+    for columns in (width, max(1, width - 3)):
+        want = dropin.build_eagle_tree_format(parents[:, :columns], sizes, width, "cpu")
+        got = dropin.build_eagle_tree_format(parents[:, :columns].cuda(), sizes.cuda().int(), width, "cpu")
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (width, columns)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("policy", ["sglang", "paper"])
+def test_kernel_writes_every_output_element(policy):
+    from kdtree_lib.tree_build import SGLangBuildLaunch
+    logits = draft_logits("flat", 5, 7, 3000, seed=9).cuda()
+    logp, ids = torch_topk(logits, 6)
+    launch = SGLangBuildLaunch(5, 7, 6, 32, 0, policy=policy, ids_int64=True, links=True)
+    clean = launch(logp, ids, launch.allocate(logits))
+    poisoned = launch.allocate(logits)
+    for tensor in poisoned.values():
+        tensor.view(torch.uint8).fill_(0xA5)
+    poisoned = launch(logp, ids, poisoned)
+    torch.cuda.synchronize()
+    for name in clean:
+        assert torch.equal(clean[name], poisoned[name]), name
+    assert (poisoned["bad"] == 0).all() and ((poisoned["visibility"].view(torch.uint8) <= 1).all())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("depth, k, budget", [(7, 20, 48), (32, 400, 400)])  # the second reads past the staged ranks
+def test_batched_from_topk_equals_each_request(depth, k, budget):
+    logits = draft_logits("repeated", 6, depth, 3000, seed=4).cuda()
+    logits[2] = draft_logits("flat", 1, depth, 3000, seed=5)[0].cuda()
+    logp, ids = torch_topk(logits, k)
+    batched = dropin.build_ddtree_tree_from_topk_batched(logp, ids.int(), budget)
+    for b in range(6):
+        single = dropin.build_ddtree_tree_from_topk(logp[b].cpu(), ids[b].cpu(), budget)
+        assert_batched_row_equals(batched, b, single, f"request {b}")
+        assert_same_pr_outputs(dropin.build_ddtree_tree_from_topk(logp[b], ids[b], budget), single, f"cuda {b}")
+
+
+@pytest.mark.gpu
+@cuda
+def test_non_finite_logits_raise_or_give_the_root_alone(monkeypatch):
+    logits = draft_logits("peaked", 3, 7, 3000, seed=6).cuda()
+    logits[1, 4, 17] = float("nan")
+    with pytest.raises(ValueError, match=r"draft_logits: request\(s\) \[1\] hold NaN"):
+        dropin.build_ddtree_tree(logits, 32, logits.device)
+    monkeypatch.setenv(dropin.CHECK_ENV, "0")
+    tokens, depths, parents, _, visibility, sizes = dropin.build_ddtree_tree(logits, 32, logits.device)
+    want = dropin.build_ddtree_tree(logits[[0, 2]].cpu(), 32, "cpu")
+    assert sizes.tolist()[1] == 1 and (tokens[1] == 0).all() and (parents[1] == -1).all()
+    assert visibility[1].sum() == 1 and bool(visibility[1, 0, 0])
+    assert torch.equal(tokens[[0, 2]].cpu(), want[0]) and torch.equal(sizes[[0, 2]].cpu(), want[5])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("budget", [7, 32])
+def test_the_drop_in_captures_in_a_cuda_graph(budget):
+    logits = draft_logits("peaked", 4, 7, 5000, seed=7).cuda()
+
+    def step():
+        tree = dropin.build_ddtree_tree(logits, budget, logits.device)
+        return tree, dropin.build_eagle_tree_format(tree[2], tree[5], budget + 1, logits.device)
+
+    eager_tree, eager_eagle = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_tree, captured_eagle = step()
+    logits.copy_(draft_logits("flat", 4, 7, 5000, seed=8).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh_tree, fresh_eagle = step()
+    for name, a, b in zip(OUTPUTS, captured_tree, fresh_tree):
+        if name != "child_maps":
+            assert torch.equal(a, b), f"{name}: replay on new logits differs from eager"
+    assert list(captured_tree[3]) == list(fresh_tree[3])
+    for a, b in zip(captured_eagle, fresh_eagle):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(eager_tree[:3], fresh_tree[:3])), "the new logits change the tree"
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_drop_in_never_synchronizes_without_the_value_check(monkeypatch):
+    monkeypatch.setenv(dropin.CHECK_ENV, "0")
+    logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
+    dropin.build_ddtree_tree(logits, 32, logits.device)  # prepared and compiled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tree = dropin.build_ddtree_tree(logits, 32, logits.device)
+        dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_launch_passes_sglangs_own_options_on(monkeypatch):
+    started = {}
+    monkeypatch.setattr(dropin.runpy, "run_module", lambda name, **kw: started.update(name=name, argv=list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delenv(dropin.INSTALL_ENV, raising=False)
+    assert dropin.main(["launch", "--model-path", "m", "--speculative-algorithm", "DDTREE"]) == 0
+    assert started == {"name": "sglang.launch_server",
+                       "argv": ["sglang.launch_server", "--model-path", "m", "--speculative-algorithm", "DDTREE"]}
+    assert os.environ[dropin.INSTALL_ENV] == "1"
+
+
+def test_a_device_that_is_not_one_is_refused():
+    with pytest.raises(ValueError, match="device: expected a torch device, got 'nonsense'"):
+        dropin.build_ddtree_tree(torch.zeros(1, 7, 50), 8, "nonsense")

@@ -256,3 +256,9 @@ def test_policies_check_their_parameters():
             build_tree(good, 4, policy=policy)
     with pytest.raises(ValueError, match="policy: the kernel builds the 'paper' policy"):
         prepare_build_launch(good, 4, policy="sglang")
+
+
+def test_sglang_layout_kernel_builds_only_the_sglang_and_paper_policies():
+    from kdtree_lib.tree_build import SGLangBuildLaunch
+    with pytest.raises(ValueError, match="policy: SGLang's layout is built for the 'sglang' and 'paper' policies"):
+        SGLangBuildLaunch(1, 7, 6, 32, 0, policy="spine_first", ids_int64=True)

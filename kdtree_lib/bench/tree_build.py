@@ -26,8 +26,9 @@ synchronised): "sglang" is SGLang's build_ddtree_tree + build_eagle_tree_format 
 source (--sglang-utils, never committed), "dropin" the same two calls of kdtree_lib.integrations.sglang
 (`matches_sglang`: its outputs equal SGLang's), "kdtree" the project's own stage, draft_topk then
 build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph; and the
-drop-in's parts: "dropin_topk" (its top-k on the device), "dropin_copy" (the top-k to the host),
-"dropin_host_build" (the sglang policy on the host).
+drop-in's parts: "dropin_topk" (its top-k on the device), "dropin_kernel" (its build kernel, in a CUDA
+graph), "dropin_graph" (its two calls in a CUDA graph); on a CPU "dropin_host_build" (the host build).
+Each path is called once before it is timed (compilation, prepared shapes).
 
     python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk,stage] [--sglang-utils PATH]
                                           [--results-dir DIR]
@@ -172,6 +173,9 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                          "kdtree": lambda: build_tree(draft_topk(logits, budget), budget)}
                 if sglang_utils is not None:
                     paths["sglang"] = lambda: sglang_path(sglang_utils)
+                for path in paths.values():  # first calls compile and prepare: not what a step pays
+                    path()
+                finish()
                 timings = {name: (wall_seconds(lambda: (path(), finish())), "wall") for name, path in paths.items()}
                 timings.update(_dropin_parts(logits, budget, finish))
                 if device == "cuda":
@@ -198,19 +202,33 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
 
 
 def _dropin_parts(logits, budget: int, finish) -> dict:
-    """Where the drop-in's time goes: its top-k on the logits' device, then its copy to the host, then
-    the host build of the sglang policy (the rest of its time is filling SGLang's output tensors)."""
+    """Where the drop-in's time goes. On a GPU: its top-k on the device ("dropin_topk", wall,
+    synchronised), its build kernel alone ("dropin_kernel", in a CUDA graph), and its two calls
+    (build_ddtree_tree, build_eagle_tree_format) replayed in a CUDA graph ("dropin_graph": what a
+    captured worker step pays). On the CPU: the top-k and the host build of the sglang policy."""
     import torch
     from ..draft_topk import torch_topk_logprobs
-    from ..integrations.sglang import policy_from_environment
+    from ..integrations import sglang as dropin
     batch, depth, vocab = (int(n) for n in logits.shape)
-    policy = policy_from_environment()
-    width = 1 if budget == depth else min(policy.width(budget, depth), vocab)
+    policy = dropin.policy_from_environment()
+    width = dropin.topk_width(policy, budget, depth, vocab)
     logp, ids = torch_topk_logprobs(logits, width)
-    host = DraftTopK(logp.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
-    return {"dropin_topk": (wall_seconds(lambda: (torch_topk_logprobs(logits, width), finish())), "wall"),
-            "dropin_copy": (wall_seconds(lambda: (logp.cpu(), ids.cpu())), "wall"),
-            "dropin_host_build": (wall_seconds(lambda: build_tree(host, budget, policy=policy, backend="numpy")), "wall")}
+    parts = {"dropin_topk": (wall_seconds(lambda: (torch_topk_logprobs(logits, width), finish())), "wall")}
+    if logits.device.type != "cuda":
+        host = DraftTopK(logp.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
+        parts["dropin_host_build"] = (wall_seconds(lambda: build_tree(host, budget, policy=policy, backend="numpy")),
+                                      "wall")
+        return parts
+    launch = dropin.prepared_build(logits, budget).launch
+    out = launch.allocate(logits)
+    parts["dropin_kernel"] = graph_seconds(lambda: launch(logp, ids, out))
+
+    def both_calls():
+        tree = dropin.build_ddtree_tree(logits, budget, logits.device)
+        return dropin.build_eagle_tree_format(tree[2], tree[5], budget + 1, logits.device)
+
+    parts["dropin_graph"] = graph_seconds(both_calls)
+    return parts
 
 
 # ----------------------------------------------------------------------------------------------

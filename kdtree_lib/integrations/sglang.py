@@ -1,75 +1,250 @@
 """A drop-in for SGLang's DDTree tree build (sgl-project/sglang, python/sglang/srt/speculative/ddtree_utils.py).
 
-`build_ddtree_tree` and `build_eagle_tree_format` take SGLang's arguments and return its tensors (same
-dtypes, shapes, node order and left-child/right-sibling arrays), element for element, under its
-defaults and its environment knobs (SGLANG_DDTREE_MAX_TOPK, SGLANG_DDTREE_DEPTH_BONUS; the defaults 6
-and 0.2 are those its source documents). They compute with kdtree_lib:
-- the draft top-k is the official formula in one batched torch call on the logits' device
-  (draft_topk.torch_topk_logprobs, what SGLang computes);
-- the tree is build_tree's "sglang" policy (tree_build.SGLangPolicy). The kernel builds only the paper's
-  policy, so this policy runs on the host from one copy of the small top-k, as SGLang's does;
-- the outputs are filled by whole-tensor copies, and the per-request child maps are built only when a
-  caller reads them;
-- the EAGLE-format conversion is torch ops on the parents' device, with no host synchronisation.
+Entry points, each with its SGLang original's arguments and outputs (same dtypes, shapes, node order,
+left-child/right-sibling arrays), element for element:
+- `build_ddtree_tree` and `build_eagle_tree_format`: SGLang main's, under its defaults and its
+  environment knobs (SGLANG_DDTREE_MAX_TOPK, SGLANG_DDTREE_DEPTH_BONUS; the defaults 6 and 0.2 are
+  those its source documents): the "sglang" policy (tree_build.SGLangPolicy);
+- `build_ddtree_tree_from_topk` (one request's [D, K] top-k log-probabilities and ids, and the budget)
+  and `pr29907_build_ddtree_tree` ([D, V] logits, budget): SGLang PR #29907's, the paper's heap in pop
+  order; `build_ddtree_tree_from_topk_batched` is its batched form on the GPU (padded tensors).
 
-Within kdtree_lib's limits (budget <= 1024, L <= 32) and on valid logits (no NaN or +inf, no row entirely
--inf: those raise a ValueError where SGLang would build from NaN weights) the outputs are SGLang's.
+On a CUDA device the path is: the draft top-k by the official formula in one batched torch call
+(draft_topk.torch_topk_logprobs, what SGLang computes), then one kernel (tree_build.SGLangBuildLaunch)
+that builds the policy's tree and writes SGLang's tensors (and the EAGLE arrays) on the GPU. Each shape
+(batch, depth, budget, vocab, dtype, device, knobs) is prepared once (`prepared_build`): a later call
+costs its launches. The per-request child maps are built on the host only when a caller reads them.
+Nothing on this path reads a device value, except the value check below; it is capturable in a CUDA
+graph (the check is skipped while capturing).
+
+Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes,
+devices, the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
+SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1): a ValueError naming
+the argument or knob. Values: NaN or +inf logits, or a row entirely -inf, make NaN log-probabilities
+(SGLang would build from NaN weights). The kernel flags such a request and builds its root alone;
+with KDTREE_SGLANG_CHECK_VALUES=1 (the default) the call then reads that flag (the one host
+synchronisation of the path, after the launches) and raises a ValueError naming draft_logits; with 0
+it reads nothing and the flagged requests get root-only trees (no speculation for them). On the CPU
+the build is kdtree's host reference (tree_build.build_tree, policy "sglang"), values checked first.
 
 `install()` patches SGLang's module (and every loaded module that imported these functions by name);
-`python -m kdtree_lib.integrations.sglang launch ARGS` starts SGLang's server with the patch in every
-worker process (README: "The SGLang drop-in on the box").
+`python -m kdtree_lib.integrations.sglang install|uninstall|status --site-packages DIR` makes every
+process of an environment patch it (a .pth file), `launch ARGS` starts SGLang's server with the patch
+in every worker process (README: "The SGLang drop-in on the box").
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import runpy
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from ..checks import check_array, check_positive_int
-from ..contracts import MAX_BUDGET, DraftTopK, unpack_mask
+from ..checks import check_positive_int
+from ..contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, DraftTopK, unpack_mask
 from ..draft_topk import LOGIT_DTYPES, torch_topk_logprobs
-from ..tree_build import SGLangPolicy, build_tree
+from ..tree_build import (PaperPolicy, SGLangBuildLaunch, EagleFormatLaunch, SGLangPolicy, best_first_pops,
+                          build_tree)
 
 SGLANG_MODULE = "sglang.srt.speculative.ddtree_utils"
-PATCHED_NAMES = ("build_ddtree_tree", "build_eagle_tree_format")
+MAIN_NAMES = ("build_ddtree_tree", "build_eagle_tree_format")  # SGLang main's ddtree_utils
+PR_NAMES = ("build_ddtree_tree", "build_ddtree_tree_from_topk")  # PR #29907's ddtree_utils
 INSTALL_ENV = "KDTREE_SGLANG_PATCH"  # "1": every process importing this module patches SGLang's build
+CHECK_ENV = "KDTREE_SGLANG_CHECK_VALUES"
 DEFAULT_MAX_TOPK = 6
 DEFAULT_DEPTH_BONUS = 0.2
+PREPARED_LIMIT = 64  # prepared shapes kept (a worker sees a handful: its batch sizes x one budget)
 
 
 def policy_from_environment() -> SGLangPolicy:
-    """SGLang's policy with its environment knobs applied, as its build reads them per call."""
-    return SGLangPolicy(max_topk=int(os.environ.get("SGLANG_DDTREE_MAX_TOPK", DEFAULT_MAX_TOPK)),
-                        depth_bonus=float(os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", DEFAULT_DEPTH_BONUS)))
+    """SGLang's policy with its environment knobs applied, as its build reads them per call; a knob
+    SGLang could not use (not an integer >= 1, not a finite number) is refused by name."""
+    raw_topk = os.environ.get("SGLANG_DDTREE_MAX_TOPK", str(DEFAULT_MAX_TOPK))
+    try:
+        max_topk = int(raw_topk)
+    except ValueError:
+        max_topk = 0
+    if max_topk < 1:
+        raise ValueError(f"SGLANG_DDTREE_MAX_TOPK: expected an integer >= 1, got {raw_topk!r}")
+    raw_bonus = os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", str(DEFAULT_DEPTH_BONUS))
+    try:
+        depth_bonus = float(raw_bonus)
+    except ValueError:
+        depth_bonus = math.nan
+    if not math.isfinite(depth_bonus):
+        raise ValueError(f"SGLANG_DDTREE_DEPTH_BONUS: expected a finite number, got {raw_bonus!r}")
+    # widths are at most budget // D + 1 <= MAX_BUDGET + 1 and ranks >= budget never pop: the cap changes nothing
+    return SGLangPolicy(max_topk=min(max_topk, MAX_TOPK), depth_bonus=depth_bonus)
+
+
+def check_values_from_environment() -> bool:
+    raw = os.environ.get(CHECK_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{CHECK_ENV}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 class ChildMaps(Sequence):
-    """SGLang's per-request child maps ({node: {token: child}} for every node), built on first read."""
+    """Per-request child maps, built on first read from the tree tensors (copied to the host then):
+    SGLang main's {node: {token: child}} for every node, or PR #29907's [ {token: child} ] by node
+    (as_list). node_tokens [B, budget] (node j + 1's token), parents [B, N], sizes [B]."""
 
-    def __init__(self, tokens: np.ndarray, parents: np.ndarray, n_nodes: np.ndarray):
-        self._tokens, self._parents, self._n_nodes = tokens, parents, n_nodes
-        self._maps: dict[int, dict[int, dict[int, int]]] = {}
+    def __init__(self, node_tokens, parents, sizes, *, as_list: bool = False):
+        self._tensors = (node_tokens, parents, sizes)
+        self._host = None
+        self._as_list = as_list
+        self._maps: dict[int, object] = {}
 
     def __len__(self) -> int:
-        return len(self._n_nodes)
+        return int(self._tensors[2].shape[0])
 
     def __getitem__(self, b):
         if isinstance(b, slice):
             return [self[i] for i in range(*b.indices(len(self)))]
         b = range(len(self))[b]
         if b not in self._maps:
-            n = int(self._n_nodes[b])
-            maps: dict[int, dict[int, int]] = {node: {} for node in range(n)}
+            if self._host is None:
+                self._host = tuple(np.asarray(t.cpu()) if hasattr(t, "cpu") else np.asarray(t) for t in self._tensors)
+            tokens, parents, sizes = self._host
+            n = int(sizes[b])
+            maps = [{} for _ in range(n)] if self._as_list else {node: {} for node in range(n)}
             for node in range(1, n):
-                maps[int(self._parents[b, node])][int(self._tokens[b, node])] = node
+                maps[int(parents[b, node])][int(tokens[b, node - 1])] = node
             self._maps[b] = maps
         return self._maps[b]
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks (metadata only: no device value is read)
+
+def _check_tensor(name: str, x, *, ndim: int, dtypes: tuple[str, ...]):
+    import torch
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    dtype = str(x.dtype).removeprefix("torch.")
+    if dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(dtypes)}, got {dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_depth(name: str, depth: int) -> None:
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"{name}: depth (draft positions) must be in 1..{MAX_DEPTH}, got {depth}")
+
+
+def _check_budget(name: str, budget) -> int:
+    budget = check_positive_int(name, budget)
+    if budget > MAX_BUDGET:
+        raise ValueError(f"{name}: at most {MAX_BUDGET} nodes, got {budget}")
+    return budget
+
+
+def _torch_device(device):
+    import torch
+    try:
+        return torch.device(device)
+    except (TypeError, RuntimeError) as error:
+        raise ValueError(f"device: expected a torch device, got {device!r}") from error
+
+
+def _same_device(tensor, device) -> bool:
+    return tensor.device.type == device.type and (device.index is None or device.index == tensor.device.index)
+
+
+INTEGER_DTYPES = ("int64", "int32")
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang main: build_ddtree_tree, build_eagle_tree_format
+
+class PreparedBuild:
+    """build_ddtree_tree's launches for one shape on one CUDA device: the top-k width, the kernel
+    prepared (SGLangBuildLaunch). A call: the top-k (torch), one kernel, outputs allocated fresh
+    (SGLang returns new tensors) or written into the caller's buffers."""
+
+    def __init__(self, batch: int, depth: int, vocab: int, budget: int, device_index: int, policy: SGLangPolicy):
+        self.budget = budget
+        self.topk = topk_width(policy, budget, depth, vocab)
+        self.launch = SGLangBuildLaunch(batch, depth, self.topk, budget, device_index, policy=policy, ids_int64=True,
+                                        links=False)
+
+    def __call__(self, draft_logits):
+        logp, ids = torch_topk_logprobs(draft_logits, self.topk)
+        return self.launch(logp, ids, self.launch.allocate(draft_logits))
+
+
+_PREPARED: dict[tuple, object] = {}
+
+
+def _prepared(key: tuple, make):
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        if len(_PREPARED) >= PREPARED_LIMIT:
+            _PREPARED.pop(next(iter(_PREPARED)))
+        prepared = _PREPARED[key] = make()
+    return prepared
+
+
+def _check_build_args(draft_logits, tree_budget):
+    """build_ddtree_tree's checks (metadata and knobs): (batch, depth, vocab, budget, policy)."""
+    _check_tensor("draft_logits", draft_logits, ndim=3, dtypes=LOGIT_DTYPES)
+    budget = _check_budget("tree_budget", tree_budget)
+    batch, depth, vocab = (int(n) for n in draft_logits.shape)
+    _check_depth("draft_logits", depth)
+    if vocab < 1:
+        raise ValueError(f"draft_logits: expected a vocabulary of at least 1 token, got shape {tuple(draft_logits.shape)}")
+    policy = policy_from_environment()
+    check_values_from_environment()
+    return batch, depth, vocab, budget, policy
+
+
+def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int:
+    """The candidates SGLang's build_ddtree_tree takes per position (1 on its spine fast path)."""
+    return 1 if budget == depth else min(policy.width(budget, depth), vocab)
+
+
+def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
+    """The prepared build for these logits' shape, budget and the knobs now (checked), made once."""
+    batch, depth, vocab, budget, policy = _check_build_args(draft_logits, tree_budget)
+    if draft_logits.device.type != "cuda":
+        raise ValueError(f"draft_logits: the kernel build needs a CUDA tensor, got device {draft_logits.device}")
+    key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, policy)
+    return _prepared(key, lambda: PreparedBuild(batch, depth, vocab, budget, draft_logits.device.index, policy))
+
+
+def _raise_if_flagged(bad, name: str) -> None:
+    """The value check's one host read (skipped while a CUDA graph is being captured)."""
+    import torch
+    if bad.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    flagged = np.flatnonzero(bad.cpu().numpy())
+    if flagged.size:
+        raise ValueError(f"{name}: request(s) {flagged.tolist()} hold NaN or +-inf values, or a row entirely -inf "
+                         "(their log-probabilities are not finite)")
+
+
+def _into(given, fresh, fill, name: str):
+    """SGLang's reuse of a caller's buffer: its first rows, filled, then the tree written; fresh when
+    `given` is None or holds fewer rows (as SGLang does)."""
+    batch = fresh.shape[0]
+    if given is None or given.shape[0] < batch:
+        return fresh
+    if tuple(given.shape[1:]) == tuple(fresh.shape[1:]):
+        return given[:batch].copy_(fresh)
+    if given.ndim != fresh.ndim or any(g < f for g, f in zip(given.shape[1:], fresh.shape[1:])):
+        raise ValueError(f"{name}: expected shape (>= {batch}, {', '.join(str(n) + '+' for n in fresh.shape[1:])}), "
+                         f"got {tuple(given.shape)}")
+    out = given[:batch].fill_(fill)
+    out[(slice(None),) + tuple(slice(0, n) for n in fresh.shape[1:])].copy_(fresh)
+    return out
 
 
 def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_ids=None, _out_node_depths=None,
@@ -77,49 +252,75 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
     """SGLang's build_ddtree_tree: draft logits [bs, L, V] -> (node_token_ids [bs, budget] int64,
     node_depths [bs, budget] int64, parents [bs, budget + 1] int64 (-1 root and padding), child_maps,
     visibility [bs, budget + 1, budget + 1] bool, actual_tree_sizes [bs] int64), on `device`;
-    the _out_* buffers are used when they hold at least bs rows, as SGLang's are."""
+    the _out_* buffers are used when they hold at least bs rows, as SGLang's are. Checks: the module's
+    docstring (the value check reads one flag per call on a GPU, KDTREE_SGLANG_CHECK_VALUES)."""
+    device = _torch_device(device)
+    if getattr(draft_logits, "device", None) is not None and getattr(draft_logits.device, "type", None) == "cuda":
+        prepared = prepared_build(draft_logits, tree_budget)
+        out = prepared(draft_logits)
+        if check_values_from_environment():
+            _raise_if_flagged(out["bad"], "draft_logits")
+        fresh = [out["node_tokens"], out["node_depths"], out["parents"], out["visibility"]]
+        sizes = out["sizes"]
+        if not _same_device(sizes, device):
+            fresh, sizes = [t.to(device) for t in fresh], sizes.to(device)
+    else:
+        fresh, sizes = _host_build(draft_logits, tree_budget, device)
+    names = ("_out_node_token_ids", "_out_node_depths", "_out_parents", "_out_visibility")
+    tokens, depths, parents, visibility = (_into(given, t, fill, name) for given, t, fill, name in
+                                           zip((_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility),
+                                               fresh, (0, 0, -1, False), names))
+    return tokens, depths, parents, ChildMaps(tokens, parents, sizes), visibility, sizes
+
+
+def _host_build(draft_logits, tree_budget, device):
+    """kdtree's host reference of the policy, in SGLang's layout (logits on the CPU; values checked)."""
     import torch
-    check_array("draft_logits", draft_logits, dtypes=LOGIT_DTYPES, ndim=3)
-    tree_budget = check_positive_int("tree_budget", tree_budget)
-    if tree_budget > MAX_BUDGET:
-        raise ValueError(f"tree_budget: at most {MAX_BUDGET} nodes, got {tree_budget}")
-    batch, depth, vocab = (int(n) for n in draft_logits.shape)
-    policy = policy_from_environment()
-    width = 1 if tree_budget == depth else min(policy.width(tree_budget, depth), vocab)
-    logp, ids = torch_topk_logprobs(draft_logits, width)
+    batch, depth, vocab, budget, policy = _check_build_args(draft_logits, tree_budget)
+    logp, ids = torch_topk_logprobs(draft_logits, topk_width(policy, budget, depth, vocab))
     draft = DraftTopK(logp=logp.cpu().numpy(), ids=ids.to(torch.int32).cpu().numpy())
     if not np.isfinite(draft.logp[..., 0]).all():
         raise ValueError("draft_logits: a row holds NaN or +inf, or is entirely -inf (its log-probabilities are NaN)")
-    tree = build_tree(draft, tree_budget, policy=policy, backend="numpy")
-    nodes = tree_budget + 1
-
-    def output(given, rows_shape, dtype, fill):
-        if given is None or given.shape[0] < batch:
-            return torch.full((batch,) + rows_shape, fill, dtype=dtype, device=device)
-        return given[:batch].fill_(fill)
-
-    node_token_ids = output(_out_node_token_ids, (tree_budget,), torch.long, 0)
-    node_depths = output(_out_node_depths, (tree_budget,), torch.long, 0)
-    parents = output(_out_parents, (nodes,), torch.long, -1)
-    visibility = output(_out_visibility, (nodes, nodes), torch.bool, False)
+    tree = build_tree(draft, budget, policy=policy, backend="numpy")
+    nodes = budget + 1
     live = np.arange(nodes)[None, :] < tree.n_nodes[:, None]                                  # (bs, N)
-    node_token_ids.copy_(torch.from_numpy(np.where(live[:, 1:], tree.tokens[:, 1:], 0).astype(np.int64)))
-    node_depths.copy_(torch.from_numpy(np.where(live[:, 1:], tree.depths[:, 1:], 0).astype(np.int64)))
-    parents.copy_(torch.from_numpy(tree.parents.astype(np.int64)))
-    ancestors = unpack_mask(tree.mask, nodes) & live[:, :, None] & live[:, None, :]            # (bs, N, N)
-    visibility.copy_(torch.from_numpy(ancestors))
-    actual_tree_sizes = torch.from_numpy(tree.n_nodes.astype(np.int64)).to(device)
-    return (node_token_ids, node_depths, parents, ChildMaps(tree.tokens, tree.parents, tree.n_nodes), visibility,
-            actual_tree_sizes)
+    tensors = [np.where(live[:, 1:], tree.tokens[:, 1:], 0).astype(np.int64),
+               np.where(live[:, 1:], tree.depths[:, 1:], 0).astype(np.int64),
+               tree.parents.astype(np.int64),
+               unpack_mask(tree.mask, nodes) & live[:, :, None] & live[:, None, :]]            # (bs, N, N)
+    return ([torch.from_numpy(np.ascontiguousarray(t)).to(device) for t in tensors],
+            torch.from_numpy(tree.n_nodes.astype(np.int64)).to(device))
 
 
 def build_eagle_tree_format(parents, actual_tree_sizes, draft_token_num: int, device):
     """SGLang's build_eagle_tree_format: parents [bs, max_nodes] (-1: none) and sizes [bs] ->
     (retrive_index, retrive_next_token, retrive_next_sibling), each int64 [bs, draft_token_num] on
     `device`: node k's global slot b * D + k, its first child, its next sibling (children in ascending
-    index order, -1 for none). Torch ops on the parents' device; nothing is read back to the host."""
+    index order, -1 for none). One kernel on a GPU (torch ops on the CPU); nothing is read back. A
+    size above min(draft_token_num, max_nodes) counts as that (SGLang's loop raises an IndexError)."""
     import torch
-    batch, width = int(parents.shape[0]), int(draft_token_num)
+    _check_tensor("parents", parents, ndim=2, dtypes=INTEGER_DTYPES)
+    _check_tensor("actual_tree_sizes", actual_tree_sizes, ndim=1, dtypes=INTEGER_DTYPES)
+    batch, columns = (int(n) for n in parents.shape)
+    if tuple(actual_tree_sizes.shape) != (batch,):
+        raise ValueError(f"actual_tree_sizes: expected shape ({batch},) (one size per row of parents), "
+                         f"got {tuple(actual_tree_sizes.shape)}")
+    width = check_positive_int("draft_token_num", draft_token_num)
+    device = _torch_device(device)
+    if parents.device.type == "cuda":
+        key = ("eagle", batch, columns, width, parents.device)
+        launch = _prepared(key, lambda: EagleFormatLaunch(batch, columns, width, parents.device.index))
+        outputs = launch(parents.to(torch.long).contiguous(),
+                         actual_tree_sizes.to(device=parents.device, dtype=torch.long).contiguous())
+    else:
+        outputs = _eagle_format_torch(parents, actual_tree_sizes, width)
+    return tuple(t if _same_device(t, device) else t.to(device) for t in outputs)
+
+
+def _eagle_format_torch(parents, actual_tree_sizes, width: int):
+    """The same arrays by torch ops on the parents' device (the host path)."""
+    import torch
+    batch = int(parents.shape[0])
     on = parents.device
     nodes = torch.arange(width, device=on)
     sizes = actual_tree_sizes.to(device=on, dtype=torch.long)[:, None]                         # (bs, 1)
@@ -138,24 +339,175 @@ def build_eagle_tree_format(parents, actual_tree_sizes, draft_token_num: int, de
     next_sibling = torch.full((batch, width), -1, dtype=torch.long, device=on)
     next_sibling.scatter_(1, order[:, :-1], torch.where(same_parent, order[:, 1:], -1))
     retrive_index = torch.arange(batch, device=on)[:, None] * width + nodes
-    return retrive_index.to(device), next_token.to(device), next_sibling.to(device)
+    return retrive_index, next_token, next_sibling
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang PR #29907: build_ddtree_tree_from_topk (one request), its batched form, its build_ddtree_tree
+
+def _empty_pr_tree():
+    """PR #29907's answer to budget <= 0 or a depth of 0: the root alone, on the host."""
+    import torch
+    visibility = torch.ones((1, 1), dtype=torch.bool)
+    return (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [-1], [dict()], visibility,
+            torch.full((1,), -1, dtype=torch.long), torch.full((1,), -1, dtype=torch.long))
+
+
+def _check_topk_pair(top_log_probs, top_token_ids, ndim: int):
+    _check_tensor("top_log_probs", top_log_probs, ndim=ndim, dtypes=("float32", "float16", "bfloat16", "float64"))
+    _check_tensor("top_token_ids", top_token_ids, ndim=ndim, dtypes=INTEGER_DTYPES)
+    if tuple(top_token_ids.shape) != tuple(top_log_probs.shape):
+        raise ValueError(f"top_token_ids: expected top_log_probs' shape {tuple(top_log_probs.shape)}, "
+                         f"got {tuple(top_token_ids.shape)}")
+    if top_token_ids.device != top_log_probs.device:
+        raise ValueError(f"top_token_ids: expected top_log_probs' device {top_log_probs.device}, got {top_token_ids.device}")
+    if top_log_probs.shape[-1] < 1:
+        raise ValueError(f"top_log_probs: expected at least one candidate per position, got shape {tuple(top_log_probs.shape)}")
+    if top_log_probs.shape[-1] > MAX_TOPK:
+        raise ValueError(f"top_log_probs: at most {MAX_TOPK} candidates per position, got {top_log_probs.shape[-1]}")
+
+
+def _pr_launch(batch: int, depth: int, topk: int, budget: int, logp, ids) -> SGLangBuildLaunch:
+    key = ("pr", batch, depth, topk, budget, ids.dtype, logp.device)
+    return _prepared(key, lambda: SGLangBuildLaunch(batch, depth, topk, budget, logp.device.index,
+                                                    policy=PaperPolicy(), ids_int64=ids.dtype.itemsize == 8,
+                                                    links=True, finite_all=True))
+
+
+def build_ddtree_tree_from_topk_batched(top_log_probs, top_token_ids, budget: int):
+    """PR #29907's build_ddtree_tree_from_topk for a batch, on the GPU, without reading anything back:
+    top_log_probs [B, D, K] (floating; sorted descending per position) and top_token_ids [B, D, K]
+    -> (node_token_ids [B, budget] int64, node_depths [B, budget] int64, parents [B, N] int64,
+    child_maps (per request, PR #29907's list by node, built on first read), visibility [B, N, N] bool,
+    retrieve_next_token [B, N] int64, retrieve_next_sibling [B, N] int64, tree_sizes [B] int64), N =
+    budget + 1. Request b's first tree_sizes[b] nodes (and budget columns) are what
+    build_ddtree_tree_from_topk returns for it; the rest is padding (0 tokens and depths, -1 parents
+    and links, False visibility). Values: every log-probability read must be finite (the PR would
+    build NaN weights from NaN, and pops -inf entries as nodes): checked as build_ddtree_tree's are
+    (KDTREE_SGLANG_CHECK_VALUES)."""
+    import torch
+    _check_topk_pair(top_log_probs, top_token_ids, ndim=3)
+    budget = _check_budget("budget", budget)
+    batch, depth, topk = (int(n) for n in top_log_probs.shape)
+    _check_depth("top_log_probs", depth)
+    if top_log_probs.device.type != "cuda":
+        raise ValueError(f"top_log_probs: the batched build runs on a CUDA device, got {top_log_probs.device}")
+    check_values = check_values_from_environment()
+    logp = top_log_probs.to(torch.float32).contiguous()
+    ids = top_token_ids.contiguous()
+    launch = _pr_launch(batch, depth, topk, budget, logp, ids)
+    out = launch(logp, ids, launch.allocate(logp))
+    if check_values:
+        _raise_if_flagged(out["bad"], "top_log_probs")
+    return (out["node_tokens"], out["node_depths"], out["parents"],
+            ChildMaps(out["node_tokens"], out["parents"], out["sizes"], as_list=True), out["visibility"],
+            out["next_token"], out["next_sibling"], out["sizes"])
+
+
+def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
+    """SGLang PR #29907's build_ddtree_tree_from_topk: one request's top_log_probs [D, K] and
+    top_token_ids [D, K] and the budget -> (node_token_ids [n] int64, node_depths [n] int64, parents
+    (a list of n + 1 ints, -1 first), child_maps (a list of n + 1 dicts {token: child}), visibility
+    [n + 1, n + 1] bool, retrieve_next_token [n + 1] int64, retrieve_next_sibling [n + 1] int64), host
+    tensors as the PR returns them; n <= budget nodes in pop order. budget <= 0 or D == 0 gives the
+    root alone, as the PR does. On a GPU it is the batched kernel for one request, then one copy to
+    the host (the outputs' lengths are the tree's: reading them back is the signature's); values
+    must be finite (a ValueError naming top_log_probs otherwise, always checked)."""
+    import torch
+    _check_topk_pair(top_log_probs, top_token_ids, ndim=2)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise ValueError(f"budget: expected an integer, got {budget!r}")
+    if budget <= 0 or top_log_probs.shape[0] == 0:
+        return _empty_pr_tree()
+    budget = _check_budget("budget", budget)
+    depth, topk = (int(n) for n in top_log_probs.shape)
+    _check_depth("top_log_probs", depth)
+    if top_log_probs.device.type == "cuda":
+        logp = top_log_probs.to(torch.float32).contiguous()[None]
+        ids = top_token_ids.contiguous()[None]
+        launch = _pr_launch(1, depth, topk, budget, logp, ids)
+        launch.links = True
+        out = launch(logp, ids, launch.allocate(logp))
+        host = {name: t[0].cpu() for name, t in out.items()}
+        if int(host["bad"]):
+            raise ValueError("top_log_probs: holds NaN or +-inf values (every log-probability read must be finite)")
+        n = int(host["sizes"])
+        parents = host["parents"][:n].tolist()
+        visibility = host["visibility"][:n, :n].clone()
+        tokens, depths = host["node_tokens"][: n - 1].clone(), host["node_depths"][: n - 1].clone()
+        next_token, next_sibling = host["next_token"][:n].clone(), host["next_sibling"][:n].clone()
+    else:
+        tokens, depths, parents, visibility, next_token, next_sibling = _host_pr_tree(top_log_probs, top_token_ids,
+                                                                                      budget)
+    child_maps = [dict() for _ in parents]
+    for node in range(1, len(parents)):
+        child_maps[parents[node]][int(tokens[node - 1])] = node
+    return tokens, depths, parents, child_maps, visibility, next_token, next_sibling
+
+
+def _host_pr_tree(top_log_probs, top_token_ids, budget: int):
+    """kdtree's host reference of PR #29907's tree: the paper's heap (tree_build.best_first_pops) over
+    min(budget, K) ranks, in pop order, and its derived arrays."""
+    import torch
+    width = min(budget, int(top_log_probs.shape[-1]))
+    logp = top_log_probs[:, :width].to(torch.float32).numpy()
+    ids = top_token_ids[:, :width].to(torch.long).numpy()
+    if not np.isfinite(logp).all():
+        raise ValueError("top_log_probs: holds NaN or +-inf values (every log-probability read must be finite)")
+    pops = best_first_pops(logp, budget)
+    n = len(pops) + 1
+    parents = [-1] + [parent for parent, _, _, _ in pops]
+    tokens = torch.tensor([int(ids[depth - 1, rank]) for _, depth, rank, _ in pops], dtype=torch.long)
+    depths = torch.tensor([depth for _, depth, _, _ in pops], dtype=torch.long)
+    visibility = torch.zeros((n, n), dtype=torch.bool)
+    next_token = torch.full((n,), -1, dtype=torch.long)
+    next_sibling = torch.full((n,), -1, dtype=torch.long)
+    visibility[0, 0] = True
+    last_child = {}
+    for node in range(1, n):
+        parent = parents[node]
+        visibility[node] = visibility[parent]
+        visibility[node, node] = True
+        if parent in last_child:
+            next_sibling[last_child[parent]] = node
+        else:
+            next_token[parent] = node
+        last_child[parent] = node
+    return tokens, depths, parents, visibility, next_token, next_sibling
+
+
+def pr29907_build_ddtree_tree(draft_logits, budget: int):
+    """SGLang PR #29907's build_ddtree_tree: one request's draft logits [D, V] and the budget -> what
+    build_ddtree_tree_from_topk returns for their top-min(budget, V) (the official formula)."""
+    _check_tensor("draft_logits", draft_logits, ndim=2, dtypes=LOGIT_DTYPES)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise ValueError(f"budget: expected an integer, got {budget!r}")
+    if budget <= 0 or draft_logits.shape[0] == 0:
+        return _empty_pr_tree()
+    budget = _check_budget("budget", budget)
+    if draft_logits.shape[-1] < 1:
+        raise ValueError(f"draft_logits: expected a vocabulary of at least 1 token, got shape {tuple(draft_logits.shape)}")
+    logp, ids = torch_topk_logprobs(draft_logits, min(budget, int(draft_logits.shape[-1])))
+    return build_ddtree_tree_from_topk(logp, ids, budget)
 
 
 def load_sglang_module(path):
-    """SGLang's ddtree_utils from a local copy of the file (tests and the benchmark compare with it; it is
-    never committed). Where SGLang is not installed, its `sglang.srt.environ` is stood in for by one that
-    reads the same two knobs with the defaults SGLang's source documents."""
+    """A local copy of SGLang's ddtree_utils.py (main's, or PR #29907's: tests and the benchmark compare
+    with it; it is never committed), loaded as a module. Where SGLang is not installed, its
+    `sglang.srt.environ` is stood in for by one that reads the same two knobs with the defaults
+    SGLang's source documents."""
     try:
         importlib.import_module("sglang.srt.environ")
     except ImportError:
         _stand_in_environ()
-    spec = importlib.util.spec_from_file_location("sglang_ddtree_utils_copy", path)
-    if spec is None:
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"sglang_ddtree_utils_copy_{abs(hash(str(path)))}", path)
+    if spec is None or not path.is_file():
         raise ValueError(f"path: not a Python file: {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not all(hasattr(module, name) for name in PATCHED_NAMES):
-        raise ValueError(f"path: {path} defines none or only some of {PATCHED_NAMES}")
+    if not any(all(hasattr(module, name) for name in names) for names in (MAIN_NAMES, PR_NAMES)):
+        raise ValueError(f"path: {path} defines neither {MAIN_NAMES} nor {PR_NAMES}")
     return module
 
 
@@ -183,16 +535,26 @@ def _stand_in_environ() -> None:
 # ----------------------------------------------------------------------------------------------
 # patching a worker
 
+def replacements(module) -> dict[str, object]:
+    """This module's functions for the names SGLang's `module` defines: PR #29907's flavour (it has
+    build_ddtree_tree_from_topk, and its build_ddtree_tree takes one request) or main's."""
+    if hasattr(module, "build_ddtree_tree_from_topk"):
+        mine = {"build_ddtree_tree": pr29907_build_ddtree_tree, "build_ddtree_tree_from_topk": build_ddtree_tree_from_topk}
+    else:
+        mine = {"build_ddtree_tree": build_ddtree_tree, "build_eagle_tree_format": build_eagle_tree_format}
+    return {name: function for name, function in mine.items() if hasattr(module, name)}
+
+
 def install(*modules) -> list[tuple[object, str, object]]:
-    """Replace SGLang's build_ddtree_tree and build_eagle_tree_format with these, in `modules` (default:
-    SGLang's ddtree_utils) and in every loaded sglang module that imported them by name. Returns the
-    (module, name, original) replaced, for uninstall."""
+    """Replace SGLang's tree builds with these, in `modules` (default: SGLang's ddtree_utils) and in
+    every loaded sglang module that imported them by name. Returns the (module, name, original)
+    replaced, for uninstall; installing twice replaces nothing."""
     if not modules:
         modules = (importlib.import_module(SGLANG_MODULE),)
-    mine = {name: globals()[name] for name in PATCHED_NAMES}
-    originals = {name: getattr(modules[0], name) for name in PATCHED_NAMES if hasattr(modules[0], name)}
+    mine = replacements(modules[0])
+    originals = {name: getattr(modules[0], name) for name in mine}
     if not originals:
-        raise ValueError(f"modules: {modules[0].__name__} holds none of {PATCHED_NAMES}")
+        raise ValueError(f"modules: {modules[0].__name__} holds none of {MAIN_NAMES + PR_NAMES[1:]}")
     loaded = [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]
     replaced = []
     for module in {id(m): m for m in list(modules) + loaded}.values():
@@ -213,7 +575,11 @@ def uninstall(replaced: list[tuple[object, str, object]]) -> None:
 def is_installed(module=None) -> bool:
     """Whether SGLang's module (or `module`) now holds these functions."""
     module = importlib.import_module(SGLANG_MODULE) if module is None else module
-    return all(getattr(module, name, None) is globals()[name] for name in PATCHED_NAMES)
+    mine = {"build_ddtree_tree": (build_ddtree_tree, pr29907_build_ddtree_tree),
+            "build_eagle_tree_format": (build_eagle_tree_format,),
+            "build_ddtree_tree_from_topk": (build_ddtree_tree_from_topk,)}
+    present = [name for name in mine if hasattr(module, name)]
+    return bool(present) and all(getattr(module, name) in mine[name] for name in present)
 
 
 class _PatchOnImport:
@@ -253,17 +619,108 @@ if os.environ.get(INSTALL_ENV) == "1":
     patch_on_import()
 
 
+# ----------------------------------------------------------------------------------------------
+# an environment's every process: a .pth file in its site-packages
+
+PTH_NAME = "zz_kdtree_sglang_dropin.pth"  # after an editable install's own .pth (site reads them sorted)
+PTH_MARK = "# kdtree_lib.integrations.sglang: SGLang's DDTree build is kdtree_lib's in every process"
+
+
+def pth_text() -> str:
+    """The .pth file: this checkout's root on sys.path, then one line that patches SGLang's module when
+    it is imported (site executes lines that start with `import`). A failure never stops a process:
+    it prints one line and SGLang runs unpatched. KDTREE_SGLANG_PATCH=0 turns it off for one process."""
+    root = Path(__file__).resolve().parents[2]
+    hook = ("import os, sys; exec(\"if os.environ.get('KDTREE_SGLANG_PATCH') != '0':\\n try:\\n"
+            "  from kdtree_lib.integrations.sglang import patch_on_import; patch_on_import()\\n"
+            " except Exception as error:\\n"
+            "  print(f'kdtree: SGLang patch not active: {error}', file=sys.stderr)\")")
+    return f"{PTH_MARK}\n{root}\n{hook}\n"
+
+
+def site_packages_dir(path) -> Path:
+    """`path` if it is a site-packages folder holding SGLang (its ddtree_utils module), else a ValueError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"--site-packages: not a folder: {path}")
+    if path.name not in ("site-packages", "dist-packages"):
+        raise ValueError(f"--site-packages: expected a site-packages (or dist-packages) folder, got {path}")
+    module = path / Path(*SGLANG_MODULE.split(".")).with_suffix(".py")
+    if not module.is_file():
+        raise ValueError(f"--site-packages: {path} holds no SGLang DDTree module ({module.relative_to(path)})")
+    return path
+
+
+def install_pth(site_packages) -> str:
+    """Write the .pth file (idempotent); returns what was done."""
+    folder = site_packages_dir(site_packages)
+    target, text = folder / PTH_NAME, pth_text()
+    if target.is_file() and target.read_text() == text:
+        return f"already installed: {target}"
+    temporary = target.with_suffix(".tmp")
+    temporary.write_text(text)
+    temporary.replace(target)
+    return f"installed: {target} (restart the service: every new process patches {SGLANG_MODULE})"
+
+
+def uninstall_pth(site_packages) -> str:
+    """Remove the .pth file if it is this module's (idempotent)."""
+    folder = site_packages_dir(site_packages)
+    target = folder / PTH_NAME
+    if not target.exists():
+        return f"not installed: {folder} (nothing to remove)"
+    if not target.read_text().startswith(PTH_MARK):
+        raise ValueError(f"--site-packages: {target} was not written by this tool; left in place")
+    target.unlink()
+    return f"uninstalled: removed {target} (restart the service to run SGLang's own build)"
+
+
+def pth_status(site_packages) -> tuple[bool, str]:
+    """(installed, one line): whether the .pth file is there and current, and which SGLang flavour
+    (main's or PR #29907's functions) its module defines."""
+    folder = site_packages_dir(site_packages)
+    target = folder / PTH_NAME
+    source = (folder / Path(*SGLANG_MODULE.split(".")).with_suffix(".py")).read_text(errors="replace")
+    flavour = ("PR #29907's (build_ddtree_tree_from_topk)" if "def build_ddtree_tree_from_topk" in source
+               else "main's (build_ddtree_tree, build_eagle_tree_format)")
+    if not target.is_file():
+        return False, f"not installed in {folder}; its SGLang module is {flavour}"
+    current = target.read_text() == pth_text()
+    state = "installed" if current else "installed from another checkout or version (run install again)"
+    return current, (f"{state}: {target}; its SGLang module is {flavour}; each process that loads it logs "
+                     "'kdtree: SGLang's DDTree build is kdtree_lib's in process <pid>'")
+
+
 def main(argv=None) -> int:
-    """python -m kdtree_lib.integrations.sglang launch SGLANG_ARGS...: sglang.launch_server with the
-    patch in this process and in every worker it starts (they inherit KDTREE_SGLANG_PATCH=1)."""
-    parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("launch",))
-    parser.add_argument("sglang_args", nargs=argparse.REMAINDER)
+    """python -m kdtree_lib.integrations.sglang install|uninstall|status --site-packages DIR, or
+    launch SGLANG_ARGS... (sglang.launch_server with the patch in this process and every worker)."""
+    parser = argparse.ArgumentParser(description="SGLang's DDTree tree build replaced by kdtree_lib's")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("install", "patch every process of the environment (a .pth file)"),
+                            ("uninstall", "remove that .pth file"), ("status", "say whether it is installed")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--site-packages", required=True, help="the service environment's site-packages")
+    commands.add_parser("launch", help="sglang.launch_server with the patch (every later argument passed on)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # SGLang's options are its own: not parsed here
+        os.environ[INSTALL_ENV] = "1"
+        patch_on_import()
+        sys.argv = ["sglang.launch_server"] + argv[1:]
+        runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+        return 0
     args = parser.parse_args(argv)
-    os.environ[INSTALL_ENV] = "1"
-    patch_on_import()
-    sys.argv = ["sglang.launch_server"] + args.sglang_args
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    try:
+        if args.command == "install":
+            print(install_pth(args.site_packages))
+        elif args.command == "uninstall":
+            print(uninstall_pth(args.site_packages))
+        else:
+            installed, line = pth_status(args.site_packages)
+            print(line)
+            return 0 if installed else 3
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -37,6 +37,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_service(args) -> Service:
     """The pair, tokenizer and engine the arguments name."""
     dtype = DTYPES[args.dtype]
+    if args.tokenizer is not None and not any((args.tokenizer / file).is_file()
+                                              for file in (TIKTOKEN_FILE, "tokenizer.json")):
+        raise ValueError(f"--tokenizer: neither {TIKTOKEN_FILE} nor tokenizer.json in {args.tokenizer}")
     if args.random_pair:
         tokenizer_folder = args.tokenizer or TOKENIZER_PATH.parent
         tokenizer = load_text_tokenizer(tokenizer_folder)
@@ -44,13 +47,16 @@ def build_service(args) -> Service:
                                       draft_sharpness=args.draft_sharpness)
         name, reported = "random-pair", {"model_path": None, "speculative_draft_model_path": None}
     else:
+        for flag, folder in (("--target", args.target), ("--drafter", args.drafter)):
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"{flag}: no checkpoint at {folder} (its config.json is missing)")
         tokenizer_folder = args.tokenizer or args.target
         has_tokenizer = any((tokenizer_folder / file).is_file() for file in (TIKTOKEN_FILE, "tokenizer.json"))
+        target, drafter = load_pair(args.target, args.drafter, device=args.device, dtype=dtype)
         tokenizer = load_text_tokenizer(tokenizer_folder) if has_tokenizer else None
         if tokenizer is None:
             print(f"no {TIKTOKEN_FILE} or tokenizer.json in {tokenizer_folder}: serving token-id prompts only",
                   file=sys.stderr)
-        target, drafter = load_pair(args.target, args.drafter, device=args.device, dtype=dtype)
         name = args.target.name
         reported = {"model_path": str(args.target), "speculative_draft_model_path": str(args.drafter)}
     eos = target.config.eos_token_id
@@ -111,9 +117,16 @@ def device(text: str) -> str:
     return text
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A refused argument is one line on stderr (argparse would print its usage first), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None) -> int:
     target, drafter = stand_in_paths()
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.serve", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m kdtree_lib.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=Path, default=target, help="target checkpoint folder (default: the stand-in)")
     parser.add_argument("--drafter", type=Path, default=drafter, help="DFlash drafter folder (default: the stand-in's)")
     parser.add_argument("--random-pair", action="store_true", help="serve the tiny random pair instead (no files)")

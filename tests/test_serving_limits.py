@@ -40,9 +40,10 @@ class CharTokenizer:
     `held`, encode waits until the test releases it, after saying it has started."""
 
     def __init__(self, held: bool = False):
-        self.held, self.entered, self.release = held, threading.Event(), threading.Event()
+        self.held, self.entered, self.release, self.calls = held, threading.Event(), threading.Event(), 0
 
     def encode(self, text: str) -> list[int]:
+        self.calls += 1
         self.entered.set()
         if self.held and not self.release.wait(WAIT_S):
             raise RuntimeError("the test never released the tokenizer")
@@ -149,6 +150,30 @@ def test_the_longest_prompt_is_configurable_and_refused_by_name():
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         make_service(max_prompt_tokens=CONTEXT)
     assert make_service().max_prompt_tokens == CONTEXT - 1, "the default leaves room for one new token"
+
+
+class VocabTokenizer(CharTokenizer):
+    """With a vocabulary whose longest token decodes to 2 bytes ("é"), so the server can bound a
+    text's token count from its length."""
+    vocab_size = 60
+
+    def decode(self, ids) -> str:
+        return "".join("é" if i == 7 else "a" for i in ids)
+
+
+def test_a_text_no_tokenisation_could_fit_is_refused_before_tokenising():
+    tokenizer = VocabTokenizer()
+    service = make_service(tokenizer=tokenizer, max_prompt_tokens=8)
+    assert service.max_token_bytes == 3, "2 bytes, + 1 for a leading space a lone decode may drop"
+    with serving(service) as url:
+        unread = httpx.post(url + "/generate", json={"text": "x" * 25}, timeout=WAIT_S)
+        assert unread.status_code == 400 and "25 bytes of text" in unread.text and "max_prompt_tokens (8" in unread.text
+        assert tokenizer.calls == 0, "a text longer than 8 tokens of 3 bytes can hold is not tokenised"
+        counted = httpx.post(url + "/generate", json={"text": "x" * 24}, timeout=WAIT_S)
+        assert counted.status_code == 400 and "24 tokens, more than" in counted.text and tokenizer.calls == 1
+        fits = httpx.post(url + "/generate", json={"text": "x" * 8, "sampling_params": {"max_new_tokens": 1}},
+                          timeout=WAIT_S)
+        assert fits.status_code == 200 and tokenizer.calls == 2
 
 
 def test_a_client_that_leaves_during_prefill_stops_the_prefill():

@@ -17,7 +17,8 @@ Endpoints (SGLang's request and response fields):
 
 One client cannot stall the others: the event loop only moves bytes and queues. A request's prompt is
 checked and tokenised in a thread pool (both tokenizers release the interpreter lock while they
-encode), prompts longer than `max_prompt_tokens` are refused, a body larger than `max_body_bytes` is
+encode), prompts longer than `max_prompt_tokens` are refused (a text longer than that many of the
+vocabulary's longest tokens before it is tokenised), a body larger than `max_body_bytes` is
 read to its end and discarded, then answered 413, a connection that has not sent its headers within
 `header_timeout_s` is closed, and a request whose client leaves is cancelled (see serving.engine).
 Bad input gets a 4xx with a JSON message naming the field, a full queue a 503; a failed batch answers
@@ -101,6 +102,7 @@ class Service:
         self.header_timeout_s = float(header_timeout_s)
         self.stop_tokens = stop_tokens
         self.vocab = engine.target.config.vocab_size
+        self.max_token_bytes = longest_token_bytes(tokenizer)
         self.reported = dict(reported or {})
         self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kdtree-tokenize")
 
@@ -131,9 +133,13 @@ class Service:
                 raise RequestError("this server has no tokenizer: send token ids (input_ids, or a list of ids as "
                                    "prompt)")
             try:
-                prompt.encode("utf-8")
+                size = len(prompt.encode("utf-8"))
             except UnicodeEncodeError as err:
                 raise RequestError(f"prompt: not valid Unicode text ({err.reason} at character {err.start})") from None
+            if self.max_token_bytes is not None and size > self.max_prompt_tokens * self.max_token_bytes:
+                raise RequestError(f"prompt: {size} bytes of text, more than this server's max_prompt_tokens "
+                                   f"({self.max_prompt_tokens}; python -m kdtree_lib.serve --max-prompt-tokens) "
+                                   f"tokens of at most {self.max_token_bytes} bytes can hold")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
@@ -178,6 +184,18 @@ class Service:
             raise RequestError(f"max_new_tokens: the input ({len(ids)} tokens) plus {max_new_tokens} new tokens "
                                f"exceed the model's context length ({self.context_length} tokens)")
         return Job(rid or uuid.uuid4().hex, ids, Sampling(max_new_tokens, float(temperature), tuple(stops)))
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most UTF-8 bytes one token of the vocabulary stands for, bounded from its decoding alone
+    (None: a tokenizer without a vocab_size). A text of more bytes than max_prompt_tokens times this
+    is too long before it is tokenised. A token holding part of a character decodes to U+FFFD, 3
+    bytes, never fewer than the 1-3 bytes it stands for; + 1 for a decoder that drops a token's
+    leading space when it decodes alone (SentencePiece's "▁")."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    return 1 + max(len(tokenizer.decode([i]).encode("utf-8", "surrogatepass")) for i in range(size))
 
 
 def _finite(value: int | float) -> bool:

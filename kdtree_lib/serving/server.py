@@ -55,7 +55,7 @@ import tornado.web
 from .. import __version__
 from ..decode import MAX_STOP_TOKENS
 from ..paths import REPO_ROOT
-from .engine import Engine, EngineSettings, Job, RequestError, Sampling  # noqa: F401 (the server's names for them)
+from .engine import Engine, Job, RequestError, Sampling
 
 READY_LINE = "kdtree server listening on"   # the line `running_server` waits for, then the URL
 MAX_BODY_BYTES = 16 * 2**20                 # a larger body gets 413
@@ -97,7 +97,7 @@ class Service:
             raise ValueError(f"max_prompt_tokens: {max_prompt_tokens} leaves no room for a new token in the context "
                              f"length {context_length}")
         self.max_body_bytes = _positive_int("max_body_bytes", max_body_bytes)
-        if not (isinstance(header_timeout_s, (int, float)) and math.isfinite(header_timeout_s) and header_timeout_s > 0):
+        if not (isinstance(header_timeout_s, (int, float)) and _finite(header_timeout_s) and header_timeout_s > 0):
             raise ValueError(f"header_timeout_s: expected a finite number of seconds > 0, got {header_timeout_s!r}")
         self.header_timeout_s = float(header_timeout_s)
         self.stop_tokens = stop_tokens
@@ -168,9 +168,8 @@ class Service:
             raise RequestError(f"temperature: expected a finite number >= 0, got {shown(temperature)}")
         if not isinstance(ignore_eos, bool):
             raise RequestError(f"ignore_eos: expected true or false, got {shown(ignore_eos)}")
-        if stop_token_ids is not None and not (
-                isinstance(stop_token_ids, list)
-                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab for t in stop_token_ids)):
+        if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab for t in stop_token_ids)):
             raise RequestError(f"stop_token_ids: expected a list of token ids in 0..{self.vocab - 1}, got "
                                f"{shown(stop_token_ids)}")
         stops = sorted(set(stop_token_ids or []) | (set() if ignore_eos else set(self.stop_tokens)))

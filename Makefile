@@ -47,12 +47,16 @@ test: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) -m kdtree_lib.notebooks $(ARGS)
 
-# interactive use (notebook 01's explorer needs a live kernel): JupyterLab joins the same .venv and kernel
+# interactive use (the explorers of notebooks 01 and 13 need a live kernel): JupyterLab joins the same .venv
+# and kernel. Jupyter refuses to start as root unless told, and containers run as root.
+LAB_UID ?= $(shell id -u)
+LAB_ROOT := $(if $(filter 0,$(LAB_UID)),--allow-root)
+
 $(VENV)/bin/jupyter-lab: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[notebooks]"
 
 lab: $(VENV)/bin/jupyter-lab
-	$(VENV)/bin/jupyter-lab --notebook-dir=notebooks $(ARGS)
+	$(VENV)/bin/jupyter-lab --notebook-dir=notebooks $(LAB_ROOT) $(ARGS)
 
 check-notebooks-clean: $(STAMP)
 	$(PY) -m kdtree_lib.notebooks --check-clean

@@ -241,6 +241,18 @@ def decoder_capacity(prompts, max_new_tokens: int, nodes: int, depth: int) -> in
     return -(-needed // CAPACITY_ROUND) * CAPACITY_ROUND
 
 
+def committed_tokens(out: np.ndarray, out_len: np.ndarray, max_new_tokens: int, stop_tokens) -> list[np.ndarray]:
+    """Each request's new tokens as generate returns them, from a Decoder's `out` [B, W] and `out_len`
+    [B] on the host: at most max_new_tokens, through the first stop token (a round commits its whole
+    accepted run, which may go on past a stop; the serving engine cuts its streamed rounds here too)."""
+    tokens = []
+    for row, length in zip(out, out_len):
+        new = row[:min(int(length), max_new_tokens)]
+        hits = np.flatnonzero(np.isin(new, stop_tokens)) if len(stop_tokens) else []
+        tokens.append(new[:hits[0] + 1] if len(hits) else new)
+    return tokens
+
+
 def _stop_list(stop_tokens, vocab: int) -> tuple[int, ...]:
     stops = tuple(int(t) for t in stop_tokens)
     if len(stops) > MAX_STOP_TOKENS:
@@ -512,12 +524,8 @@ class Decoder:
         # copies: on a CPU, .cpu() returns the decoder's own buffers, which the next call overwrites
         out, out_len = self.out.cpu().numpy().copy(), self.out_len.cpu().numpy().copy()
         per_round = self.accepted[:, :min(rounds, self.accepted.shape[1])].cpu().numpy().copy()
-        tokens, acceptance = [], []
-        for b in range(self.batch):
-            new = out[b, :min(int(out_len[b]), max_new_tokens)]
-            hits = np.flatnonzero(np.isin(new, stop_tokens)) if stop_tokens else []
-            tokens.append(new[: hits[0] + 1] if len(hits) else new)
-            acceptance.append(per_round[b][per_round[b] > 0])
+        tokens = committed_tokens(out, out_len, max_new_tokens, stop_tokens)
+        acceptance = [rounds_of[rounds_of > 0] for rounds_of in per_round]
         return DecodeResult(tokens=tokens, acceptance=acceptance, method=self.method, budget=self.budget,
                             batch=self.batch, backend=self.backend, cuda_graph=cuda_graph, rounds=rounds, **times)
 

@@ -18,7 +18,8 @@ from kdtree_lib.decode import generate
 from kdtree_lib.pairs import random_pair
 from kdtree_lib.results import read_rows
 from kdtree_lib.serving import client
-from kdtree_lib.serving.server import Engine, EngineSettings, RequestError, Service, running_server
+from kdtree_lib.serving.engine import Engine, EngineSettings, RequestError
+from kdtree_lib.serving.server import Service, running_server
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
 SHARPNESS, BUDGET, MAX_BATCH = 0.3, 32, 4
@@ -137,7 +138,9 @@ def test_streaming_endpoints_give_ttft_and_tpot(server, tmp_path):
 def test_bad_input_gets_a_4xx_with_a_message_and_the_server_keeps_serving(server):
     url = server.url
     cases = [("/generate", b"{not json", "malformed JSON"),
-             ("/generate", json.dumps({"input_ids": [1] * (CONTEXT + 10)}).encode(), "context length"),
+             ("/generate", json.dumps({"input_ids": [1] * (CONTEXT + 10)}).encode(), "max_prompt_tokens (2047"),
+             ("/generate", json.dumps({"input_ids": [1] * 40, "sampling_params": {"max_new_tokens": CONTEXT - 39}}
+                                      ).encode(), "context length (2048"),
              ("/generate", json.dumps({"text": "ab", "top_p": 0.5}).encode(), "unknown parameter(s) top_p"),
              ("/generate", json.dumps({"text": "ab", "sampling_params": {"top_k": 3}}).encode(),
               "unknown parameter(s) top_k"),

@@ -1,6 +1,6 @@
-"""This engine served over HTTP with SGLang's endpoints and response fields, so that the client that
-benchmarks a live SGLang service can be tested against a real server process, and either pair can be
-served.
+"""The serving engine (`serving.engine`) over HTTP with SGLang's endpoints and response fields, so that
+the client that benchmarks a live SGLang service can be tested against a real server process, and
+either pair can be served.
 
     python -m kdtree_lib.serve --method ddtree --budget 32 --port 30000          # the stand-in pair
     python -m kdtree_lib.serve --target PATH --drafter PATH --device cuda ...     # another pair, by path
@@ -15,22 +15,25 @@ Endpoints (SGLang's request and response fields):
     GET|POST /flush_cache        SGLang's cache flush (this server keeps no prefix cache between requests)
     GET  /health, /v1/models
 
-Requests wait in a queue. The engine takes up to `max_batch` waiting requests with the same sampling
-settings (temperature, max_new_tokens, stop tokens) into one decode batch and runs it in a worker
-thread round by round with the decode loop's own Decoder (prefill, then `step` until every request
-is done), streaming each round's tokens back. So at T = 0 every request's tokens and acceptance are
-what `decode.generate` gives for its prompt, whatever its batch (at T > 0 each batch samples with a
-seed of its own). A request whose client goes away is cancelled: its row runs on with its batch (the
-shapes are fixed) but nothing is sent, and a batch whose requests are all gone stops. Bad input gets
-a 4xx with a message, a full queue a 503; a failed batch answers each of its requests with a 500.
+One client cannot stall the others: the event loop only moves bytes and queues. A request's prompt is
+checked and tokenised in a thread pool (both tokenizers release the interpreter lock while they
+encode), prompts longer than `max_prompt_tokens` are refused (a text longer than that many of the
+vocabulary's longest tokens before it is tokenised), a body larger than `max_body_bytes` is
+read to its end and discarded, then answered 413, a connection that has not sent its headers within
+`header_timeout_s` is closed, and a request whose client leaves is cancelled (see serving.engine).
+Bad input gets a 4xx with a JSON message naming the field, a full queue a 503; a failed batch answers
+each of its requests with a 500.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import math
 import os
 import queue
+import reprlib
 import signal
 import subprocess
 import sys
@@ -38,217 +41,41 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import tornado.httpserver
 import tornado.iostream
 import tornado.netutil
 import tornado.web
 
 from .. import __version__
-from ..decode import (MAX_STOP_TOKENS, METHODS, Decoder, check_pair, decoder_capacity, resolve_backend,
-                      step_shape)
+from ..decode import MAX_STOP_TOKENS
 from ..paths import REPO_ROOT
+from .engine import Engine, Job, RequestError, Sampling
 
 READY_LINE = "kdtree server listening on"   # the line `running_server` waits for, then the URL
-MAX_BODY_BYTES = 16 * 2**20
+MAX_BODY_BYTES = 16 * 2**20                 # a larger body gets 413
+DISCARD_BYTES = 256 * 2**20                 # an over-limit body up to this is read and dropped before the 413
+HEADER_TIMEOUT_S = 30.0                     # a connection's request headers must arrive within this
+MAX_PROMPT_TOKENS = 2048                    # a CPU prefills ~60 tokens/s of the stand-in: longer prompts stall a batch
+TOKENIZER_THREADS = 2
 DEFAULT_MAX_NEW_TOKENS = 128                # SGLang's default when sampling_params name none
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid"}
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "ignore_eos", "stop_token_ids"}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "stream", "stream_options", "ignore_eos",
                      "stop_token_ids", "n"}
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt"}) | {"messages", "max_completion_tokens"}
+_SHOWN = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 40, 40, 6, 4
 
 
-class RequestError(ValueError):
-    """Bad input: answered with `status` (4xx) and the message."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-# ----------------------------------------------------------------------------------------------
-# the engine: a queue, decode batches, a worker thread
-
-@dataclass(frozen=True)
-class Sampling:
-    """What one decode batch shares."""
-    max_new_tokens: int
-    temperature: float
-    stop_tokens: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class Job:
-    """One request in the engine; `updates` receives ("tokens", ids), then ("done", meta_info) or ("error", text)."""
-    rid: str
-    prompt: np.ndarray
-    sampling: Sampling
-    updates: asyncio.Queue
-    created: float = field(default_factory=time.time)
-    cancelled: bool = False
-
-
-@dataclass
-class EngineSettings:
-    method: str = "ddtree"
-    budget: int = 32
-    max_batch: int = 8          # requests per decode batch
-    max_queue: int = 256        # waiting requests beyond this get a 503
-    batch_wait_s: float = 0.005  # how long a new request waits for others to share its batch
-    backend: str = "auto"
-
-
-class Engine:
-    """Batches queued requests and decodes them with the project's Decoder in one worker thread."""
-
-    def __init__(self, target, drafter, settings: EngineSettings):
-        if settings.method not in METHODS:
-            raise ValueError(f"method: expected one of {METHODS}, got {settings.method!r}")
-        if settings.method != "ar":
-            check_pair(target, drafter)
-        self.target, self.drafter, self.settings = target, drafter if settings.method != "ar" else None, settings
-        self.backend = resolve_backend(settings.backend, target)
-        self.depth = drafter.config.draft_depth if self.drafter is not None else 0
-        self.step_budget, self.nodes = step_shape(settings.method, settings.budget, self.depth)  # as generate
-        self.waiting: deque[Job] = deque()
-        self.running = 0
-        self.finished = 0
-        self.cancelled = 0
-        self.batches = 0
-        self.tokens_served = 0
-        self.rounds_served = 0
-        self._wakeup: asyncio.Event | None = None
-        self._stopping = False
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kdtree-decode")
-
-    def submit(self, job: Job) -> None:
-        if len(self.waiting) >= self.settings.max_queue:
-            raise RequestError(f"server busy: {len(self.waiting)} requests waiting (max_queue)", status=503)
-        self.waiting.append(job)
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    def states(self) -> dict:
-        """Queue counts and the mean acceptance so far (what /get_server_info reports)."""
-        return {"waiting": sum(not job.cancelled for job in self.waiting), "running": self.running,
-                "finished": self.finished, "cancelled": self.cancelled,
-                "avg_spec_accept_length": self.tokens_served / self.rounds_served if self.rounds_served else None}
-
-    async def run(self) -> None:
-        """The scheduler: take a batch, decode it in the worker thread, repeat."""
-        loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
-        while not self._stopping:
-            if not self.waiting:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                await asyncio.sleep(self.settings.batch_wait_s)
-            batch = self._take_batch()
-            if not batch:
-                continue
-            self.running = len(batch)
-            try:
-                await loop.run_in_executor(self._executor, self._decode, batch, loop)
-            finally:
-                self.running = 0
-                self.finished += len(batch)
-
-    def stop(self) -> None:
-        """Stop after the current round; the worker thread ends with it."""
-        self._stopping = True
-        if self._wakeup is not None:
-            self._wakeup.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def _take_batch(self) -> list[Job]:
-        """The oldest live request and up to max_batch - 1 more with its sampling settings."""
-        live = [job for job in self.waiting if not job.cancelled]
-        self.cancelled += len(self.waiting) - len(live)
-        if not live:
-            self.waiting.clear()
-            return []
-        batch = [job for job in live if job.sampling == live[0].sampling][:self.settings.max_batch]
-        taken = set(map(id, batch))
-        self.waiting = deque(job for job in live if id(job) not in taken)
-        return batch
-
-    @torch.no_grad()
-    def _decode(self, batch: list[Job], loop) -> None:
-        """Prefill, then rounds until every request is done; each round's new tokens go out as they come."""
-        started = time.time()
-        sampling = batch[0].sampling
-        prompts = [job.prompt for job in batch]
-        try:
-            decoder = Decoder(self.target, self.drafter, method=self.settings.method, budget=self.step_budget,
-                              batch=len(batch), capacity=decoder_capacity(prompts, sampling.max_new_tokens, self.nodes,
-                                                                          self.depth),
-                              temperature=sampling.temperature, backend=self.backend)
-            self.batches += 1  # a seed per batch: repeated prompts sample anew at T > 0
-            decoder.reset(prompts, max_new_tokens=sampling.max_new_tokens, stop_tokens=sampling.stop_tokens,
-                          seed=self.batches)
-            sent = [0] * len(batch)
-            rounds = 0
-            tokens = emitted_tokens(decoder, sampling)
-            while (rounds < sampling.max_new_tokens and bool(decoder.active.any()) and not self._stopping
-                   and not all(job.cancelled for job in batch)):
-                decoder.step()
-                rounds += 1
-                tokens = emitted_tokens(decoder, sampling)
-                for index, job in enumerate(batch):
-                    if len(tokens[index]) > sent[index]:
-                        _post(loop, job, ("tokens", tokens[index][sent[index]:].tolist()))
-                        sent[index] = len(tokens[index])
-            self.cancelled += sum(job.cancelled for job in batch)
-            per_round = decoder.accepted[:, :rounds].cpu().numpy()
-            for index, job in enumerate(batch):
-                accepted = per_round[index][per_round[index] > 0]
-                _post(loop, job, ("done", self._meta_info(job, tokens[index], accepted, started, len(batch))))
-        except Exception as err:  # a failed batch answers every request in it
-            for job in batch:
-                _post(loop, job, ("error", f"{type(err).__name__}: {err}"))
-
-    def _meta_info(self, job: Job, tokens: np.ndarray, rounds: np.ndarray, started: float, batch_size: int) -> dict:
-        """SGLang's meta_info for a finished request; spec_* only for a drafting method, as SGLang does."""
-        count = len(tokens)
-        stopped = count > 0 and int(tokens[-1]) in job.sampling.stop_tokens
-        meta = {"id": job.rid, "prompt_tokens": len(job.prompt), "completion_tokens": count, "cached_tokens": 0,
-                "finish_reason": {"type": "stop", "matched": int(tokens[-1])} if stopped
-                else {"type": "length", "length": count},
-                "e2e_latency": time.time() - job.created, "queue_time": started - job.created,
-                "batch_size": batch_size}
-        if self.drafter is not None and len(rounds):  # none when every request left before the first round
-            verify, accepted = len(rounds), count - len(rounds)   # a round emits its accepted drafts + one bonus
-            self.tokens_served += count
-            self.rounds_served += verify
-            meta.update(spec_verify_ct=verify, spec_accept_length=count / verify,
-                        spec_accept_rate=accepted / (verify * self.step_budget), spec_accept_token_num=accepted,
-                        spec_draft_token_num=verify * self.step_budget)
-        return meta
-
-
-def emitted_tokens(decoder: Decoder, sampling: Sampling) -> list[np.ndarray]:
-    """Each request's tokens so far, as generate returns them: at most max_new_tokens, through the
-    first stop token."""
-    out, lengths = decoder.out.cpu().numpy(), decoder.out_len.cpu().numpy()
-    tokens = []
-    for row, length in zip(out, lengths):
-        new = row[:min(int(length), sampling.max_new_tokens)]
-        hits = np.flatnonzero(np.isin(new, sampling.stop_tokens)) if sampling.stop_tokens else []
-        tokens.append(new[:hits[0] + 1] if len(hits) else new.copy())
-    return tokens
-
-
-def _post(loop, job: Job, update: tuple) -> None:
-    """Hand an update from the worker thread to the request's handler (dropped once the loop is gone)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(job.updates.put_nowait, update)
+def shown(value) -> str:
+    """A client's value in an error message: short, whatever its size or nesting."""
+    return _SHOWN.repr(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,11 +86,28 @@ class Service:
     -> text; None: token-id prompts only) and the request limits; parses requests into Jobs."""
 
     def __init__(self, engine: Engine, *, tokenizer=None, model_name: str, context_length: int,
-                 stop_tokens: tuple[int, ...] = (), reported: dict | None = None):
+                 max_prompt_tokens: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, stop_tokens: tuple[int, ...] = (),
+                 reported: dict | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.context_length, self.stop_tokens = context_length, stop_tokens
+        self.context_length = _positive_int("context_length", context_length)
+        self.max_prompt_tokens = (min(MAX_PROMPT_TOKENS, context_length - 1) if max_prompt_tokens is None
+                                  else _positive_int("max_prompt_tokens", max_prompt_tokens))
+        if self.max_prompt_tokens >= context_length:
+            raise ValueError(f"max_prompt_tokens: {max_prompt_tokens} leaves no room for a new token in the context "
+                             f"length {context_length}")
+        self.max_body_bytes = _positive_int("max_body_bytes", max_body_bytes)
+        if not (isinstance(header_timeout_s, (int, float)) and _finite(header_timeout_s) and header_timeout_s > 0):
+            raise ValueError(f"header_timeout_s: expected a finite number of seconds > 0, got {header_timeout_s!r}")
+        self.header_timeout_s = float(header_timeout_s)
+        self.stop_tokens = stop_tokens
         self.vocab = engine.target.config.vocab_size
+        self.max_token_bytes = longest_token_bytes(tokenizer)
         self.reported = dict(reported or {})
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kdtree-tokenize")
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def server_info(self) -> dict:
         settings = self.engine.settings
@@ -272,16 +116,30 @@ class Service:
                 "speculative_algorithm": speculative, "ddtree_budget": settings.budget if speculative else None,
                 "speculative_num_draft_tokens": self.engine.nodes if speculative else None,
                 "max_running_requests": settings.max_batch, "max_queued_requests": settings.max_queue,
-                "context_length": self.context_length, "backend": self.engine.backend,
+                "context_length": self.context_length, "max_prompt_tokens": self.max_prompt_tokens,
+                "max_body_bytes": self.max_body_bytes, "backend": self.engine.backend,
                 "version": f"kdtree {__version__}", "internal_states": [self.engine.states()]}
+
+    async def make_job(self, prompt, **fields) -> Job:
+        """`job` in the tokenizer's thread pool: a long prompt is checked and tokenised off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, functools.partial(self.job, prompt, **fields))
 
     def encode(self, prompt) -> np.ndarray:
         """Token ids from text (the server's tokenizer) or a list of ids; checked against the vocabulary
-        and the context length."""
+        and max_prompt_tokens."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this server has no tokenizer: send token ids (input_ids, or a list of ids as "
                                    "prompt)")
+            try:
+                size = len(prompt.encode("utf-8"))
+            except UnicodeEncodeError as err:
+                raise RequestError(f"prompt: not valid Unicode text ({err.reason} at character {err.start})") from None
+            if self.max_token_bytes is not None and size > self.max_prompt_tokens * self.max_token_bytes:
+                raise RequestError(f"prompt: {size} bytes of text, more than this server's max_prompt_tokens "
+                                   f"({self.max_prompt_tokens}; python -m kdtree_lib.serve --max-prompt-tokens) "
+                                   f"tokens of at most {self.max_token_bytes} bytes can hold")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
@@ -291,39 +149,73 @@ class Service:
             raise RequestError("prompt: empty")
         if min(ids) < 0 or max(ids) >= self.vocab:
             raise RequestError(f"prompt: token ids must lie in 0..{self.vocab - 1}")
-        if len(ids) >= self.context_length:
-            raise RequestError(f"The input ({len(ids)} tokens) is longer than the model's context length "
-                               f"({self.context_length} tokens).")
-        return np.asarray(ids, np.int64)
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestError(f"prompt: {len(ids)} tokens, more than this server's max_prompt_tokens "
+                               f"({self.max_prompt_tokens}; python -m kdtree_lib.serve --max-prompt-tokens)")
+        return np.asarray(ids, np.int64)  # max_prompt_tokens < context_length: the input fits the context
 
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def job(self, prompt, *, max_new_tokens, temperature, ignore_eos, stop_token_ids, rid=None) -> Job:
         """A Job from one request's prompt and sampling fields (RequestError naming the bad field)."""
-        ids = self.encode(prompt)
         if max_new_tokens is None:
             max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
+            raise RequestError(f"max_new_tokens: expected a positive integer, got {shown(max_new_tokens)}")
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not (_finite(temperature) and temperature >= 0)):
+            raise RequestError(f"temperature: expected a finite number >= 0, got {shown(temperature)}")
+        if not isinstance(ignore_eos, bool):
+            raise RequestError(f"ignore_eos: expected true or false, got {shown(ignore_eos)}")
+        if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab for t in stop_token_ids)):
+            raise RequestError(f"stop_token_ids: expected a list of token ids in 0..{self.vocab - 1}, got "
+                               f"{shown(stop_token_ids)}")
+        stops = sorted(set(stop_token_ids or []) | (set() if ignore_eos else set(self.stop_tokens)))
+        if len(stops) > MAX_STOP_TOKENS:
+            raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKENS} ids with the end-of-text token, "
+                               f"got {len(stops)}")
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid: expected a text, got {shown(rid)}")
+        ids = self.encode(prompt)  # after the cheap checks: a refused request is not tokenised
         if len(ids) + max_new_tokens > self.context_length:
             raise RequestError(f"max_new_tokens: the input ({len(ids)} tokens) plus {max_new_tokens} new tokens "
                                f"exceed the model's context length ({self.context_length} tokens)")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-            raise RequestError(f"temperature: expected a number >= 0, got {temperature!r}")
-        if not isinstance(ignore_eos, bool):
-            raise RequestError(f"ignore_eos: expected true or false, got {ignore_eos!r}")
-        stops = list(stop_token_ids or []) + ([] if ignore_eos else list(self.stop_tokens))
-        if not all(isinstance(t, int) and 0 <= t < self.vocab for t in stops) or len(stops) > MAX_STOP_TOKENS:
-            raise RequestError(f"stop_token_ids: expected at most {MAX_STOP_TOKENS} ids in 0..{self.vocab - 1}")
-        sampling = Sampling(max_new_tokens, float(temperature), tuple(sorted(set(stops))))
-        return Job(rid or uuid.uuid4().hex, ids, sampling, asyncio.Queue())
+        return Job(rid or uuid.uuid4().hex, ids, Sampling(max_new_tokens, float(temperature), tuple(stops)))
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most UTF-8 bytes one token of the vocabulary stands for, bounded from its decoding alone
+    (None: a tokenizer without a vocab_size). A text of more bytes than max_prompt_tokens times this
+    is too long before it is tokenised. A token holding part of a character decodes to U+FFFD, 3
+    bytes, never fewer than the 1-3 bytes it stands for; + 1 for a decoder that drops a token's
+    leading space when it decodes alone (SentencePiece's "▁")."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    return 1 + max(len(tokenizer.decode([i]).encode("utf-8", "surrogatepass")) for i in range(size))
+
+
+def _finite(value: int | float) -> bool:
+    """A JSON number that is a finite float (1e999 parses as inf; a 400-digit integer overflows one)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
 
 
 def _check_fields(body: dict, allowed: set, where: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise RequestError(f"{where}: unknown parameter(s) {', '.join(unknown)}; "
+        raise RequestError(f"{where}: unknown parameter(s) {', '.join(shown(name)[1:-1] for name in unknown[:5])}"
+                           f"{' ...' if len(unknown) > 5 else ''}; "
                            f"accepted: {', '.join(sorted(allowed))}")
 
 
@@ -355,17 +247,43 @@ class TextStream:
 # ----------------------------------------------------------------------------------------------
 # HTTP handlers (tornado)
 
+@tornado.web.stream_request_body
 class Handler(tornado.web.RequestHandler):
-    """JSON in, JSON or server-sent events out; bad input -> 4xx with a message."""
+    """JSON in, JSON or server-sent events out; bad input -> 4xx with a message. The body streams in,
+    so one larger than the service's max_body_bytes is counted and dropped, never held."""
 
     def initialize(self, service: Service):
         self.service = service
         self.active_job: Job | None = None
+        self.gone = False
+        self.chunks: list[bytes] = []
+        self.received = 0
+
+    def prepare(self):
+        declared = self.request.headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > max(DISCARD_BYTES, self.service.max_body_bytes):
+            return self.fail(413, self._too_large(int(declared)))  # refused unread: the connection closes
+        # read to its end before answering: a server that answers and closes while the client is still
+        # sending resets the connection, and the client may never see the 413
+        self.request.connection.set_max_body_size(max(DISCARD_BYTES, self.service.max_body_bytes))
+
+    def data_received(self, chunk: bytes) -> None:
+        self.received += len(chunk)
+        if self.received <= self.service.max_body_bytes:
+            self.chunks.append(chunk)
+        else:
+            self.chunks.clear()
+
+    def _too_large(self, size: int) -> str:
+        return (f"body: {size} bytes, more than this server's max_body_bytes ({self.service.max_body_bytes}; "
+                f"python -m kdtree_lib.serve --max-body-mb)")
 
     def error_body(self, status: int, message: str) -> dict:
         return {"error": {"message": message, "code": status}}
 
     def fail(self, status: int, message: str) -> None:
+        if self.gone:
+            return None
         self.set_status(status)
         self.finish(self.error_body(status, message))
 
@@ -373,14 +291,20 @@ class Handler(tornado.web.RequestHandler):
         self.finish(self.error_body(status_code, self._reason))
 
     def on_connection_close(self) -> None:
+        self.gone = True
         if self.active_job is not None:
             self.active_job.cancelled = True
+            self.active_job.updates.put_nowait(("cancelled", None))  # the handler stops waiting now
 
     def body_json(self) -> dict:
+        if self.received > self.service.max_body_bytes:
+            raise RequestError(self._too_large(self.received), status=413)
         try:
-            body = json.loads(self.request.body or b"")
+            body = json.loads(b"".join(self.chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise RequestError(f"malformed JSON body: {err}") from None
+        except RecursionError:
+            raise RequestError("malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise RequestError("body: expected a JSON object")
         return body
@@ -389,19 +313,24 @@ class Handler(tornado.web.RequestHandler):
 class EngineHandler(Handler):
     """A generation endpoint: parse the body into a Job, queue it, answer whole or as a stream."""
 
-    def parse(self, body: dict) -> tuple[Job, bool]:
+    def parse(self, body: dict) -> tuple[object, dict, bool]:
+        """(prompt, the fields Service.job takes, stream) from the request's JSON: the cheap checks,
+        on the event loop."""
         raise NotImplementedError
 
     def response(self, job: Job, ids: list[int], text: str, meta: dict) -> dict:
         raise NotImplementedError
 
-    def chunks(self, job: Job, ids: list[int], delta: str, meta: dict | None) -> list[dict]:
+    def chunks_for(self, job: Job, ids: list[int], delta: str, meta: dict | None) -> list[dict]:
         """The events for one round's tokens (meta is None) or for the end (meta_info)."""
         raise NotImplementedError
 
     async def post(self):
         try:
-            job, stream = self.parse(self.body_json())
+            prompt, fields, stream = self.parse(self.body_json())
+            job = await self.service.make_job(prompt, **fields)
+            if self.gone:  # the client left while its prompt was tokenised
+                return
             self.service.engine.submit(job)
         except RequestError as err:
             return self.fail(err.status, str(err))
@@ -415,6 +344,8 @@ class EngineHandler(Handler):
             kind, value = await job.updates.get()
             if kind == "tokens":
                 ids += value
+            elif kind == "cancelled":
+                return
             elif kind == "error":
                 return self.fail(500, value)
             else:
@@ -426,13 +357,15 @@ class EngineHandler(Handler):
         ids, text = [], TextStream(self.service)
         while True:
             kind, value = await job.updates.get()
+            if kind == "cancelled":
+                return
             if kind == "error":
                 events = [self.error_body(500, value)]
             elif kind == "tokens":
                 ids += value
-                events = self.chunks(job, ids, text.push(value), None)
+                events = self.chunks_for(job, ids, text.push(value), None)
             else:
-                events = self.chunks(job, ids, text.push([], final=True), value)
+                events = self.chunks_for(job, ids, text.push([], final=True), value)
             for event in events:
                 self.write(f"data: {json.dumps(event)}\n\n")
             await self.flush()
@@ -453,17 +386,15 @@ class GenerateHandler(EngineHandler):
         if not isinstance(sampling, dict):
             raise RequestError("sampling_params: expected an object")
         _check_fields(sampling, SAMPLING_FIELDS, "sampling_params")
-        job = self.service.job(body.get("text", body.get("input_ids")),
-                               max_new_tokens=sampling.get("max_new_tokens"),
-                               temperature=sampling.get("temperature", 1.0),
-                               ignore_eos=sampling.get("ignore_eos", False),
-                               stop_token_ids=sampling.get("stop_token_ids"), rid=body.get("rid"))
-        return job, _flag(body, "stream")
+        fields = dict(max_new_tokens=sampling.get("max_new_tokens"), temperature=sampling.get("temperature", 1.0),
+                      ignore_eos=sampling.get("ignore_eos", False), stop_token_ids=sampling.get("stop_token_ids"),
+                      rid=body.get("rid"))
+        return body.get("text", body.get("input_ids")), fields, _flag(body, "stream")
 
     def response(self, job, ids, text, meta):
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
-    def chunks(self, job, ids, delta, meta):
+    def chunks_for(self, job, ids, delta, meta):
         partial = {"id": job.rid, "finish_reason": None, "prompt_tokens": len(job.prompt),
                    "completion_tokens": len(ids)}
         return [{"text": self.service.decode_text(ids), "output_ids": list(ids), "meta_info": meta or partial}]
@@ -484,14 +415,14 @@ class OpenAIHandler(EngineHandler):
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise RequestError("stream_options: expected {\"include_usage\": true|false}")
-        self.include_usage = bool(options.get("include_usage", False))
+        self.include_usage = _flag(options, "include_usage")
         self.role_sent = False
         prompt = chat_prompt(body.get("messages")) if self.chat else body.get("prompt")
-        job = self.service.job(prompt, max_new_tokens=body.get("max_completion_tokens", body.get("max_tokens", 16)),
-                               temperature=body.get("temperature", 1.0), ignore_eos=body.get("ignore_eos", False),
-                               stop_token_ids=body.get("stop_token_ids"))
+        fields = dict(max_new_tokens=body.get("max_completion_tokens", body.get("max_tokens", 16)),
+                      temperature=body.get("temperature", 1.0), ignore_eos=body.get("ignore_eos", False),
+                      stop_token_ids=body.get("stop_token_ids"))
         self.created = int(time.time())
-        return job, _flag(body, "stream")
+        return prompt, fields, _flag(body, "stream")
 
     def _envelope(self, job, kind: str, choices: list) -> dict:
         return {"id": job.rid, "object": kind, "created": self.created, "model": self.service.model_name,
@@ -508,7 +439,7 @@ class OpenAIHandler(EngineHandler):
         return {**self._envelope(job, "chat.completion" if self.chat else "text_completion", [choice]),
                 "usage": self._usage(job, meta)}
 
-    def chunks(self, job, ids, delta, meta):
+    def chunks_for(self, job, ids, delta, meta):
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         finish = meta["finish_reason"]["type"] if meta else None
         if self.chat:
@@ -530,7 +461,7 @@ class ChatHandler(OpenAIHandler):
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
     if not isinstance(value, bool):
-        raise RequestError(f"{name}: expected true or false, got {value!r}")
+        raise RequestError(f"{name}: expected true or false, got {shown(value)}")
     return value
 
 
@@ -566,24 +497,33 @@ def make_app(service: Service) -> tornado.web.Application:
     return tornado.web.Application([(path, handler, {"service": service}) for path, handler in routes])
 
 
-async def serve(service: Service, host: str, port: int) -> None:
-    """Serve until SIGTERM or SIGINT; prints READY_LINE and the URL once the socket listens (port 0:
-    a free port)."""
+async def serve(service: Service, host: str, port: int, *, stop: asyncio.Event | None = None,
+                ready: Callable[[str], None] | None = None) -> None:
+    """Serve until `stop` is set (None: until SIGTERM or SIGINT). Once the socket listens, ready(URL)
+    (default: print READY_LINE and the URL); port 0: a free port."""
     sockets = tornado.netutil.bind_sockets(port, host)
-    server = tornado.httpserver.HTTPServer(make_app(service), max_body_size=MAX_BODY_BYTES)
+    # idle_connection_timeout is tornado's header timeout: the wait for a request's headers, idle or trickling
+    server = tornado.httpserver.HTTPServer(make_app(service), max_body_size=service.max_body_bytes,
+                                           idle_connection_timeout=service.header_timeout_s)
     server.add_sockets(sockets)
     engine = asyncio.create_task(service.engine.run())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    bound = sockets[0].getsockname()[1]
-    print(f"{READY_LINE} http://{host}:{bound}", flush=True)
-    await stop.wait()
-    server.stop()
-    service.engine.stop()
-    engine.cancel()
-    await server.close_all_connections()
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+    url = f"http://{host}:{sockets[0].getsockname()[1]}"
+    (ready or (lambda url: print(f"{READY_LINE} {url}", flush=True)))(url)
+    try:
+        await stop.wait()
+    finally:
+        server.stop()
+        service.engine.stop()
+        engine.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await engine
+        await server.close_all_connections()
+        service.close()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -540,6 +540,7 @@ def test_batched_from_topk_equals_each_request(depth, k, budget):
 def test_non_finite_logits_raise_or_give_the_root_alone(monkeypatch):
     logits = draft_logits("peaked", 3, 7, 3000, seed=6).cuda()
     logits[1, 4, 17] = float("nan")
+    monkeypatch.setenv(dropin.CHECK_ENV, "1")
     with pytest.raises(ValueError, match=r"draft_logits: request\(s\) \[1\] hold NaN"):
         dropin.build_ddtree_tree(logits, 32, logits.device)
     monkeypatch.setenv(dropin.CHECK_ENV, "0")
@@ -584,8 +585,8 @@ def test_the_drop_in_captures_in_a_cuda_graph(budget):
 
 @pytest.mark.gpu
 @cuda
-def test_the_drop_in_never_synchronizes_without_the_value_check(monkeypatch):
-    monkeypatch.setenv(dropin.CHECK_ENV, "0")
+def test_the_drop_in_never_synchronizes_by_default(monkeypatch):
+    monkeypatch.delenv(dropin.CHECK_ENV, raising=False)
     logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
     dropin.build_ddtree_tree(logits, 32, logits.device)  # prepared and compiled
     torch.cuda.synchronize()

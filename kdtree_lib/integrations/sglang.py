@@ -21,10 +21,12 @@ Checks, before any launch and without reading device values: the arguments' type
 devices, the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
 SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1): a ValueError naming
 the argument or knob. Values: NaN or +inf logits, or a row entirely -inf, make NaN log-probabilities
-(SGLang would build from NaN weights). The kernel flags such a request and builds its root alone;
-with KDTREE_SGLANG_CHECK_VALUES=1 (the default) the call then reads that flag (the one host
-synchronisation of the path, after the launches) and raises a ValueError naming draft_logits; with 0
-it reads nothing and the flagged requests get root-only trees (no speculation for them). On the CPU
+(SGLang would build from NaN weights). The kernel flags such a request and builds its root alone:
+by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step keeps no host
+synchronisation, and a flagged request gets a root-only tree (no speculation for it; verification
+still commits the target's own token, so the output stays exact). With KDTREE_SGLANG_CHECK_VALUES=1
+the call reads that flag after the launches (one host synchronisation) and raises a ValueError naming
+draft_logits: for debugging a worker, not for serving. On the CPU
 the build is kdtree's host reference (tree_build.build_tree, policy "sglang"), values checked first.
 
 `install()` patches SGLang's module (and every loaded module that imported these functions by name);
@@ -84,7 +86,7 @@ def policy_from_environment() -> SGLangPolicy:
 
 
 def check_values_from_environment() -> bool:
-    raw = os.environ.get(CHECK_ENV, "1")
+    raw = os.environ.get(CHECK_ENV, "0")
     if raw not in ("0", "1"):
         raise ValueError(f"{CHECK_ENV}: expected 0 or 1, got {raw!r}")
     return raw == "1"

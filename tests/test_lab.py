@@ -1,6 +1,6 @@
 """`make lab`: the command line it runs (--allow-root exactly when root: Jupyter refuses root without it,
-and containers run as root), and that command starting a JupyterLab that answers on 127.0.0.1 where
-jupyterlab is installed (`make lab` installs it; the dev environment CI builds does not)."""
+and containers run as root), and that command starting a JupyterLab that answers on 127.0.0.1 (jupyterlab
+is in the dev extras, so CI runs it)."""
 import os
 import secrets
 import shlex

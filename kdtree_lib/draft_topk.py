@@ -33,6 +33,8 @@ as NaN and flags it in a device status word that `TopKLaunch.check_input()` read
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import backend as _backend
@@ -121,8 +123,8 @@ class _PreparedTopK:
 class TopKLaunch(_PreparedTopK):
     """One prepared fused top-k: checked, converted and allocated once, so a call costs only the launches.
 
-    `path` says which kernel runs: "fused_v2" (k <= FAST_MAX_K: SLICE-logit slices, many CTAs per
-    row, then a merge CTA per row) or "fused_v1" (larger k: one CTA per row). Calling it enqueues the
+    `path` says which kernel runs: "fused_v2" (k <= FAST_MAX_K: slices of `chunks` x SLICE logits,
+    many CTAs per row, then a merge CTA per row) or "fused_v1" (larger k: one CTA per row). Calling it enqueues the
     kernels on torch's current stream over the logits it was prepared with (refill them in place
     between calls) and returns `out`; passing `logits` checks that it is that same buffer. Nothing
     here synchronises, so it can run back to back or inside a CUDA graph. Values are not read back:
@@ -140,7 +142,8 @@ class TopKLaunch(_PreparedTopK):
         self.status = _device_zeros(logits, (1,))
         if k <= FAST_MAX_K and rows <= MAX_GRID_Y:
             self.path, self.version = "fused_v2", 2
-            slices = -(-vocab // SLICE)
+            self.chunks = slice_chunks(rows, vocab, _multiprocessors(device))
+            slices = -(-vocab // (SLICE * self.chunks))
             cap = candidate_room(k)
             self._keys = cuda.device_empty(logits, (rows, slices, cap), "int64")
             self._counts = cuda.device_empty(logits, (rows, slices), "int32")
@@ -149,7 +152,7 @@ class TopKLaunch(_PreparedTopK):
             common = (np.int32(slices), np.int32(cap))
             self._launches = [] if rows == 0 else [
                 (cuda.device_function("draft_topk.cu", f"draft_topk_slices_{suffix}", device), (slices, rows),
-                 (SLICE_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k)) + common
+                 (SLICE_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks)) + common
                  + (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
                     cuda.pointer(self._row_flags))),
                 (cuda.device_function("draft_topk.cu", "draft_topk_merge", device), (rows,), (MERGE_THREADS,),
@@ -177,6 +180,20 @@ class TopKLaunch(_PreparedTopK):
             self.status.fill_(0) if framework(self.status) == "torch" else self.status.fill(0)
             found = [what for bit, what in ((1, "NaN"), (2, "+inf"), (4, "a row that is entirely -inf")) if flags & bit]
             raise ValueError(f"logits: contains {' and '.join(found)} (those draft positions came out as NaN)")
+
+
+def slice_chunks(rows: int, vocab: int, multiprocessors: int) -> int:
+    """SLICE-logit chunks per v2 slice: 1 (the most CTAs, each reading its chunk into registers once)
+    while one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to 4
+    beyond (each CTA re-reads its chunks from L1/L2 for the candidates, and the fixed cost per CTA and
+    the merge's candidates shrink by as much)."""
+    return max(1, min(4, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: int) -> int:
+    import cupy
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
 def candidate_room(k: int) -> int:

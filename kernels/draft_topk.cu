@@ -36,6 +36,9 @@
 #define KD_TOPK_SLICE (KD_TOPK_SLICE_THREADS * KD_TOPK_PER_THREAD)
 #define KD_TOPK_FAST_MAX_K 128     // v2's k (the bound L is loose beyond: see the header)
 #define KD_TOPK_MERGE_THREADS 512
+#define KD_TOPK_MERGE_UNROLL 4     // candidate loads in flight per merge thread
+#define KD_TOPK_MERGE_STAGED 3712  // a row's candidates staged in shared memory (29 KB)
+#define KD_TOPK_MERGE_SORTED 1024  // survivors sorted by the merge (>= KD_TOPK_FAST_MAX_K)
 #define KD_TOPK_BAD_NAN 1u
 #define KD_TOPK_BAD_POS_INF 2u
 #define KD_TOPK_BAD_ALL_NEG_INF 4u
@@ -209,17 +212,17 @@ __device__ unsigned long long radix_threshold(Source source, unsigned k, unsigne
     return prefix << shift;
 }
 
-// Gather the visited valid keys >= threshold (exactly `survivors` <= KD_TOPK_CAPACITY of them) into
-// keys[] and sort them descending. All threads call it.
+// Gather the visited valid keys >= threshold (exactly `survivors` <= capacity of them) into keys[] and
+// sort them descending. All threads call it.
 template <typename Source>
 __device__ void gather_sorted(Source source, unsigned long long threshold, unsigned survivors, unsigned long long* keys,
-                              unsigned* taken) {
+                              int capacity, unsigned* taken) {
     if (threadIdx.x == 0) *taken = 0u;
     __syncthreads();
     source(false, [&](unsigned long long key, bool valid) {
         const bool take = valid && key >= threshold;
         const int slot = kd_warp_append(taken, take);
-        if (take && slot < KD_TOPK_CAPACITY) keys[slot] = key;  // survivors <= capacity: the guard is for safety
+        if (take && slot < capacity) keys[slot] = key;  // survivors <= capacity: the guard is for safety
     });
     int size = 1;
     while (size < (int)survivors) size <<= 1;
@@ -252,7 +255,7 @@ __device__ void draft_topk_row(const float* __restrict__ logits, int vocab, int 
     };
     unsigned survivors;
     const unsigned long long threshold = radix_threshold(keys, (unsigned)k, KD_TOPK_CAPACITY, s_radix, survivors);
-    gather_sorted(keys, threshold, survivors, s_keys, &s_taken);
+    gather_sorted(keys, threshold, survivors, s_keys, KD_TOPK_CAPACITY, &s_taken);
 
     const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
     const float log_sum = logf(total.sum);
@@ -305,96 +308,122 @@ __device__ float block_sort_descending(float x, float* exchange) {
     return x;
 }
 
-// One slice of one row: grid (slices, rows), KD_TOPK_SLICE_THREADS threads. Writes the slice's
-// softmax state, its candidates (a superset of its top k, at most `cap` >= 2k keys, in no order) and
-// their count; flags NaN/+inf in row_flags[row].
+// Chunk `chunk` of a row (KD_TOPK_SLICE logits from `first`) into this thread's registers: element e
+// is logit first + ((e / 4) * threads + t) * 4 + e % 4 (16-byte loads, coalesced); -inf past the end.
 template <int VEC>
-__device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, int slices, int cap,
-                           unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
-                           float2* __restrict__ states, unsigned* __restrict__ row_flags) {
-    __shared__ RadixScratch s_radix;
-    __shared__ float s_exchange[KD_TOPK_SLICE_THREADS];
-    __shared__ SoftmaxState s_softmax[32];
-    __shared__ unsigned s_scan[32];
-    __shared__ float s_bound;
-    __shared__ unsigned s_total, s_taken;
-
-    const int t = threadIdx.x;
-    const int slice = blockIdx.x, row = blockIdx.y;
-    const float* row_logits = logits + (long long)row * vocab;
-    const int base = slice * KD_TOPK_SLICE;
-    const long long cell = (long long)row * slices + slice;
-
-    // element e of this thread: id base + ((e / 4) * threads + t) * 4 + e % 4 (16-byte loads, coalesced)
-    float v[KD_TOPK_PER_THREAD];
+__device__ __forceinline__ void load_chunk(const float* __restrict__ row, int vocab, int first,
+                                           float (&v)[KD_TOPK_PER_THREAD]) {
 #pragma unroll
     for (int u = 0; u < KD_TOPK_SLICE_LOADS; ++u) {
-        const int first = base + (u * KD_TOPK_SLICE_THREADS + t) * 4;
+        const int at = first + (u * KD_TOPK_SLICE_THREADS + (int)threadIdx.x) * 4;
         if constexpr (VEC == 4) {
-            const float4 loaded = first < vocab ? __ldcs(reinterpret_cast<const float4*>(row_logits + first))
-                                                : make_float4(kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f());
+            const float4 loaded = at < vocab ? __ldg(reinterpret_cast<const float4*>(row + at))
+                                             : make_float4(kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f());
             v[4 * u + 0] = loaded.x;
             v[4 * u + 1] = loaded.y;
             v[4 * u + 2] = loaded.z;
             v[4 * u + 3] = loaded.w;
         } else {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) v[4 * u + c] = first + c < vocab ? __ldcs(row_logits + first + c) : kd_neg_inf_f();
+            for (int c = 0; c < 4; ++c) v[4 * u + c] = at + c < vocab ? __ldg(row + at + c) : kd_neg_inf_f();
         }
     }
-    const auto id_of = [&](int e) { return base + ((e / 4) * KD_TOPK_SLICE_THREADS + t) * 4 + e % 4; };
+}
+
+__device__ __forceinline__ int chunk_id(int first, int e) {
+    return first + ((e / 4) * KD_TOPK_SLICE_THREADS + (int)threadIdx.x) * 4 + e % 4;
+}
+
+// One slice (`chunks` chunks of KD_TOPK_SLICE logits) of one row: grid (slices, rows),
+// KD_TOPK_SLICE_THREADS threads. The first read computes the slice's softmax state and each thread's
+// maximum; L is the k-th largest of those maxima; a second read (from L1/L2) keeps every logit >= L.
+// Writes the slice's state (max, sum, L), its candidates (a superset of its top k, at most `cap` >= 2k
+// keys, in no order) and their count; flags NaN/+inf in row_flags[row].
+template <int VEC>
+__device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
+                           unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
+                           float2* __restrict__ states, unsigned* __restrict__ row_flags) {
+    __shared__ RadixScratch s_radix;
+    __shared__ float s_exchange[KD_TOPK_SLICE_THREADS];
+    __shared__ SoftmaxState s_softmax[32];
+    __shared__ float s_bound;
+    __shared__ unsigned s_taken;
+
+    const int t = threadIdx.x;
+    const int slice = blockIdx.x, row = blockIdx.y;
+    const float* row_logits = logits + (long long)row * vocab;
+    const int base = slice * chunks * KD_TOPK_SLICE;
+    const int used = min(chunks, kd_ceil_div(vocab - base, KD_TOPK_SLICE));  // chunks holding logits
+    const long long cell = (long long)row * slices + slice;
 
     bool has_nan = false, has_pos_inf = false;
-    float max = kd_neg_inf_f();
+    float thread_max = kd_neg_inf_f();
+    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    float v[KD_TOPK_PER_THREAD];
+    for (int c = 0; c < used; ++c) {
+        load_chunk<VEC>(row_logits, vocab, base + c * KD_TOPK_SLICE, v);
+        float max = kd_neg_inf_f();
 #pragma unroll
-    for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
-        has_nan |= v[e] != v[e];
-        has_pos_inf |= v[e] == -kd_neg_inf_f();
-        // a NaN row is flagged and comes out NaN; selecting NaN as -inf keeps every count below defined
-        v[e] = v[e] != v[e] ? kd_neg_inf_f() : v[e];
-        max = fmaxf(max, v[e]);
-    }
-    float sum = 0.0f;
-    if (max != kd_neg_inf_f()) {
+        for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
+            has_nan |= v[e] != v[e];
+            has_pos_inf |= v[e] == -kd_neg_inf_f();
+            max = fmaxf(max, v[e]);  // NaN ignored: a NaN row is flagged and comes out NaN
+        }
+        float sum = 0.0f;
+        if (max != kd_neg_inf_f()) {
 #pragma unroll
-        for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += expf(v[e] - max);
+            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += v[e] == v[e] ? expf(v[e] - max) : 0.0f;
+        }
+        softmax = softmax_merge(softmax, {max, sum});
+        thread_max = fmaxf(thread_max, max);
     }
-    const SoftmaxState total = softmax_block_merge({max, sum}, s_softmax);
-    if (t == 0) states[cell] = make_float2(total.max, total.sum);
+    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
     const bool any_nan = __syncthreads_or(has_nan), any_pos_inf = __syncthreads_or(has_pos_inf);
-    if (t == 0 && (any_nan || any_pos_inf))
-        atomicOr(&row_flags[row], (any_nan ? KD_TOPK_BAD_NAN : 0u) | (any_pos_inf ? KD_TOPK_BAD_POS_INF : 0u));
+    if (t == 0) {
+        states[cell] = make_float2(total.max, total.sum);
+        if (any_nan || any_pos_inf)
+            atomicOr(&row_flags[row], (any_nan ? KD_TOPK_BAD_NAN : 0u) | (any_pos_inf ? KD_TOPK_BAD_POS_INF : 0u));
+        s_taken = 0u;
+    }
 
-    // L: the k-th largest per-thread maximum
-    const float ranked = block_sort_descending(max, s_exchange);
+    // L: the k-th largest per-thread maximum (k distinct logits are >= L)
+    const float ranked = block_sort_descending(thread_max, s_exchange);
     if (t == k - 1) s_bound = ranked;
     __syncthreads();
     const float bound = s_bound;
-    unsigned mine = 0u;
-#pragma unroll
-    for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) mine += (v[e] >= bound && v[e] != kd_neg_inf_f()) ? 1u : 0u;
-    const unsigned inclusive = kd_block_inclusive_scan(mine, s_scan);
-    if (t == KD_TOPK_SLICE_THREADS - 1) s_total = inclusive;
-    __syncthreads();
     unsigned long long* slots = cand_keys + cell * cap;
-    if (bound != kd_neg_inf_f() && s_total <= (unsigned)cap) {
-        unsigned at = inclusive - mine;
+    if (bound != kd_neg_inf_f()) {
+        for (int c = 0; c < used; ++c) {
+            const int first = base + c * KD_TOPK_SLICE;
+            if (chunks > 1) load_chunk<VEC>(row_logits, vocab, first, v);  // one chunk: still in registers
 #pragma unroll
-        for (int e = 0; e < KD_TOPK_PER_THREAD; ++e)
-            if (v[e] >= bound && v[e] != kd_neg_inf_f()) slots[at++] = topk_key(v[e], id_of(e));
-        if (t == 0) cand_count[cell] = (int)s_total;
-        return;
+            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
+                const bool take = v[e] >= bound;  // false for NaN and, as L is finite, for -inf
+                const int slot = kd_warp_append(&s_taken, take);
+                if (take && slot < cap) slots[slot] = topk_key(v[e], chunk_id(first, e));
+            }
+        }
+        __syncthreads();
+        if (s_taken <= (unsigned)cap) {
+            if (t == 0) cand_count[cell] = (int)s_taken;
+            return;
+        }
+        __syncthreads();  // every thread has read s_taken before it is reset
+        if (t == 0) s_taken = 0u;
     }
     // too many logits >= L (ties, or a slice of -inf): the slice's exact top k by radix select
     const auto keys = [&](bool, auto visit) {
+        for (int c = 0; c < used; ++c) {
+            const int first = base + c * KD_TOPK_SLICE;
+            if (chunks > 1) load_chunk<VEC>(row_logits, vocab, first, v);
 #pragma unroll
-        for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) visit(topk_key(v[e], id_of(e)), id_of(e) < vocab);
+            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e)
+                visit(topk_key(v[e] != v[e] ? kd_neg_inf_f() : v[e], chunk_id(first, e)), chunk_id(first, e) < vocab);
+        }
     };
-    const unsigned length = (unsigned)min(KD_TOPK_SLICE, vocab - base);
+    const unsigned length = (unsigned)min(chunks * KD_TOPK_SLICE, vocab - base);
     unsigned survivors;
     const unsigned long long threshold = radix_threshold(keys, min((unsigned)k, length), (unsigned)cap, s_radix, survivors);
-    if (t == 0) s_taken = 0u;
-    __syncthreads();
     keys(false, [&](unsigned long long key, bool valid) {
         const bool take = valid && key >= threshold;
         const int slot = kd_warp_append(&s_taken, take);
@@ -403,18 +432,18 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     if (t == 0) cand_count[cell] = (int)survivors;
 }
 
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS)
-draft_topk_slices_vec4(const float* __restrict__ logits, int vocab, int k, int slices, int cap,
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4)
+draft_topk_slices_vec4(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
                        unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
                        float2* __restrict__ states, unsigned* __restrict__ row_flags) {
-    topk_slice<4>(logits, vocab, k, slices, cap, cand_keys, cand_count, states, row_flags);
+    topk_slice<4>(logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags);
 }
 
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS)
-draft_topk_slices_vec1(const float* __restrict__ logits, int vocab, int k, int slices, int cap,
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4)
+draft_topk_slices_vec1(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
                        unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
                        float2* __restrict__ states, unsigned* __restrict__ row_flags) {
-    topk_slice<1>(logits, vocab, k, slices, cap, cand_keys, cand_count, states, row_flags);
+    topk_slice<1>(logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags);
 }
 
 // One CTA per row: the row's softmax from its slices' states, its top k from the slices' candidates
@@ -426,33 +455,63 @@ draft_topk_merge(const unsigned long long* __restrict__ cand_keys, const int* __
                  const float2* __restrict__ states, int slices, int cap, int k, unsigned* __restrict__ row_flags,
                  unsigned* __restrict__ status, float* __restrict__ out_logp, int* __restrict__ out_ids) {
     __shared__ RadixScratch s_radix;
-    __shared__ unsigned long long s_keys[KD_TOPK_CAPACITY];
+    __shared__ unsigned long long s_cand[KD_TOPK_MERGE_STAGED];
+    __shared__ unsigned long long s_keys[KD_TOPK_MERGE_SORTED];
     __shared__ SoftmaxState s_softmax[32];
-    __shared__ unsigned s_taken;
+    __shared__ unsigned s_staged, s_taken;
 
     const int t = threadIdx.x, row = blockIdx.x;
     const unsigned flags_in = row_flags[row];
+    if (t == 0) s_staged = 0u;
     SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
     for (int s = t; s < slices; s += blockDim.x) {
         const float2 state = states[(long long)row * slices + s];
         softmax = softmax_merge(softmax, {state.x, state.y});
     }
-    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
+    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);  // synchronises: s_staged is 0
 
+    // stage the row's candidates in shared memory: every slot's load issued before any is used
     const unsigned long long* keys = cand_keys + (long long)row * slices * cap;
     const int* counts = cand_count + (long long)row * slices;
     const int slots = slices * cap;
     const int padded = kd_ceil_div(slots, KD_WARP_SIZE) * KD_WARP_SIZE;
-    const auto candidates = [&](bool, auto visit) {
-        for (int j = t; j < padded; j += blockDim.x) {
+    for (int first = 0; first < padded; first += KD_TOPK_MERGE_UNROLL * blockDim.x) {
+        unsigned long long key[KD_TOPK_MERGE_UNROLL];
+        bool valid[KD_TOPK_MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
+            const int j = first + u * blockDim.x + t;
             const int slice = j / cap;
-            const bool valid = j < slots && j - slice * cap < counts[slice];
-            visit(valid ? keys[j] : 0ull, valid);
+            valid[u] = j < slots && j - slice * cap < counts[slice];
+            key[u] = j < slots ? keys[j] : 0ull;
         }
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
+            const int slot = kd_warp_append(&s_staged, valid[u]);
+            if (valid[u] && slot < KD_TOPK_MERGE_STAGED) s_cand[slot] = key[u];
+        }
+    }
+    __syncthreads();
+    const unsigned staged = s_staged;
+    const auto finish = [&](auto source) {
+        unsigned survivors;
+        const unsigned long long threshold = radix_threshold(source, (unsigned)k, KD_TOPK_MERGE_SORTED, s_radix, survivors);
+        gather_sorted(source, threshold, survivors, s_keys, KD_TOPK_MERGE_SORTED, &s_taken);
     };
-    unsigned survivors;
-    const unsigned long long threshold = radix_threshold(candidates, (unsigned)k, KD_TOPK_CAPACITY, s_radix, survivors);
-    gather_sorted(candidates, threshold, survivors, s_keys, &s_taken);
+    if (staged <= KD_TOPK_MERGE_STAGED) {
+        const int staged_padded = kd_ceil_div((int)staged, KD_WARP_SIZE) * KD_WARP_SIZE;
+        finish([&](bool, auto visit) {
+            for (int j = t; j < staged_padded; j += blockDim.x) visit(j < (int)staged ? s_cand[j] : 0ull, j < (int)staged);
+        });
+    } else {  // more candidates than shared memory holds: select them from global memory
+        finish([&](bool, auto visit) {
+            for (int j = t; j < padded; j += blockDim.x) {
+                const int slice = j / cap;
+                const bool valid = j < slots && j - slice * cap < counts[slice];
+                visit(valid ? keys[j] : 0ull, valid);
+            }
+        });
+    }
 
     const unsigned flags = flags_in | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
     const float log_z = logf(total.sum) + total.max;

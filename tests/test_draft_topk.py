@@ -182,21 +182,30 @@ def fresh_seed() -> int:
 
 
 def reference_topk(logits: np.ndarray, k: int):
-    """The k largest logits per row, larger value first and ties by ascending id (float64 host sort),
-    and torch's float32 logsumexp of the row."""
-    order = np.lexsort((np.broadcast_to(np.arange(logits.shape[-1]), logits.shape), -logits.astype(np.float64)), axis=-1)
-    ids = order[..., :min(k, logits.shape[-1])]
+    """The k largest logits per row, larger value first and ties by ascending id (exact float
+    comparisons on the host: the candidates >= the k-th largest value, sorted by (-value, id)), and
+    torch's float32 logsumexp of the row."""
+    vocab = logits.shape[-1]
+    top = min(k, vocab)
+    rows = logits.reshape(-1, vocab)
+    ids = np.empty((len(rows), top), np.int64)
+    for r, row in enumerate(rows):
+        kth = np.partition(row, vocab - top)[vocab - top]
+        candidates = np.flatnonzero(row >= kth)
+        ids[r] = candidates[np.lexsort((candidates, -row[candidates].astype(np.float64)))[:top]]
+    ids = ids.reshape(logits.shape[:-1] + (top,))
     log_z = torch.logsumexp(torch.from_numpy(logits), dim=-1, keepdim=True).numpy()
     return np.take_along_axis(logits, ids, -1), ids, log_z
 
 
-def assert_fused_matches(got, logits: np.ndarray, k: int, context: str) -> None:
+def assert_fused_matches(got, logits: np.ndarray, k: int, context: str, reference=None) -> None:
     """Selection exact (the ids of the reference, in its order); log-probabilities within the rounding
     of the two float32 normalisers. v2 sums 16 exps per thread in sequence, then merges 256 threads
     and V / 4096 slices by pairs (about 16 + log2 V roundings), v1 about V / 1024 + log2 V; torch's own
     sum is of the same order. Each relative error of a sum is an absolute error of its log, the exps
     add 2 ulp each, and the final subtraction rounds once at the magnitudes involved."""
-    values, ids, log_z = reference_topk(logits, k)
+    values, ids, log_z = reference if reference is not None else reference_topk(logits, k)
+    values, ids = values[..., :k], ids[..., :k]  # a wider reference's prefix is the narrower one
     logp, got_ids = got.logp.cpu().numpy(), got.ids.cpu().numpy()
     assert got_ids.shape == ids.shape and got_ids.dtype == np.int32, context
     assert np.array_equal(got_ids, ids), f"ids differ at {np.argwhere(got_ids != ids)[:5].tolist()} ({context})"
@@ -230,12 +239,13 @@ def prepared_fused(logits: np.ndarray, k: int) -> TopKLaunch:
 def test_fused_topk_at_kimis_vocabulary(batch, depth):
     seed = fresh_seed()
     logits = tie_heavy_logits("normal", batch, depth, 163_840, seed)
+    reference = reference_topk(logits, 1024)
     for k in (1, 8, 37, 64, FAST_MAX_K, FAST_MAX_K + 1, 1024):  # ragged k; v2 up to FAST_MAX_K, v1 above
         launch = prepared_fused(logits, k)
         assert launch.path == ("fused_v2" if k <= FAST_MAX_K else "fused_v1")
         got = launch()
         torch.cuda.synchronize()
-        assert_fused_matches(got, logits, k, f"seed={seed} B={batch} D={depth} k={k}")
+        assert_fused_matches(got, logits, k, f"seed={seed} B={batch} D={depth} k={k}", reference)
         launch.check_input()  # nothing flagged
 
 
@@ -246,11 +256,28 @@ def test_fused_topk_ties_and_shapes(style, vocab):
     seed = fresh_seed()
     logits = styled_logits(style, 3, 7, vocab, seed) if vocab > 7100 or style != "neginf" else \
         styled_logits("normal", 3, 7, vocab, seed)
+    reference = reference_topk(logits, 300)
     for k in (1, 64, FAST_MAX_K, 300):
         launch = prepared_fused(logits, k)
         got = launch()
         torch.cuda.synchronize()
-        assert_fused_matches(got, logits, k, f"seed={seed} {style} V={vocab} k={k} {launch.path}")
+        assert_fused_matches(got, logits, k, f"seed={seed} {style} V={vocab} k={k} {launch.path}", reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["normal", "integer_ties", "neginf"])
+@pytest.mark.parametrize("vocab", [163_840, 50_003])
+def test_fused_topk_slices_of_several_chunks(style, vocab):
+    """Batches large enough for slices of several chunks (their candidates re-read), ties and -inf."""
+    seed = fresh_seed()
+    logits = styled_logits(style, 64, 7, vocab, seed)
+    reference = reference_topk(logits, FAST_MAX_K)
+    for k in (5, 64, FAST_MAX_K):
+        launch = prepared_fused(logits, k)
+        assert launch.chunks > 1
+        got = launch()
+        torch.cuda.synchronize()
+        assert_fused_matches(got, logits, k, f"seed={seed} {style} V={vocab} k={k} chunks={launch.chunks}", reference)
 
 
 @pytest.mark.gpu

@@ -132,7 +132,7 @@ class TopKLaunch(_PreparedTopK):
     status word, which `check_input` reads (one synchronisation, for callers off the hot path).
     """
 
-    def __init__(self, logits, k: int, out: DraftTopK):
+    def __init__(self, logits, k: int, out: DraftTopK, *, chunks: int | None = None):
         super().__init__(logits, out)
         batch, depth, vocab = (int(n) for n in logits.shape)
         rows = batch * depth
@@ -142,7 +142,7 @@ class TopKLaunch(_PreparedTopK):
         self.status = _device_zeros(logits, (1,))
         if k <= FAST_MAX_K and rows <= MAX_GRID_Y:
             self.path, self.version = "fused_v2", 2
-            self.chunks = slice_chunks(rows, vocab, _multiprocessors(device))
+            self.chunks = chunks or slice_chunks(rows, vocab, _multiprocessors(device))  # chunks: a study's override
             slices = -(-vocab // (SLICE * self.chunks))
             cap = candidate_room(k)
             self._keys = cuda.device_empty(logits, (rows, slices, cap), "int64")

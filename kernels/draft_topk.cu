@@ -34,6 +34,7 @@
 #define KD_TOPK_SLICE_LOADS 4      // 16-byte loads per thread: a slice is 256 * 4 * 4 = 4096 logits
 #define KD_TOPK_PER_THREAD (4 * KD_TOPK_SLICE_LOADS)
 #define KD_TOPK_SLICE (KD_TOPK_SLICE_THREADS * KD_TOPK_PER_THREAD)
+#define KD_TOPK_MAX_CHUNKS 8      // chunks of KD_TOPK_SLICE logits per v2 slice (draft_topk.slice_chunks)
 #define KD_TOPK_FAST_MAX_K 128     // v2's k (the bound L is loose beyond: see the header)
 #define KD_TOPK_MERGE_THREADS 512
 #define KD_TOPK_MERGE_UNROLL 4     // candidate loads in flight per merge thread
@@ -356,27 +357,38 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     const int used = min(chunks, kd_ceil_div(vocab - base, KD_TOPK_SLICE));  // chunks holding logits
     const long long cell = (long long)row * slices + slice;
 
-    bool has_nan = false, has_pos_inf = false;
-    float thread_max = kd_neg_inf_f();
+    // pass 1: per chunk, this thread's maximum and sum exp(x - max). NaN is ignored by fmaxf and turns
+    // the sum into NaN, +inf is the maximum: both are read off the states, not tested per logit.
+    float chunk_max[KD_TOPK_MAX_CHUNKS];
     SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    bool has_nan = false;
     float v[KD_TOPK_PER_THREAD];
-    for (int c = 0; c < used; ++c) {
-        load_chunk<VEC>(row_logits, vocab, base + c * KD_TOPK_SLICE, v);
-        float max = kd_neg_inf_f();
 #pragma unroll
-        for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
-            has_nan |= v[e] != v[e];
-            has_pos_inf |= v[e] == -kd_neg_inf_f();
-            max = fmaxf(max, v[e]);  // NaN ignored: a NaN row is flagged and comes out NaN
-        }
-        float sum = 0.0f;
-        if (max != kd_neg_inf_f()) {
+    for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) {
+        chunk_max[c] = kd_neg_inf_f();
+        if (c < used) {
+            load_chunk<VEC>(row_logits, vocab, base + c * KD_TOPK_SLICE, v);
+            float max = kd_neg_inf_f();
 #pragma unroll
-            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += v[e] == v[e] ? expf(v[e] - max) : 0.0f;
+            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) max = fmaxf(max, v[e]);
+            float sum = 0.0f;
+            if (max != kd_neg_inf_f()) {
+#pragma unroll
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += expf(v[e] - max);
+            }
+            has_nan |= sum != sum && max != -kd_neg_inf_f();
+            if (max == kd_neg_inf_f()) {  // -inf or NaN only: the sum saw none of it
+#pragma unroll
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) has_nan |= v[e] != v[e];
+            }
+            softmax = softmax_merge(softmax, {max, sum});
+            chunk_max[c] = max;
         }
-        softmax = softmax_merge(softmax, {max, sum});
-        thread_max = fmaxf(thread_max, max);
     }
+    const bool has_pos_inf = softmax.max == -kd_neg_inf_f();
+    float thread_max = kd_neg_inf_f();
+#pragma unroll
+    for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) thread_max = fmaxf(thread_max, chunk_max[c]);
     const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
     const bool any_nan = __syncthreads_or(has_nan), any_pos_inf = __syncthreads_or(has_pos_inf);
     if (t == 0) {
@@ -393,14 +405,21 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     const float bound = s_bound;
     unsigned long long* slots = cand_keys + cell * cap;
     if (bound != kd_neg_inf_f()) {
-        for (int c = 0; c < used; ++c) {
-            const int first = base + c * KD_TOPK_SLICE;
-            if (chunks > 1) load_chunk<VEC>(row_logits, vocab, first, v);  // one chunk: still in registers
+        // pass 2: only a chunk whose maximum reaches L holds candidates (a few threads of the block);
+        // one chunk is still in registers, more are re-read from L1/L2. Candidates are rare, so each
+        // takes its slot with its own shared atomic (no warp-wide step per logit).
 #pragma unroll
-            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
-                const bool take = v[e] >= bound;  // false for NaN and, as L is finite, for -inf
-                const int slot = kd_warp_append(&s_taken, take);
-                if (take && slot < cap) slots[slot] = topk_key(v[e], chunk_id(first, e));
+        for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) {
+            if (chunk_max[c] >= bound) {  // false past `used` (-inf) and for NaN
+                const int first = base + c * KD_TOPK_SLICE;
+                if (used > 1) load_chunk<VEC>(row_logits, vocab, first, v);
+#pragma unroll
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
+                    if (v[e] >= bound) {  // false for NaN and, as L is finite, for -inf
+                        const unsigned slot = atomicAdd(&s_taken, 1u);
+                        if (slot < (unsigned)cap) slots[slot] = topk_key(v[e], chunk_id(first, e));
+                    }
+                }
             }
         }
         __syncthreads();
@@ -415,7 +434,7 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     const auto keys = [&](bool, auto visit) {
         for (int c = 0; c < used; ++c) {
             const int first = base + c * KD_TOPK_SLICE;
-            if (chunks > 1) load_chunk<VEC>(row_logits, vocab, first, v);
+            if (used > 1) load_chunk<VEC>(row_logits, vocab, first, v);
 #pragma unroll
             for (int e = 0; e < KD_TOPK_PER_THREAD; ++e)
                 visit(topk_key(v[e] != v[e] ? kd_neg_inf_f() : v[e], chunk_id(first, e)), chunk_id(first, e) < vocab);

@@ -338,6 +338,11 @@ def topk_takeaway(rows: list[dict]) -> str:
                     f"{line['target_us']} us ({'met' if line['met'] else 'MISSED by ' + format(line['kernel_us'] / line['target_us'], '.1f') + 'x'}; "
                     f"{line['over_roofline']}x the roofline)"
                     + (f"; torch's exact path {line['exact_us']:.1f} us" if line["exact_us"] is not None else ""))
+    table = [line for line in topk_table(rows) if line.get("kernel_us") and line.get("torch_us")]
+    behind = [f"B={line['batch']} D={line['depth']} k={line['k']} ({line['kernel_path']} {line['kernel_us']:.1f} vs "
+              f"{line['torch_us']:.1f} us)" for line in table if line["kernel_us"] >= line["torch_us"]]
+    text.append(f"the 'kernel' path is faster than torch's exact path at {len(table) - len(behind)} of {len(table)} "
+                f"configurations" + (f"; not at {', '.join(behind)}" if behind else ""))
     return "\n".join(text)
 
 

@@ -11,16 +11,17 @@ draft a one-bit difference in a value reorders the tree, so the exact paths call
   vocabulary across blocks by the number of rows, so batch 1 ([1, D, V]) gives the official code's
   values exactly and larger batches may differ from it in the last bit of a row's normaliser.
 - "cupy": the fused kernels of kernels/draft_topk.cu, one read of the logits. Up to k = FAST_MAX_K
-  (128) v2 runs: many CTAs per row each read a 4096-logit slice once and keep its (max, sum exp) and
-  a superset of its top k, then one merge CTA per row selects and sorts the row's top k and
+  (128) v2 runs: many CTAs per row each read a slice of 4096-logit chunks from memory once and keep
+  its (max, sum exp) and a superset of its top k, then one merge CTA per row selects and sorts the row's top k and
   subtracts log(sum) + max; above, v1 (one CTA per row). The selection is exact (the values are the
   logits themselves, ties by ascending token id); the normaliser is the kernel's own float32 sum,
   a few ulps from torch's (different summation order; tests/test_draft_topk.py derives the bound).
   Where that last-bit difference can change a tree: it shifts every log-probability of one draft
-  position by the same tiny amount, so the order within a depth never changes, but two frontier
-  nodes at different depths whose log-weights lie within a few ulps can swap, and so can exact ties
-  across depths (which torch's rounding and ours may break differently); torch's own batched
-  reduction differs from the per-request one in the same way. On the stand-in drafter's held-out
+  position by nearly the same tiny amount (each value is rounded again), so the ranks within a
+  position keep their order, and a tree can change only where two candidate nodes' log-weights lie
+  within a few ulps of each other: nodes at different depths (their weights hold different positions'
+  normalisers), or exact ties that torch's rounding and ours break differently. torch's own batched
+  reduction differs from its per-request one in the same way. On the stand-in drafter's held-out
   logits no tree differed (tests/test_draft_topk.py counts them); "auto" still runs torch's exact
   formula, because the contract is the official code's tree on any input, tie-heavy ones included
   (docs/kernel-notes.md has the measurement behind that choice).
@@ -187,11 +188,12 @@ class TopKLaunch(_PreparedTopK):
 
 def slice_chunks(rows: int, vocab: int, multiprocessors: int) -> int:
     """SLICE-logit chunks per v2 slice: 1 (the most CTAs, each keeping its chunk in registers) while
-    one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to
-    MAX_CHUNKS beyond, so the fixed cost per CTA (the bound's sort) and the merge's candidates shrink
-    by as much (a thread re-reads only a chunk whose maximum reaches the bound). Measured on the H200,
-    B=64 D=7 k=64: 1 chunk 305 us, 2: 236 us, 4: 194 us (docs/kernel-notes.md)."""
-    return max(1, min(MAX_CHUNKS, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
+    one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to 4 beyond,
+    so the fixed cost per CTA (the bound's sort) and the merge's candidates shrink by as much (a thread
+    re-reads only a chunk whose maximum reaches the bound). Not 8 (the kernel's MAX_CHUNKS): on the
+    H200 at 8948252, B=64 D=7 in a CUDA graph, k=64 took 170.7 us with 4 chunks and 228.1 us with 8
+    (k=8: 151.9 vs 147.3 us), its re-reads then missing L2 (docs/kernel-notes.md)."""
+    return max(1, min(4, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
 
 
 @functools.lru_cache(maxsize=None)

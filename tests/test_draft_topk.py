@@ -4,6 +4,11 @@ CPU: bit for bit against torch's CPU ops on tie-heavy logits, and bad input. Wit
 local copy of the official code, never committed): build_tree(draft_topk(logits)) is the official
 build_ddtree_tree's tree node for node on tie-heavy logits up to budget 1024, on the CPU and (`-m gpu`)
 on the GPU.
+
+GPU (`-m gpu`): the fused kernels (v2 many CTAs per row for k <= 128, v1 above) against a host reference
+on fresh random, tie-heavy, constant and -inf-masked logits with poisoned outputs (B in {1, 8, 64}, D in
+{7, 15}, ragged k, V from 300 to 163,840), replayed in a CUDA graph, bad rows flagged without a host
+read, and the trees built from them against the exact path's on the stand-in drafter's held-out logits.
 """
 import os
 
@@ -11,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib.draft_topk import draft_topk, prepare_draft_topk
+from kdtree_lib.draft_topk import FAST_MAX_K, TopKLaunch, draft_topk, prepare_draft_topk
 from kdtree_lib.tree_build import build_tree
 
 OFFICIAL_DIR = os.environ.get("KDTREE_OFFICIAL_DIR")
@@ -168,9 +173,29 @@ def test_official_tree_from_logits_on_gpu(style, depth, vocab, budget, official_
 
 
 # ----------------------------------------------------------------------------------------------
+# benchmark rows: which top-k path ran, and issue 29's targets read from them
+
+def test_rows_are_labelled_by_the_topk_path_that_ran():
+    from kdtree_lib.bench.tree_build import topk_path_of, topk_targets
+    old_exact = dict(stage="draft_topk", method="kernel", max_abs_diff_vs_torch="0.0")  # before the column
+    old_fused = dict(stage="draft_topk", method="kernel", max_abs_diff_vs_torch="9.5e-07")
+    assert topk_path_of(old_exact) == "exact" and topk_path_of(old_fused) == "fused_v1"
+    assert topk_path_of(dict(stage="draft_topk", method="torch_flushed")) == "exact"
+    assert topk_path_of(dict(stage="build", method="kernel")) == "none"
+    assert topk_path_of(dict(stage="tree_stage", method="sglang")) == "sglang"
+    assert topk_path_of(dict(old_exact, topk_path="fused_v2")) == "fused_v2"
+    run = [dict(stage="draft_topk", method=method, batch=batch, depth=7, topk=64, roofline_us=roofline,
+                time_us=time, topk_path=path)
+           for batch, roofline, fused, exact in ((1, 1.1, 11.9, 104.0), (64, 69.0, 140.0, 1480.0))
+           for method, time, path in (("kernel", fused, "fused_v2"), ("torch", exact, "exact"))]
+    lines = {line["batch"]: line for line in topk_targets(run)}
+    assert lines[1]["met"] and lines[1]["target_us"] == 12.0 and lines[1]["exact_us"] == 104.0
+    assert not lines[64]["met"] and lines[64]["target_us"] == 138.0 and lines[64]["path"] == "fused_v2"
+
+
+# ----------------------------------------------------------------------------------------------
 # the fused kernels (backend "cupy"): v2 (many CTAs per row, k <= FAST_MAX_K) and v1 (one CTA per row)
 
-from kdtree_lib.draft_topk import FAST_MAX_K, SLICE, TopKLaunch  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -7,14 +7,16 @@
 //       softmax); the survivors are gathered in a second read and bitonic-sorted. vec4 reads float4
 //       (vocab % 4 == 0, 16-byte aligned rows), vec1 any row. Kept for k > KD_TOPK_FAST_MAX_K.
 //   v2  draft_topk_slices_vec4/vec1 + draft_topk_merge: many CTAs per row (k <= KD_TOPK_FAST_MAX_K).
-//       Each CTA of 256 threads reads a slice of 4096 logits once into registers (16 per thread,
-//       four 16-byte loads in flight), writes the slice's (max, sum exp(x - max)), and keeps a
-//       superset of the slice's top k: every logit >= L, where L is the k-th largest of the 256
-//       per-thread maxima (k distinct logits are >= L, so the slice's k largest are too). When that
-//       set is larger than the slice's candidate room, or L is -inf, the CTA finds its exact top k
-//       by the v1 radix select over its registers instead. One merge CTA per row combines the slice
-//       states (online-softmax rule, fixed order) and radix-selects + sorts the row's top k from the
-//       candidates, which are few and L2-resident.
+//       A CTA of 256 threads reads a slice of 1 to KD_TOPK_MAX_CHUNKS chunks of 4096 logits (16 per
+//       thread per chunk, four 16-byte loads in flight), writes the slice's (max, sum exp(x - max)),
+//       and keeps a superset of the slice's top k: every logit >= L, where L is the k-th largest of
+//       the 256 per-thread maxima (k distinct logits are >= L, so the slice's k largest are too). A
+//       one-chunk slice keeps its logits in registers; in a longer one, a thread re-reads (L1/L2)
+//       only the chunks whose maximum reaches L. When that set is larger than the slice's candidate
+//       room, or L is -inf, the CTA finds its exact top k by the radix select instead. One merge CTA
+//       per row combines the slice states (online-softmax rule, fixed order), stages the candidates
+//       in shared memory and radix-selects + sorts the row's top k.
+//       (docs/kernel-notes.md: the steps v2 -> v2.2 and their H200 times.)
 //
 // The selected values are the logits themselves, so the ids and their order are exact (ties by
 // ascending id). The normaliser is this kernel's own float32 sum, which differs from torch's

@@ -49,7 +49,7 @@ SLICE_THREADS = 256  # KD_TOPK_SLICE_THREADS (v2)
 SLICE = 4096         # KD_TOPK_SLICE: logits per v2 slice
 MERGE_THREADS = 512  # KD_TOPK_MERGE_THREADS
 FAST_MAX_K = 128     # KD_TOPK_FAST_MAX_K: v2 up to this k, v1 above
-MAX_CHUNKS = 8       # KD_TOPK_MAX_CHUNKS: SLICE-logit chunks per v2 slice
+MAX_CHUNKS = 4       # KD_TOPK_MAX_CHUNKS: SLICE-logit chunks per v2 slice
 MAX_GRID_Y = 65_535  # v2's rows B*D run on the grid's y axis
 
 
@@ -190,10 +190,10 @@ def slice_chunks(rows: int, vocab: int, multiprocessors: int) -> int:
     """SLICE-logit chunks per v2 slice: 1 (the most CTAs, each keeping its chunk in registers) while
     one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to 4 beyond,
     so the fixed cost per CTA (the bound's sort) and the merge's candidates shrink by as much (a thread
-    re-reads only a chunk whose maximum reaches the bound). Not 8 (the kernel's MAX_CHUNKS): on the
-    H200 at 8948252, B=64 D=7 in a CUDA graph, k=64 took 170.7 us with 4 chunks and 228.1 us with 8
-    (k=8: 151.9 vs 147.3 us), its re-reads then missing L2 (docs/kernel-notes.md)."""
-    return max(1, min(4, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
+    re-reads only a chunk whose maximum reaches the bound). Not 8: on the H200 at 8948252, B=64 D=7
+    in a CUDA graph, k=64 took 170.7 us with 4 chunks and 228.1 us with 8 (k=8: 151.9 vs 147.3 us),
+    its re-reads then missing L2 (docs/kernel-notes.md)."""
+    return max(1, min(MAX_CHUNKS, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,7 @@
 #define KD_TOPK_SLICE_LOADS 4      // 16-byte loads per thread: a slice is 256 * 4 * 4 = 4096 logits
 #define KD_TOPK_PER_THREAD (4 * KD_TOPK_SLICE_LOADS)
 #define KD_TOPK_SLICE (KD_TOPK_SLICE_THREADS * KD_TOPK_PER_THREAD)
-#define KD_TOPK_MAX_CHUNKS 8      // chunks of KD_TOPK_SLICE logits per v2 slice (draft_topk.slice_chunks)
+#define KD_TOPK_MAX_CHUNKS 4      // chunks of KD_TOPK_SLICE logits per v2 slice (draft_topk.slice_chunks)
 #define KD_TOPK_FAST_MAX_K 128     // v2's k (the bound L is loose beyond: see the header)
 #define KD_TOPK_MERGE_THREADS 512
 #define KD_TOPK_MERGE_UNROLL 4     // candidate loads in flight per merge thread
@@ -356,7 +356,8 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     const int slice = blockIdx.x, row = blockIdx.y;
     const float* row_logits = logits + (long long)row * vocab;
     const int base = slice * chunks * KD_TOPK_SLICE;
-    const int used = min(chunks, kd_ceil_div(vocab - base, KD_TOPK_SLICE));  // chunks holding logits
+    // chunks holding logits; chunks <= KD_TOPK_MAX_CHUNKS (draft_topk.TopKLaunch checks it)
+    const int used = min(chunks, kd_ceil_div(vocab - base, KD_TOPK_SLICE));
     const long long cell = (long long)row * slices + slice;
 
     // pass 1: per chunk, this thread's maximum and sum exp(x - max). NaN is ignored by fmaxf and turns

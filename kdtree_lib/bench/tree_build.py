@@ -411,7 +411,7 @@ def stage_summary(rows: list[dict]) -> dict:
     summary = {"dropin equals sglang on every row": all(r["matches_sglang"] is True
                                                         for r in results.select(rows, stage="tree_stage"))}
     for batch in sorted({1, max((r["batch"] for r in stage), default=1)}):
-        for method in ("dropin", "kdtree", "kdtree_graph"):
+        for method in ("dropin", "kdtree", "kdtree_graph", "kdtree_graph_fused"):
             ratios = [r["speedup_vs_sglang"] for r in results.select(stage, method=method, batch=batch)
                       if isinstance(r["speedup_vs_sglang"], (int, float))]
             if ratios:

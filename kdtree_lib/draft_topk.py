@@ -10,16 +10,31 @@ draft a one-bit difference in a value reorders the tree, so the exact paths call
   On a GPU these are torch's CUDA values for that batch shape; torch's CUDA reduction splits the
   vocabulary across blocks by the number of rows, so batch 1 ([1, D, V]) gives the official code's
   values exactly and larger batches may differ from it in the last bit of a row's normaliser.
-- "cupy": the fused kernel of kernels/draft_topk.cu, one read of the logits. Its selection is exact
-  (the values are the logits themselves, ties ordered by ascending token id); its normaliser is its
-  own float32 sum, a few ulps from torch's. Not bit-exact, so "auto" never picks it.
+- "cupy": the fused kernels of kernels/draft_topk.cu, one read of the logits. Up to k = FAST_MAX_K
+  (128) v2 runs: many CTAs per row each read a slice of 4096-logit chunks from memory once and keep
+  its (max, sum exp) and a superset of its top k, then one merge CTA per row selects and sorts the row's top k and
+  subtracts log(sum) + max; above, v1 (one CTA per row). The selection is exact (the values are the
+  logits themselves, ties by ascending token id); the normaliser is the kernel's own float32 sum,
+  a few ulps from torch's (different summation order; tests/test_draft_topk.py derives the bound).
+  Where that last-bit difference can change a tree: it shifts every log-probability of one draft
+  position by nearly the same tiny amount (each value is rounded again), so the ranks within a
+  position keep their order, and a tree can change only where two candidate nodes' log-weights lie
+  within a few ulps of each other: nodes at different depths (their weights hold different positions'
+  normalisers), or exact ties that torch's rounding and ours break differently. torch's own batched
+  reduction differs from its per-request one in the same way. On the stand-in drafter's held-out
+  logits no tree differed (tests/test_draft_topk.py counts them); "auto" still runs torch's exact
+  formula, because the contract is the official code's tree on any input, tie-heavy ones included
+  (docs/kernel-notes.md has the measurement behind that choice).
 - "auto": "numpy" on the host, "torch" on a GPU.
 
-Bad input (NaN, +inf, a row that is entirely -inf) raises a ValueError on the host paths; on a GPU a
-value check would read the logits back and synchronise, so device paths check metadata only and a bad
-row comes out as NaN log-probabilities.
+Bad input (NaN, +inf, a row that is entirely -inf) raises a ValueError on the host paths. On a GPU a
+value check would read the logits back and synchronise inside the decode step, so the device paths
+check metadata only (a prepared launch once, when prepared); v2 writes a bad row's log-probabilities
+as NaN and flags it in a device status word that `TopKLaunch.check_input()` reads off the hot path.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -29,7 +44,13 @@ from .checks import check_array, check_finite, check_positive_int, framework, is
 from .contracts import MAX_TOPK, DraftTopK
 
 LOGIT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-TOPK_THREADS = 1024  # KD_TOPK_THREADS in kernels/draft_topk.cu
+TOPK_THREADS = 1024  # KD_TOPK_THREADS in kernels/draft_topk.cu (v1)
+SLICE_THREADS = 256  # KD_TOPK_SLICE_THREADS (v2)
+SLICE = 4096         # KD_TOPK_SLICE: logits per v2 slice
+MERGE_THREADS = 512  # KD_TOPK_MERGE_THREADS
+FAST_MAX_K = 128     # KD_TOPK_FAST_MAX_K: v2 up to this k, v1 above
+MAX_CHUNKS = 4       # KD_TOPK_MAX_CHUNKS: SLICE-logit chunks per v2 slice
+MAX_GRID_Y = 65_535  # v2's rows B*D run on the grid's y axis
 
 
 def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
@@ -102,28 +123,95 @@ class _PreparedTopK:
 
 
 class TopKLaunch(_PreparedTopK):
-    """One prepared fused top-k: checked, converted and allocated once, so a call costs only the launch.
+    """One prepared fused top-k: checked, converted and allocated once, so a call costs only the launches.
 
-    Calling it enqueues the kernel on torch's current stream over the logits it was prepared with
-    (refill them in place between calls) and returns `out`; passing `logits` checks that it is that
-    same buffer. Nothing here synchronises, so it can run back to back or inside a CUDA graph.
+    `path` says which kernel runs: "fused_v2" (k <= FAST_MAX_K: slices of `chunks` x SLICE logits,
+    many CTAs per row, then a merge CTA per row) or "fused_v1" (larger k: one CTA per row). Calling it enqueues the
+    kernels on torch's current stream over the logits it was prepared with (refill them in place
+    between calls) and returns `out`; passing `logits` checks that it is that same buffer. Nothing
+    here synchronises, so it can run back to back or inside a CUDA graph. Values are not read back:
+    v2 writes a row holding NaN, +inf or only -inf as NaN log-probabilities and flags it in a device
+    status word, which `check_input` reads (one synchronisation, for callers off the hot path).
     """
 
-    def __init__(self, logits, k: int, out: DraftTopK):
+    def __init__(self, logits, k: int, out: DraftTopK, *, chunks: int | None = None):
         super().__init__(logits, out)
         batch, depth, vocab = (int(n) for n in logits.shape)
+        rows = batch * depth
+        device = cuda.device_index(logits)
         vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0  # float4 loads need aligned rows
-        self._function = cuda.device_function("draft_topk.cu", "draft_topk_vec4" if vectorized else "draft_topk_vec1",
-                                              cuda.device_index(logits))
-        self._grid = (batch * depth,)
-        self._args = (cuda.pointer(logits), np.int32(vocab), np.int32(out.logp.shape[-1]),
-                      cuda.pointer(out.logp), cuda.pointer(out.ids))
+        suffix = "vec4" if vectorized else "vec1"
+        self.status = _device_zeros(logits, (1,))
+        if k <= FAST_MAX_K and rows <= MAX_GRID_Y:
+            self.path, self.version = "fused_v2", 2
+            self.chunks = chunks or slice_chunks(rows, vocab, _multiprocessors(device))  # chunks: a study's override
+            if not 1 <= self.chunks <= MAX_CHUNKS:
+                raise ValueError(f"chunks: expected 1..{MAX_CHUNKS}, got {self.chunks}")
+            slices = -(-vocab // (SLICE * self.chunks))
+            cap = candidate_room(k)
+            self._keys = cuda.device_empty(logits, (rows, slices, cap), "int64")
+            self._counts = cuda.device_empty(logits, (rows, slices), "int32")
+            self._states = cuda.device_empty(logits, (rows, slices, 2), "float32")
+            self._row_flags = _device_zeros(logits, (rows,))
+            common = (np.int32(slices), np.int32(cap))
+            self._launches = [] if rows == 0 else [
+                (cuda.device_function("draft_topk.cu", f"draft_topk_slices_{suffix}", device), (slices, rows),
+                 (SLICE_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks)) + common
+                 + (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
+                    cuda.pointer(self._row_flags))),
+                (cuda.device_function("draft_topk.cu", "draft_topk_merge", device), (rows,), (MERGE_THREADS,),
+                 (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states)) + common
+                 + (np.int32(k), cuda.pointer(self._row_flags), cuda.pointer(self.status), cuda.pointer(out.logp),
+                    cuda.pointer(out.ids)))]
+        else:
+            self.path, self.version = "fused_v1", 1
+            self._launches = [] if rows == 0 else [
+                (cuda.device_function("draft_topk.cu", f"draft_topk_{suffix}", device), (rows,), (TOPK_THREADS,),
+                 (cuda.pointer(logits), np.int32(vocab), np.int32(k), cuda.pointer(out.logp), cuda.pointer(out.ids)))]
 
     def __call__(self, logits=None) -> DraftTopK:
         self._check(logits)
-        if self._grid[0]:
-            self._function(self._grid, (TOPK_THREADS,), self._args, stream=cuda.current_stream())
+        stream = cuda.current_stream()
+        for function, grid, block, args in self._launches:
+            function(grid, block, args, stream=stream)
         return self.out
+
+    def check_input(self) -> None:
+        """Raise a ValueError naming `logits` if any call since the last check met NaN, +inf or a row
+        that is entirely -inf (v2 only: v1 does not flag). Reads the device status: synchronises."""
+        flags = int(to_numpy(self.status)[0])
+        if flags:
+            self.status.fill_(0) if framework(self.status) == "torch" else self.status.fill(0)
+            found = [what for bit, what in ((1, "NaN"), (2, "+inf"), (4, "a row that is entirely -inf")) if flags & bit]
+            raise ValueError(f"logits: contains {' and '.join(found)} (those draft positions came out as NaN)")
+
+
+def slice_chunks(rows: int, vocab: int, multiprocessors: int) -> int:
+    """SLICE-logit chunks per v2 slice: 1 (the most CTAs, each keeping its chunk in registers) while
+    one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to 4 beyond,
+    so the fixed cost per CTA (the bound's sort) and the merge's candidates shrink by as much (a thread
+    re-reads only a chunk whose maximum reaches the bound). Not 8: on the H200 at 8948252, B=64 D=7
+    in a CUDA graph, k=64 took 170.7 us with 4 chunks and 228.1 us with 8 (k=8: 151.9 vs 147.3 us),
+    its re-reads then missing L2 (docs/kernel-notes.md)."""
+    return max(1, min(MAX_CHUNKS, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: int) -> int:
+    import cupy
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def candidate_room(k: int) -> int:
+    """Candidates a v2 slice may keep (>= 2k; a slice with more logits >= its bound selects exactly)."""
+    return max(32, 2 * k)
+
+
+def _device_zeros(like, shape: tuple):
+    """int32 zeros on the device of `like`, in its framework."""
+    zeros = cuda.device_empty(like, shape, "int32")
+    zeros.zero_() if framework(zeros) == "torch" else zeros.fill(0)
+    return zeros
 
 
 class ExactTopKLaunch(_PreparedTopK):
@@ -133,6 +221,8 @@ class ExactTopKLaunch(_PreparedTopK):
     Calling it enqueues torch's ops on the current stream over the logits it was prepared with and
     returns `out`; passing `logits` checks that it is that same buffer.
     """
+
+    path, version = "exact", ""
 
     def __init__(self, logits, k: int, out: DraftTopK):
         import torch

@@ -5,11 +5,26 @@
 //       unique (value, -id) keys histograms the row, stopping as soon as the keys at or above the
 //       chosen digit fit in shared memory (usually after the first pass, which also runs the online
 //       softmax); the survivors are gathered in a second read and bitonic-sorted. vec4 reads float4
-//       (vocab % 4 == 0, 16-byte aligned rows), vec1 any row.
+//       (vocab % 4 == 0, 16-byte aligned rows), vec1 any row. Kept for k > KD_TOPK_FAST_MAX_K.
+//   v2  draft_topk_slices_vec4/vec1 + draft_topk_merge: many CTAs per row (k <= KD_TOPK_FAST_MAX_K).
+//       A CTA of 256 threads reads a slice of 1 to KD_TOPK_MAX_CHUNKS chunks of 4096 logits (16 per
+//       thread per chunk, four 16-byte loads in flight), writes the slice's (max, sum exp(x - max)),
+//       and keeps a superset of the slice's top k: every logit >= L, where L is the k-th largest of
+//       the 256 per-thread maxima (k distinct logits are >= L, so the slice's k largest are too). A
+//       one-chunk slice keeps its logits in registers; in a longer one, a thread re-reads (L1/L2)
+//       only the chunks whose maximum reaches L. When that set is larger than the slice's candidate
+//       room, or L is -inf, the CTA finds its exact top k by the radix select instead. One merge CTA
+//       per row combines the slice states (online-softmax rule, fixed order), stages the candidates
+//       in shared memory and radix-selects + sorts the row's top k.
+//       (docs/kernel-notes.md: the steps v2 -> v2.2 and their H200 times.)
 //
 // The selected values are the logits themselves, so the ids and their order are exact (ties by
 // ascending id). The normaliser is this kernel's own float32 sum, which differs from torch's
 // logsumexp in the last bits: draft_topk's exact paths call torch for that reason (see its docstring).
+//
+// Bad input is never read back on the host: v2 flags a row holding NaN (bit 1), +inf (bit 2) or
+// only -inf (bit 4) in `status` (OR-ed, sticky until the host clears it) and writes that row's
+// log-probabilities as NaN.
 #include "common.cuh"
 
 #define KD_TOPK_THREADS 1024
@@ -17,6 +32,19 @@
 #define KD_TOPK_DIGIT_BITS 11
 #define KD_TOPK_BINS (1 << KD_TOPK_DIGIT_BITS)
 #define KD_TOPK_CAPACITY 4096      // survivors sorted in shared memory (>= the largest k, 1024)
+#define KD_TOPK_SLICE_THREADS 256
+#define KD_TOPK_SLICE_LOADS 4      // 16-byte loads per thread: a slice is 256 * 4 * 4 = 4096 logits
+#define KD_TOPK_PER_THREAD (4 * KD_TOPK_SLICE_LOADS)
+#define KD_TOPK_SLICE (KD_TOPK_SLICE_THREADS * KD_TOPK_PER_THREAD)
+#define KD_TOPK_MAX_CHUNKS 4      // chunks of KD_TOPK_SLICE logits per v2 slice (draft_topk.slice_chunks)
+#define KD_TOPK_FAST_MAX_K 128     // v2's k (the bound L is loose beyond: see the header)
+#define KD_TOPK_MERGE_THREADS 512
+#define KD_TOPK_MERGE_UNROLL 4     // candidate loads in flight per merge thread
+#define KD_TOPK_MERGE_STAGED 3712  // a row's candidates staged in shared memory (29 KB)
+#define KD_TOPK_MERGE_SORTED 1024  // survivors sorted by the merge (>= KD_TOPK_FAST_MAX_K)
+#define KD_TOPK_BAD_NAN 1u
+#define KD_TOPK_BAD_POS_INF 2u
+#define KD_TOPK_BAD_ALL_NEG_INF 4u
 
 static_assert(KD_TOPK_BINS % KD_TOPK_THREADS == 0, "each thread scans whole bins");
 
@@ -127,85 +155,110 @@ __device__ __forceinline__ void for_each_logit(const float* __restrict__ row, in
     }
 }
 
-// logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32.
-// Radix select: each pass histograms the next 11 bits of the keys that share the prefix chosen so
-// far and keeps the digit where the count of larger keys reaches k; it stops as soon as the keys
-// >= that digit fit in shared memory (usually after the first pass, which also computes the
-// softmax denominator). Keys are unique, so the survivors are exactly determined.
-template <int VEC>
-__device__ void draft_topk_row(const float* __restrict__ logits, int vocab, int k,
-                               float* __restrict__ out_logp, int* __restrict__ out_ids) {
-    __shared__ unsigned s_hist[KD_TOPK_BINS];
-    __shared__ unsigned long long s_keys[KD_TOPK_CAPACITY];
-    __shared__ unsigned s_scan[32];
-    __shared__ SoftmaxState s_softmax[32];
-    __shared__ unsigned s_digit, s_count_above, s_count_from;
-    __shared__ unsigned s_taken;
+// The radix select's shared scratch.
+struct RadixScratch {
+    unsigned hist[KD_TOPK_BINS];
+    unsigned scan[32];
+    unsigned digit, count_above, count_from;
+};
 
+// Radix select over the unique keys a block visits: `source(first_pass, visit)` calls visit(key, valid)
+// the same number of times in every lane. Each pass histograms the next 11 bits of the keys that share
+// the prefix chosen so far and keeps the digit where the count of larger keys reaches k; it stops as
+// soon as the keys >= that digit number at most `stop_at` (>= k). Returns the threshold key: exactly
+// `survivors` (k <= survivors <= stop_at) visited valid keys are >= it. Needs at least k valid keys.
+template <typename Source>
+__device__ unsigned long long radix_threshold(Source source, unsigned k, unsigned stop_at, RadixScratch& scratch,
+                                              unsigned& survivors) {
     const int t = threadIdx.x;
-    const float* row = logits + (long long)blockIdx.x * vocab;
-    constexpr int bins_per_thread = KD_TOPK_BINS / KD_TOPK_THREADS;
-
-    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    const int bins_per_thread = KD_TOPK_BINS / blockDim.x;
     unsigned long long prefix = 0ull;  // the digits chosen so far
     int shift = 64;                    // the key bits below the prefix
     unsigned above = 0u;               // keys known to be larger than every key with the prefix
-    unsigned survivors = 0u;
     for (bool first_pass = true;; first_pass = false) {
         const int bits = min(KD_TOPK_DIGIT_BITS, shift);
         const int low = shift - bits;
-        for (int bin = t; bin < KD_TOPK_BINS; bin += blockDim.x) s_hist[bin] = 0u;
+        for (int bin = t; bin < KD_TOPK_BINS; bin += blockDim.x) scratch.hist[bin] = 0u;
         __syncthreads();
-        for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
-            if (first_pass) softmax_push(softmax, x);  // x = -inf when not valid
-            const unsigned long long key = topk_key(x, i);
+        source(first_pass, [&](unsigned long long key, bool valid) {
             const bool in_prefix = valid && (shift == 64 || (key >> shift) == prefix);
-            kd_warp_histogram_add(s_hist, in_prefix ? (int)((key >> low) & (KD_TOPK_BINS - 1)) : -1);
+            kd_warp_histogram_add(scratch.hist, in_prefix ? (int)((key >> low) & (KD_TOPK_BINS - 1)) : -1);
         });
         __syncthreads();
         // thread t owns digits top, top-1, ... (descending), so a prefix sum over threads counts
         // the keys above each digit
         const int top = KD_TOPK_BINS - 1 - t * bins_per_thread;
         unsigned mine = 0u;
-        for (int j = 0; j < bins_per_thread; ++j) mine += s_hist[top - j];
-        const unsigned before = above + kd_block_inclusive_scan(mine, s_scan) - mine;
-        if (before < (unsigned)k && before + mine >= (unsigned)k) {
+        for (int j = 0; j < bins_per_thread; ++j) mine += scratch.hist[top - j];
+        const unsigned before = above + kd_block_inclusive_scan(mine, scratch.scan) - mine;
+        if (before < k && before + mine >= k) {
             unsigned count = before;
             for (int j = 0; j < bins_per_thread; ++j) {
-                const unsigned in_bin = s_hist[top - j];
-                if (count + in_bin >= (unsigned)k) {
-                    s_digit = top - j;
-                    s_count_above = count;
-                    s_count_from = count + in_bin;
+                const unsigned in_bin = scratch.hist[top - j];
+                if (count + in_bin >= k) {
+                    scratch.digit = top - j;
+                    scratch.count_above = count;
+                    scratch.count_from = count + in_bin;
                     break;
                 }
                 count += in_bin;
             }
         }
         __syncthreads();
-        prefix = (prefix << bits) | s_digit;
+        prefix = (prefix << bits) | scratch.digit;
         shift = low;
-        survivors = s_count_from;
-        if (survivors <= KD_TOPK_CAPACITY || shift == 0) break;
-        above = s_count_above;
+        survivors = scratch.count_from;
+        above = scratch.count_above;
+        __syncthreads();  // the scratch is rewritten by the next pass or the next call
+        if (survivors <= stop_at || shift == 0) break;
     }
-    const unsigned long long threshold = prefix << shift;
+    return prefix << shift;
+}
 
-    // gather the survivors (keys >= threshold: exactly `survivors` of them) and sort them
-    if (t == 0) s_taken = 0u;
+// Gather the visited valid keys >= threshold (exactly `survivors` <= capacity of them) into keys[] and
+// sort them descending. All threads call it.
+template <typename Source>
+__device__ void gather_sorted(Source source, unsigned long long threshold, unsigned survivors, unsigned long long* keys,
+                              int capacity, unsigned* taken) {
+    if (threadIdx.x == 0) *taken = 0u;
     __syncthreads();
-    for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
-        const unsigned long long key = topk_key(x, i);
+    source(false, [&](unsigned long long key, bool valid) {
         const bool take = valid && key >= threshold;
-        const int slot = kd_warp_append(&s_taken, take);
-        if (take) s_keys[slot] = key;
+        const int slot = kd_warp_append(taken, take);
+        if (take && slot < capacity) keys[slot] = key;  // survivors <= capacity: the guard is for safety
     });
     int size = 1;
     while (size < (int)survivors) size <<= 1;
     __syncthreads();
-    for (int j = survivors + t; j < size; j += blockDim.x) s_keys[j] = 0ull;  // below every real key
+    for (int j = survivors + threadIdx.x; j < size; j += blockDim.x) keys[j] = 0ull;  // below every real key
     __syncthreads();
-    bitonic_sort_descending(s_keys, size);
+    bitonic_sort_descending(keys, size);
+}
+
+__device__ __forceinline__ float kd_nan_f() { return __int_as_float(0x7fc00000); }
+
+// v1: logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32,
+// one CTA per row; the first radix pass also computes the softmax denominator.
+template <int VEC>
+__device__ void draft_topk_row(const float* __restrict__ logits, int vocab, int k,
+                               float* __restrict__ out_logp, int* __restrict__ out_ids) {
+    __shared__ RadixScratch s_radix;
+    __shared__ unsigned long long s_keys[KD_TOPK_CAPACITY];
+    __shared__ SoftmaxState s_softmax[32];
+    __shared__ unsigned s_taken;
+
+    const int t = threadIdx.x;
+    const float* row = logits + (long long)blockIdx.x * vocab;
+    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    const auto keys = [&](bool first_pass, auto visit) {
+        for_each_logit<VEC>(row, vocab, [&](float x, int i, bool valid) {
+            if (first_pass) softmax_push(softmax, x);  // x = -inf when not valid
+            visit(topk_key(x, i), valid);
+        });
+    };
+    unsigned survivors;
+    const unsigned long long threshold = radix_threshold(keys, (unsigned)k, KD_TOPK_CAPACITY, s_radix, survivors);
+    gather_sorted(keys, threshold, survivors, s_keys, KD_TOPK_CAPACITY, &s_taken);
 
     const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
     const float log_sum = logf(total.sum);
@@ -228,4 +281,270 @@ extern "C" __global__ void __launch_bounds__(KD_TOPK_THREADS)
 draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __restrict__ out_logp,
                 int* __restrict__ out_ids) {
     draft_topk_row<1>(logits, vocab, k, out_logp, out_ids);
+}
+
+
+// ------------------------------------------------------------------------------------------------
+// v2: slices, then a merge per row
+
+// Bitonic sort of one float per thread across a block of KD_TOPK_SLICE_THREADS: thread t returns the
+// t-th largest. Strides below a warp go through shuffles, the rest through `exchange`.
+__device__ float block_sort_descending(float x, float* exchange) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int size = 2; size <= KD_TOPK_SLICE_THREADS; size <<= 1) {
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            float other;
+            if (stride >= KD_WARP_SIZE) {
+                exchange[t] = x;
+                __syncthreads();
+                other = exchange[t ^ stride];
+                __syncthreads();
+            } else {
+                other = __shfl_xor_sync(KD_FULL_MASK, x, stride);
+            }
+            const bool keep_max = ((t & stride) == 0) == ((t & size) == 0);
+            x = keep_max ? fmaxf(x, other) : fminf(x, other);
+        }
+    }
+    return x;
+}
+
+// Chunk `chunk` of a row (KD_TOPK_SLICE logits from `first`) into this thread's registers: element e
+// is logit first + ((e / 4) * threads + t) * 4 + e % 4 (16-byte loads, coalesced); -inf past the end.
+template <int VEC>
+__device__ __forceinline__ void load_chunk(const float* __restrict__ row, int vocab, int first,
+                                           float (&v)[KD_TOPK_PER_THREAD]) {
+#pragma unroll
+    for (int u = 0; u < KD_TOPK_SLICE_LOADS; ++u) {
+        const int at = first + (u * KD_TOPK_SLICE_THREADS + (int)threadIdx.x) * 4;
+        if constexpr (VEC == 4) {
+            const float4 loaded = at < vocab ? __ldg(reinterpret_cast<const float4*>(row + at))
+                                             : make_float4(kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f(), kd_neg_inf_f());
+            v[4 * u + 0] = loaded.x;
+            v[4 * u + 1] = loaded.y;
+            v[4 * u + 2] = loaded.z;
+            v[4 * u + 3] = loaded.w;
+        } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[4 * u + c] = at + c < vocab ? __ldg(row + at + c) : kd_neg_inf_f();
+        }
+    }
+}
+
+__device__ __forceinline__ int chunk_id(int first, int e) {
+    return first + ((e / 4) * KD_TOPK_SLICE_THREADS + (int)threadIdx.x) * 4 + e % 4;
+}
+
+// One slice (`chunks` chunks of KD_TOPK_SLICE logits) of one row: grid (slices, rows),
+// KD_TOPK_SLICE_THREADS threads. The first read computes the slice's softmax state and each thread's
+// maximum; L is the k-th largest of those maxima; a second read (from L1/L2) keeps every logit >= L.
+// Writes the slice's state (max, sum, L), its candidates (a superset of its top k, at most `cap` >= 2k
+// keys, in no order) and their count; flags NaN/+inf in row_flags[row].
+template <int VEC>
+__device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
+                           unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
+                           float2* __restrict__ states, unsigned* __restrict__ row_flags) {
+    __shared__ RadixScratch s_radix;
+    __shared__ float s_exchange[KD_TOPK_SLICE_THREADS];
+    __shared__ SoftmaxState s_softmax[32];
+    __shared__ float s_bound;
+    __shared__ unsigned s_taken;
+
+    const int t = threadIdx.x;
+    const int slice = blockIdx.x, row = blockIdx.y;
+    const float* row_logits = logits + (long long)row * vocab;
+    const int base = slice * chunks * KD_TOPK_SLICE;
+    // chunks holding logits; chunks <= KD_TOPK_MAX_CHUNKS (draft_topk.TopKLaunch checks it)
+    const int used = min(chunks, kd_ceil_div(vocab - base, KD_TOPK_SLICE));
+    const long long cell = (long long)row * slices + slice;
+
+    // pass 1: per chunk, this thread's maximum and sum exp(x - max). NaN is ignored by fmaxf and turns
+    // the sum into NaN, +inf is the maximum: both are read off the states, not tested per logit.
+    float chunk_max[KD_TOPK_MAX_CHUNKS];
+    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    bool has_nan = false;
+    float v[KD_TOPK_PER_THREAD];
+#pragma unroll
+    for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) {
+        chunk_max[c] = kd_neg_inf_f();
+        if (c < used) {
+            load_chunk<VEC>(row_logits, vocab, base + c * KD_TOPK_SLICE, v);
+            float max = kd_neg_inf_f();
+#pragma unroll
+            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) max = fmaxf(max, v[e]);
+            float sum = 0.0f;
+            if (max != kd_neg_inf_f()) {
+#pragma unroll
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += expf(v[e] - max);
+            }
+            has_nan |= sum != sum && max != -kd_neg_inf_f();
+            if (max == kd_neg_inf_f()) {  // -inf or NaN only: the sum saw none of it
+#pragma unroll
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) has_nan |= v[e] != v[e];
+            }
+            softmax = softmax_merge(softmax, {max, sum});
+            chunk_max[c] = max;
+        }
+    }
+    const bool has_pos_inf = softmax.max == -kd_neg_inf_f();
+    float thread_max = kd_neg_inf_f();
+#pragma unroll
+    for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) thread_max = fmaxf(thread_max, chunk_max[c]);
+    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
+    const bool any_nan = __syncthreads_or(has_nan), any_pos_inf = __syncthreads_or(has_pos_inf);
+    if (t == 0) {
+        states[cell] = make_float2(total.max, total.sum);
+        if (any_nan || any_pos_inf)
+            atomicOr(&row_flags[row], (any_nan ? KD_TOPK_BAD_NAN : 0u) | (any_pos_inf ? KD_TOPK_BAD_POS_INF : 0u));
+        s_taken = 0u;
+    }
+
+    // L: the k-th largest per-thread maximum (k distinct logits are >= L)
+    const float ranked = block_sort_descending(thread_max, s_exchange);
+    if (t == k - 1) s_bound = ranked;
+    __syncthreads();
+    const float bound = s_bound;
+    unsigned long long* slots = cand_keys + cell * cap;
+    if (bound != kd_neg_inf_f()) {
+        // pass 2: only a chunk whose maximum reaches L holds candidates (a few threads of the block);
+        // one chunk is still in registers, more are re-read from L1/L2. Candidates are rare, so each
+        // takes its slot with its own shared atomic (no warp-wide step per logit).
+#pragma unroll
+        for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) {
+            if (chunk_max[c] >= bound) {  // false past `used` (-inf) and for NaN
+                const int first = base + c * KD_TOPK_SLICE;
+                if (used > 1) load_chunk<VEC>(row_logits, vocab, first, v);
+#pragma unroll
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) {
+                    if (v[e] >= bound) {  // false for NaN and, as L is finite, for -inf
+                        const unsigned slot = atomicAdd(&s_taken, 1u);
+                        if (slot < (unsigned)cap) slots[slot] = topk_key(v[e], chunk_id(first, e));
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (s_taken <= (unsigned)cap) {
+            if (t == 0) cand_count[cell] = (int)s_taken;
+            return;
+        }
+        __syncthreads();  // every thread has read s_taken before it is reset
+        if (t == 0) s_taken = 0u;
+    }
+    // too many logits >= L (ties, or a slice of -inf): the slice's exact top k by radix select
+    const auto keys = [&](bool, auto visit) {
+        for (int c = 0; c < used; ++c) {
+            const int first = base + c * KD_TOPK_SLICE;
+            if (used > 1) load_chunk<VEC>(row_logits, vocab, first, v);
+#pragma unroll
+            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e)
+                visit(topk_key(v[e] != v[e] ? kd_neg_inf_f() : v[e], chunk_id(first, e)), chunk_id(first, e) < vocab);
+        }
+    };
+    const unsigned length = (unsigned)min(chunks * KD_TOPK_SLICE, vocab - base);
+    unsigned survivors;
+    const unsigned long long threshold = radix_threshold(keys, min((unsigned)k, length), (unsigned)cap, s_radix, survivors);
+    keys(false, [&](unsigned long long key, bool valid) {
+        const bool take = valid && key >= threshold;
+        const int slot = kd_warp_append(&s_taken, take);
+        if (take) slots[slot] = key;
+    });
+    if (t == 0) cand_count[cell] = (int)survivors;
+}
+
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4)
+draft_topk_slices_vec4(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
+                       unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
+                       float2* __restrict__ states, unsigned* __restrict__ row_flags) {
+    topk_slice<4>(logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags);
+}
+
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4)
+draft_topk_slices_vec1(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
+                       unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
+                       float2* __restrict__ states, unsigned* __restrict__ row_flags) {
+    topk_slice<1>(logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags);
+}
+
+// One CTA per row: the row's softmax from its slices' states, its top k from the slices' candidates
+// (sorted, ties by ascending id), log-probabilities value - (log(sum) + max) as torch's logsumexp
+// forms them. A flagged row (NaN, +inf, or only -inf) comes out as NaN and is OR-ed into status;
+// row_flags[row] is cleared for the next call.
+extern "C" __global__ void __launch_bounds__(KD_TOPK_MERGE_THREADS)
+draft_topk_merge(const unsigned long long* __restrict__ cand_keys, const int* __restrict__ cand_count,
+                 const float2* __restrict__ states, int slices, int cap, int k, unsigned* __restrict__ row_flags,
+                 unsigned* __restrict__ status, float* __restrict__ out_logp, int* __restrict__ out_ids) {
+    __shared__ RadixScratch s_radix;
+    __shared__ unsigned long long s_cand[KD_TOPK_MERGE_STAGED];
+    __shared__ unsigned long long s_keys[KD_TOPK_MERGE_SORTED];
+    __shared__ SoftmaxState s_softmax[32];
+    __shared__ unsigned s_staged, s_taken;
+
+    const int t = threadIdx.x, row = blockIdx.x;
+    const unsigned flags_in = row_flags[row];
+    if (t == 0) s_staged = 0u;
+    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    for (int s = t; s < slices; s += blockDim.x) {
+        const float2 state = states[(long long)row * slices + s];
+        softmax = softmax_merge(softmax, {state.x, state.y});
+    }
+    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);  // synchronises: s_staged is 0
+
+    // stage the row's candidates in shared memory: every slot's load issued before any is used
+    const unsigned long long* keys = cand_keys + (long long)row * slices * cap;
+    const int* counts = cand_count + (long long)row * slices;
+    const int slots = slices * cap;
+    const int padded = kd_ceil_div(slots, KD_WARP_SIZE) * KD_WARP_SIZE;
+    for (int first = 0; first < padded; first += KD_TOPK_MERGE_UNROLL * blockDim.x) {
+        unsigned long long key[KD_TOPK_MERGE_UNROLL];
+        bool valid[KD_TOPK_MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
+            const int j = first + u * blockDim.x + t;
+            const int slice = j / cap;
+            valid[u] = j < slots && j - slice * cap < counts[slice];
+            key[u] = j < slots ? keys[j] : 0ull;
+        }
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
+            const int slot = kd_warp_append(&s_staged, valid[u]);
+            if (valid[u] && slot < KD_TOPK_MERGE_STAGED) s_cand[slot] = key[u];
+        }
+    }
+    __syncthreads();
+    const unsigned staged = s_staged;
+    const auto finish = [&](auto source) {
+        unsigned survivors;
+        const unsigned long long threshold = radix_threshold(source, (unsigned)k, KD_TOPK_MERGE_SORTED, s_radix, survivors);
+        gather_sorted(source, threshold, survivors, s_keys, KD_TOPK_MERGE_SORTED, &s_taken);
+    };
+    if (staged <= KD_TOPK_MERGE_STAGED) {
+        const int staged_padded = kd_ceil_div((int)staged, KD_WARP_SIZE) * KD_WARP_SIZE;
+        finish([&](bool, auto visit) {
+            for (int j = t; j < staged_padded; j += blockDim.x) visit(j < (int)staged ? s_cand[j] : 0ull, j < (int)staged);
+        });
+    } else {  // more candidates than shared memory holds: select them from global memory
+        finish([&](bool, auto visit) {
+            for (int j = t; j < padded; j += blockDim.x) {
+                const int slice = j / cap;
+                const bool valid = j < slots && j - slice * cap < counts[slice];
+                visit(valid ? keys[j] : 0ull, valid);
+            }
+        });
+    }
+
+    const unsigned flags = flags_in | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
+    const float log_z = logf(total.sum) + total.max;
+    const long long out = (long long)row * k;
+    for (int j = t; j < k; j += blockDim.x) {
+        const unsigned long long key = s_keys[j];
+        out_logp[out + j] = flags ? kd_nan_f() : topk_key_value(key) - log_z;
+        out_ids[out + j] = topk_key_id(key);
+    }
+    if (t == 0) {
+        if (flags) atomicOr(status, flags);
+        if (flags_in) row_flags[row] = 0u;
+    }
 }

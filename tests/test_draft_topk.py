@@ -4,6 +4,11 @@ CPU: bit for bit against torch's CPU ops on tie-heavy logits, and bad input. Wit
 local copy of the official code, never committed): build_tree(draft_topk(logits)) is the official
 build_ddtree_tree's tree node for node on tie-heavy logits up to budget 1024, on the CPU and (`-m gpu`)
 on the GPU.
+
+GPU (`-m gpu`): the fused kernels (v2 many CTAs per row for k <= 128, v1 above) against a host reference
+on fresh random, tie-heavy, constant and -inf-masked logits with poisoned outputs (B in {1, 8, 64}, D in
+{7, 15}, ragged k, V from 300 to 163,840), replayed in a CUDA graph, bad rows flagged without a host
+read, and the trees built from them against the exact path's on the stand-in drafter's held-out logits.
 """
 import os
 
@@ -11,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib.draft_topk import draft_topk, prepare_draft_topk
+from kdtree_lib.draft_topk import FAST_MAX_K, TopKLaunch, draft_topk, prepare_draft_topk
 from kdtree_lib.tree_build import build_tree
 
 OFFICIAL_DIR = os.environ.get("KDTREE_OFFICIAL_DIR")
@@ -165,3 +170,225 @@ def test_official_tree_from_logits_on_cpu(style, depth, vocab, budget, official_
 def test_official_tree_from_logits_on_gpu(style, depth, vocab, budget, official_ddtree):
     logits = torch.from_numpy(tie_heavy_logits(style, 1, depth, vocab, seed=depth * vocab + budget)[0]).cuda()
     assert_official_tree(official_ddtree, logits, budget, f"{style} D={depth} V={vocab} budget={budget} cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmark rows: which top-k path ran, and issue 29's targets read from them
+
+def test_rows_are_labelled_by_the_topk_path_that_ran():
+    from kdtree_lib.bench.tree_build import topk_path_of, topk_targets
+    old_exact = dict(stage="draft_topk", method="kernel", max_abs_diff_vs_torch="0.0")  # before the column
+    old_fused = dict(stage="draft_topk", method="kernel", max_abs_diff_vs_torch="9.5e-07")
+    assert topk_path_of(old_exact) == "exact" and topk_path_of(old_fused) == "fused_v1"
+    assert topk_path_of(dict(stage="draft_topk", method="torch_flushed")) == "exact"
+    assert topk_path_of(dict(stage="build", method="kernel")) == "none"
+    assert topk_path_of(dict(stage="tree_stage", method="sglang")) == "sglang"
+    assert topk_path_of(dict(old_exact, topk_path="fused_v2")) == "fused_v2"
+    run = [dict(stage="draft_topk", method=method, batch=batch, depth=7, topk=64, roofline_us=roofline,
+                time_us=time, topk_path=path)
+           for batch, roofline, fused, exact in ((1, 1.1, 11.9, 104.0), (64, 69.0, 140.0, 1480.0))
+           for method, time, path in (("kernel", fused, "fused_v2"), ("torch", exact, "exact"))]
+    lines = {line["batch"]: line for line in topk_targets(run)}
+    assert lines[1]["met"] and lines[1]["target_us"] == 12.0 and lines[1]["exact_us"] == 104.0
+    assert not lines[64]["met"] and lines[64]["target_us"] == 138.0 and lines[64]["path"] == "fused_v2"
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused kernels (backend "cupy"): v2 (many CTAs per row, k <= FAST_MAX_K) and v1 (one CTA per row)
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def fresh_seed() -> int:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print("seed", seed)
+    return seed
+
+
+def reference_topk(logits: np.ndarray, k: int):
+    """The k largest logits per row, larger value first and ties by ascending id (exact float
+    comparisons on the host: the candidates >= the k-th largest value, sorted by (-value, id)), and
+    torch's float32 logsumexp of the row."""
+    vocab = logits.shape[-1]
+    top = min(k, vocab)
+    rows = logits.reshape(-1, vocab)
+    ids = np.empty((len(rows), top), np.int64)
+    for r, row in enumerate(rows):
+        kth = np.partition(row, vocab - top)[vocab - top]
+        candidates = np.flatnonzero(row >= kth)
+        ids[r] = candidates[np.lexsort((candidates, -row[candidates].astype(np.float64)))[:top]]
+    ids = ids.reshape(logits.shape[:-1] + (top,))
+    log_z = torch.logsumexp(torch.from_numpy(logits), dim=-1, keepdim=True).numpy()
+    return np.take_along_axis(logits, ids, -1), ids, log_z
+
+
+def assert_fused_matches(got, logits: np.ndarray, k: int, context: str, reference=None) -> None:
+    """Selection exact (the ids of the reference, in its order); log-probabilities within the rounding
+    of the two float32 normalisers. v2 sums 16 exps per thread in sequence, then merges 256 threads
+    and V / 4096 slices by pairs (about 16 + log2 V roundings), v1 about V / 1024 + log2 V; torch's own
+    sum is of the same order. Each relative error of a sum is an absolute error of its log, the exps
+    add 2 ulp each, and the final subtraction rounds once at the magnitudes involved."""
+    values, ids, log_z = reference if reference is not None else reference_topk(logits, k)
+    values, ids = values[..., :k], ids[..., :k]  # a wider reference's prefix is the narrower one
+    logp, got_ids = got.logp.cpu().numpy(), got.ids.cpu().numpy()
+    assert got_ids.shape == ids.shape and got_ids.dtype == np.int32, context
+    assert np.array_equal(got_ids, ids), f"ids differ at {np.argwhere(got_ids != ids)[:5].tolist()} ({context})"
+    vocab = logits.shape[-1]
+    roundings = 2 * (max(16, vocab / 1024) + np.log2(vocab) + 4)
+    bound = EPS32 * (roundings + 2 * (np.abs(values) + np.abs(log_z)))
+    error = np.abs(logp.astype(np.float64) - (values.astype(np.float64) - log_z))
+    assert np.isfinite(logp).all() and (error <= bound).all(), \
+        f"max error {error.max():.3g}, bound there {bound.flat[error.argmax()]:.3g} ({context})"
+
+
+def styled_logits(style: str, batch: int, depth: int, vocab: int, seed: int) -> np.ndarray:
+    if style == "neginf":  # a masked vocabulary: most of every row -inf, whole slices of it
+        logits = tie_heavy_logits("normal", batch, depth, vocab, seed)
+        logits[..., 1000:] = -np.inf
+        logits[..., 7000:7100] = 2.0
+        return logits
+    return tie_heavy_logits(style, batch, depth, vocab, seed)
+
+
+def prepared_fused(logits: np.ndarray, k: int) -> TopKLaunch:
+    launch = prepare_draft_topk(torch.from_numpy(logits).cuda(), k, backend="cupy")
+    launch.out.logp.view(torch.int32).fill_(0x7FA5A5A5)  # poison: a NaN pattern every element must overwrite
+    launch.out.ids.fill_(-0x5A5A5A5B)
+    return launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("depth", [7, 15])
+def test_fused_topk_at_kimis_vocabulary(batch, depth):
+    seed = fresh_seed()
+    logits = tie_heavy_logits("normal", batch, depth, 163_840, seed)
+    reference = reference_topk(logits, 1024)
+    for k in (1, 8, 37, 64, FAST_MAX_K, FAST_MAX_K + 1, 1024):  # ragged k; v2 up to FAST_MAX_K, v1 above
+        launch = prepared_fused(logits, k)
+        assert launch.path == ("fused_v2" if k <= FAST_MAX_K else "fused_v1")
+        got = launch()
+        torch.cuda.synchronize()
+        assert_fused_matches(got, logits, k, f"seed={seed} B={batch} D={depth} k={k}", reference)
+        launch.check_input()  # nothing flagged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["normal", "repeated", "integer_ties", "constant", "neginf"])
+@pytest.mark.parametrize("vocab", [163_840, 50_003, 4096, 300])  # whole slices, a ragged last slice (vec1), one slice
+def test_fused_topk_ties_and_shapes(style, vocab):
+    seed = fresh_seed()
+    logits = styled_logits(style, 3, 7, vocab, seed) if vocab > 7100 or style != "neginf" else \
+        styled_logits("normal", 3, 7, vocab, seed)
+    reference = reference_topk(logits, 300)
+    for k in (1, 64, FAST_MAX_K, 300):
+        launch = prepared_fused(logits, k)
+        got = launch()
+        torch.cuda.synchronize()
+        assert_fused_matches(got, logits, k, f"seed={seed} {style} V={vocab} k={k} {launch.path}", reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["normal", "integer_ties", "neginf"])
+@pytest.mark.parametrize("vocab", [163_840, 50_003])
+def test_fused_topk_slices_of_several_chunks(style, vocab):
+    """Batches large enough for slices of several chunks (their candidates re-read), ties and -inf."""
+    seed = fresh_seed()
+    logits = styled_logits(style, 64, 7, vocab, seed)
+    reference = reference_topk(logits, FAST_MAX_K)
+    for k in (5, 64, FAST_MAX_K):
+        launch = prepared_fused(logits, k)
+        assert launch.chunks > 1
+        got = launch()
+        torch.cuda.synchronize()
+        assert_fused_matches(got, logits, k, f"seed={seed} {style} V={vocab} k={k} chunks={launch.chunks}", reference)
+
+
+@pytest.mark.gpu
+def test_fused_topk_replays_in_a_cuda_graph():
+    seed = fresh_seed()
+    logits = tie_heavy_logits("normal", 8, 7, 163_840, seed)
+    launch = prepared_fused(logits, 64)
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    fresh = tie_heavy_logits("normal", 8, 7, 163_840, seed + 1)
+    launch.logits.copy_(torch.from_numpy(fresh))  # refilled in place, as a decode step does
+    launch.out.logp.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_fused_matches(launch.out, fresh, 64, f"seed={seed} graph replay")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value, message", [(np.nan, "NaN"), (np.inf, r"\+inf"), ("row", "entirely -inf")])
+def test_fused_topk_flags_bad_rows_without_reading_back(value, message):
+    """No value check on the hot path: a bad row comes out NaN, the others are right, and the device
+    status (read by check_input, off the hot path) names `logits`; the next call starts clean."""
+    seed = fresh_seed()
+    logits = tie_heavy_logits("normal", 2, 7, 163_840, seed)
+    if value == "row":
+        logits[1, 3] = -np.inf
+    else:
+        logits[1, 3, 123_456] = value
+        logits[1, 5, 4096:4096 + 4 * 1024] = value  # every logit of some threads (their maxima see none)
+        logits[0, 6, :60_000] = -np.inf             # among -inf
+        logits[0, 6, 33] = value
+    launch = prepared_fused(logits, 64)
+    got = launch()
+    torch.cuda.synchronize()
+    logp = got.logp.cpu().numpy()
+    good = np.ones((2, 7), bool)
+    good[1, 3] = False
+    if value != "row":
+        good[1, 5] = good[0, 6] = False
+    assert np.isnan(logp[~good]).all()
+    ref_values, ref_ids, ref_log_z = reference_topk(logits[good], 64)
+    assert np.array_equal(got.ids.cpu().numpy()[good], ref_ids)
+    with pytest.raises(ValueError, match=f"logits: contains .*{message}"):
+        launch.check_input()
+    launch.check_input()  # cleared
+    launch.logits.copy_(torch.from_numpy(tie_heavy_logits("normal", 2, 7, 163_840, seed + 1)))
+    launch()
+    launch.check_input()
+    assert np.isfinite(launch.out.logp.cpu().numpy()).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# trees from the fused path equal the exact path's on the stand-in drafter's held-out logits
+
+@pytest.mark.gpu
+def test_fused_trees_equal_exact_trees_on_drafter_logits(monkeypatch):
+    """Decode held-out prompts with the stand-in pair, record every draft's logits, and build each
+    tree from the exact path and from the fused path: the number of trees that differ is 0."""
+    from kdtree_lib import decode
+    from kdtree_lib.pairs import pair_with_prompts
+    pair = pair_with_prompts(8, prompts_per_package=2, prompt_tokens=48, device="cuda")
+    if not pair.stand_in:
+        pytest.skip(pair.description)
+    recorded = []
+    original = decode.draft_topk
+
+    def recording(logits, k, **kwargs):
+        recorded.append(logits.detach().float().clone())
+        return original(logits, k, **kwargs)
+
+    monkeypatch.setattr(decode, "draft_topk", recording)
+    decode.generate(pair.target, pair.drafter, pair.prompts[:8], budget=64, max_new_tokens=48, backend="torch",
+                    cuda_graph=False)
+    monkeypatch.undo()
+    assert recorded
+    compared = differing = 0
+    for logits in recorded:
+        for budget in (8, 32, 64, FAST_MAX_K):
+            exact = build_tree(draft_topk(logits, budget, backend="torch"), budget).to_numpy()
+            fused = build_tree(draft_topk(logits, budget, backend="cupy"), budget).to_numpy()
+            compared += exact.batch
+            for b in range(exact.batch):
+                same = all(np.array_equal(getattr(exact, f)[b], getattr(fused, f)[b]) for f in ("parents", "tokens"))
+                differing += not same
+    print(f"{differing} of {compared} trees differ ({len(recorded)} drafts)")
+    assert compared > 0 and differing == 0

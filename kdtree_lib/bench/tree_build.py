@@ -14,21 +14,30 @@ stage "build" (K = budget, peaked drafts from bench.inputs):
 - "prepared_call": a prepared launch's call (validated once), host time per call.
 
 stage "draft_topk" (K2.6's vocabulary, normal logits):
-- "kernel" / "torch": the fused kernel (backend "cupy") and the exact path (torch's topk - logsumexp,
-  what "auto" runs on a GPU), each in a CUDA graph; "kernel_flushed" / "torch_flushed": one call
-  after an L2 flush (timing.gpu_seconds), the cold-read time the roofline compares with;
-- "prepared_call" / "eager_call": host time per call of the fused kernel's prepared launch and of the
-  eager draft_topk (the exact path);
-- `roofline_us`: the logits' bytes over the measured copy bandwidth (bench.ceilings; reading once).
+- "kernel" / "torch": the fused kernels (prepare_draft_topk backend "cupy") and the exact path
+  (torch's topk - logsumexp, what "auto" runs on a GPU), each in a CUDA graph; "kernel_flushed" /
+  "torch_flushed": one call after an L2 flush (timing.gpu_seconds), the cold-read time the roofline
+  compares with;
+- "prepared_call" / "eager_call": host time per call of the fused prepared launch and of the eager
+  draft_topk (the exact path);
+- `roofline_us`: the logits' bytes over the measured copy bandwidth (bench.ceilings; reading once);
+- `max_abs_diff_vs_torch`: the fused log-probabilities against the exact path's; `ids_equal_torch`:
+  the same ids (ties aside, the selection is the same).
+
+Every row names the top-k path that produced it in `topk_path`: "exact" (torch's ops), "fused_v1" /
+"fused_v2" (draft_topk.TopKLaunch.path, with `version`), "sglang" (SGLang's own torch top-k), or
+"none" (the build stage's rows start from random drafts: no top-k ran). Rows before this column
+existed are read by `topk_path_of`.
 
 stage "tree_stage" (the same K2.6-vocabulary logits on the device to tree tensors there, eager, each call
 synchronised): "sglang" is SGLang's build_ddtree_tree + build_eagle_tree_format from a local copy of its
 source (--sglang-utils, never committed), "dropin" the same two calls of kdtree_lib.integrations.sglang
 (`matches_sglang`: its outputs equal SGLang's), "kdtree" the project's own stage, draft_topk then
-build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph; and the
-drop-in's parts: "dropin_topk" (its top-k on the device), "dropin_kernel" (its build kernel, in a CUDA
-graph), "dropin_graph" (its two calls in a CUDA graph); on a CPU "dropin_host_build" (the host build).
-Each path is called once before it is timed (compilation, prepared shapes).
+build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph,
+"kdtree_graph_fused" the same with the fused top-k; and the drop-in's parts: "dropin_topk" (its top-k on
+the device), "dropin_kernel" (its build kernel, in a CUDA graph), "dropin_graph" (its two calls in a CUDA
+graph); on a CPU "dropin_host_build" (the host build). Each path is called once before it is timed
+(compilation, prepared shapes).
 
     python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk,stage] [--sglang-utils PATH]
                                           [--results-dir DIR]
@@ -54,6 +63,10 @@ BUDGETS = (8, 16, 32, 64, 128)
 TOPK_KS = (8, 64, 1024)
 K26_VOCAB = 163_840
 FIELDS = ("parents", "tokens", "log_weights")
+# the top-k each tree_stage method runs: draft_topk's default on a GPU, the drop-in's torch top-k and
+# the exact prepared launch are torch's ops; SGLang's path its own; "kdtree_graph_fused" the fused kernels
+STAGE_TOPK_PATHS = {"sglang": "sglang", "dropin_copy": "none", "dropin_host_build": "none", "dropin_kernel": "none",
+                    "kdtree_graph_fused": "fused_v2"}
 
 
 def serving_worker_build(logp, ids, budget: int, root):
@@ -108,7 +121,7 @@ def bench_build(batches=BATCHES, depths=DEPTHS, budgets=BUDGETS) -> list[dict]:
                             ("kernel", "cupy", kernel, method), ("kernel_call", "cupy", call, "host"),
                             ("prepared_call", "cupy", prepared, "host"))
                 for name, backend, seconds, timing in measured:
-                    rows.append({**config, "method": name, "version": 2 if backend == "cupy" else "",
+                    rows.append({**config, "method": name, "version": 2 if backend == "cupy" else "", "topk_path": "none",
                                  "backend": backend, "time_us": round(seconds * 1e6, 3), "timing": timing,
                                  "speedup_vs_serving": round(serving / seconds, 2),
                                  "matches_reference": matches if backend == "cupy" else ""})
@@ -130,26 +143,32 @@ def bench_draft_topk(batches=BATCHES, depths=DEPTHS, ks=TOPK_KS, vocab: int = K2
             n_bytes = logits.numel() * 4
             roofline = n_bytes / bandwidth
             for k in ks:
-                launch = prepare_draft_topk(logits, k)
+                launch = prepare_draft_topk(logits, k, backend="cupy")
                 exact = draft_topk(logits, k, backend="torch")
                 launch()
                 error = float((launch.out.logp - exact.logp).abs().max())
+                ids_equal = bool(torch.equal(launch.out.ids, exact.ids))
                 timings = {"kernel": graph_seconds(launch), "torch": graph_seconds(lambda: draft_topk(logits, k)),
                            "kernel_flushed": (gpu_seconds(launch), "l2_flushed"),
                            "torch_flushed": (gpu_seconds(lambda: draft_topk(logits, k)), "l2_flushed"),
                            "prepared_call": (host_seconds(launch), "host"),
                            "eager_call": (host_seconds(lambda: draft_topk(logits, k)), "host")}
+                launch.check_input()
                 config = dict(stage="draft_topk", batch=batch, depth=depth, vocab=vocab, topk=k,
-                              logits_gb=round(n_bytes / 1e9, 4), max_abs_diff_vs_torch=error,
+                              logits_gb=round(n_bytes / 1e9, 4), max_abs_diff_vs_torch=error, ids_equal_torch=ids_equal,
                               copy_gb_per_s=round(bandwidth / 1e9, 1), roofline_us=round(roofline * 1e6, 3))
                 for name, (seconds, timing) in timings.items():
-                    rows.append({**config, "method": name, "backend": "torch" if "torch" in name or name == "eager_call"
-                                 else "cupy", "time_us": round(seconds * 1e6, 3), "timing": timing,
+                    exact_path = "torch" in name or name == "eager_call"
+                    rows.append({**config, "method": name, "backend": "torch" if exact_path else "cupy",
+                                 "topk_path": "exact" if exact_path else launch.path,
+                                 "version": "" if exact_path else launch.version,
+                                 "time_us": round(seconds * 1e6, 3), "timing": timing,
                                  "read_gb_per_s": round(n_bytes / seconds / 1e9, 1)})
-                print(f"draft_topk B={batch:3d} D={depth:2d} k={k:4d}: fused {timings['kernel'][0] * 1e6:8.1f} us "
+                print(f"draft_topk B={batch:3d} D={depth:2d} k={k:4d}: {launch.path} {timings['kernel'][0] * 1e6:8.1f} us "
                       f"(flushed {timings['kernel_flushed'][0] * 1e6:8.1f}, roofline {roofline * 1e6:7.1f})  torch "
                       f"{timings['torch'][0] * 1e6:8.1f} us  host: prepared {timings['prepared_call'][0] * 1e6:5.1f} "
-                      f"eager {timings['eager_call'][0] * 1e6:5.1f} us  max|diff| {error:.1e}", flush=True)
+                      f"eager {timings['eager_call'][0] * 1e6:5.1f} us  max|diff| {error:.1e} ids equal {ids_equal}",
+                      flush=True)
     return rows
 
 
@@ -178,10 +197,15 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                 finish()
                 timings = {name: (wall_seconds(lambda: (path(), finish())), "wall") for name, path in paths.items()}
                 timings.update(_dropin_parts(logits, budget, finish))
+                topk_paths = dict(STAGE_TOPK_PATHS)
                 if device == "cuda":
                     exact = prepare_draft_topk(logits, budget, backend="torch")
                     build = prepare_build_launch(exact(), budget)
                     timings["kdtree_graph"] = graph_seconds(lambda: (exact(), build()))
+                    fused = prepare_draft_topk(logits, budget, backend="cupy")
+                    fused_build = prepare_build_launch(fused(), budget)
+                    timings["kdtree_graph_fused"] = graph_seconds(lambda: (fused(), fused_build()))
+                    topk_paths["kdtree_graph_fused"] = fused.path
                 matches = ""
                 if sglang_utils is not None:
                     (ours, our_eagle), (theirs, their_eagle) = paths["dropin"](), paths["sglang"]()
@@ -192,6 +216,7 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                 for name, (seconds, timing) in timings.items():
                     rows.append(dict(stage="tree_stage", batch=batch, depth=depth, vocab=vocab, budget=budget,
                                      method=name, backend="cupy" if name.startswith("kdtree") else "torch",
+                                     topk_path=topk_paths.get(name, "exact"),
                                      time_us=round(seconds * 1e6, 3), timing=timing, matches_sglang=matches,
                                      speedup_vs_sglang=round(sglang_seconds / seconds, 2)
                                      if sglang_seconds and not name.startswith("dropin_") else ""))
@@ -262,18 +287,81 @@ def build_summary(rows: list[dict]) -> dict:
     return summary
 
 
+TOPK_TARGET_B1_US = 12.0       # issue 29: fused top-k in a CUDA graph, B=1, D=7, k <= 64
+TOPK_TARGET_ROOFLINE_RATIO = 2.0  # ... and <= 2x the one-read roofline at B >= 8
+
+
+def topk_path_of(row: dict) -> str:
+    """The top-k path that produced a tree_build row. Rows written before the `topk_path` column: the
+    build stage ran none; tree_stage and the draft_topk "torch"/eager rows ran torch's ops; the
+    draft_topk "kernel*"/prepared rows ran the fused v1 kernel unless they equal torch's values to the
+    bit (`max_abs_diff_vs_torch` 0): prepare_draft_topk then defaulted to the exact path, so those
+    rows (8878d11 .. this column) timed torch's ops under the kernel's name."""
+    if row.get("topk_path"):
+        return row["topk_path"]
+    stage, method = row.get("stage"), row.get("method", "")
+    if stage == "build":
+        return "none"
+    if stage == "tree_stage":
+        return STAGE_TOPK_PATHS.get(method, "exact")
+    if method.startswith("torch") or method == "eager_call":
+        return "exact"
+    return "exact" if results.parse_number(row.get("max_abs_diff_vs_torch")) == 0 else "fused_v1"
+
+
+def topk_targets(rows: list[dict]) -> list[dict]:
+    """Per batch and k <= 64 at D=7, from one run's draft_topk rows: the path the "kernel" rows ran,
+    its CUDA-graph time against issue 29's target (<= 12 us at B=1, <= 2x the roofline at B >= 8),
+    met or not, and torch's exact path beside it."""
+    rows = results.select(rows, stage="draft_topk")
+    lines = []
+    for r in sorted(results.select(rows, method="kernel", depth=7), key=lambda r: (r["batch"], r["topk"])):
+        if r["topk"] > 64:
+            continue
+        target = TOPK_TARGET_B1_US if r["batch"] == 1 else TOPK_TARGET_ROOFLINE_RATIO * r["roofline_us"]
+        exact = results.select(rows, method="torch", batch=r["batch"], depth=7, topk=r["topk"])
+        lines.append(dict(batch=r["batch"], k=r["topk"], path=topk_path_of(r), kernel_us=r["time_us"],
+                          target_us=round(target, 1), met=r["time_us"] <= target,
+                          over_roofline=round(r["time_us"] / r["roofline_us"], 2),
+                          exact_us=exact[0]["time_us"] if exact else None))
+    return lines
+
+
 def topk_summary(rows: list[dict]) -> dict:
-    """The fused top-k against its roofline and against torch, from one run's draft_topk rows."""
-    fused = results.select(rows, method="kernel_flushed")
-    many = [r for r in fused if r["batch"] * r["depth"] >= 56]
-    summary = {"fused rows with B*D >= 56": len(many)}
-    if many:
-        summary["fused worst of roofline, B*D >= 56"] = round(min(r["roofline_us"] / r["time_us"] for r in many), 3)
-    for r in results.select(rows, method="kernel", batch=1, depth=7):
-        summary[f"fused B=1 D=7 k={r['topk']} graph_us"] = r["time_us"]
+    """What notebook 04 records from one run's draft_topk rows: the paths, each target met or missed."""
+    rows = results.select(rows, stage="draft_topk")
+    lines = topk_targets(rows)
+    summary = {"paths": sorted({f"{r['method']}={topk_path_of(r)}" for r in rows if r["method"] in ("kernel", "torch")}),
+               "targets met": sum(line["met"] for line in lines),
+               "targets missed": sum(not line["met"] for line in lines)}
+    for line in lines:
+        key = f"B={line['batch']} k={line['k']}"
+        summary.update({f"{key} kernel us": line["kernel_us"], f"{key} target us": line["target_us"],
+                        f"{key} met": line["met"], f"{key} exact us": line["exact_us"]})
     for method in ("prepared_call", "eager_call"):
-        summary[f"{method} max_us"] = max(r["time_us"] for r in results.select(rows, method=method))
+        host = results.select(rows, method=method)
+        if host:
+            summary[f"{method} max_us"] = max(r["time_us"] for r in host)
     return summary
+
+
+def topk_takeaway(rows: list[dict]) -> str:
+    """The lines notebook 04 prints under its top-k table, from the same rows as topk_targets."""
+    lines = topk_targets(rows)
+    paths = sorted({line["path"] for line in lines})
+    text = [f"the 'kernel' rows ran {', '.join(paths) or 'nothing'}; D=7, k <= 64: {sum(l['met'] for l in lines)} "
+            f"of {len(lines)} targets met"]
+    for line in lines:
+        text.append(f"  B={line['batch']:2d} k={line['k']:2d}: {line['path']} {line['kernel_us']:.1f} us vs target "
+                    f"{line['target_us']} us ({'met' if line['met'] else 'MISSED by ' + format(line['kernel_us'] / line['target_us'], '.1f') + 'x'}; "
+                    f"{line['over_roofline']}x the roofline)"
+                    + (f"; torch's exact path {line['exact_us']:.1f} us" if line["exact_us"] is not None else ""))
+    table = [line for line in topk_table(rows) if line.get("kernel_us") and line.get("torch_us")]
+    behind = [f"B={line['batch']} D={line['depth']} k={line['k']} ({line['kernel_path']} {line['kernel_us']:.1f} vs "
+              f"{line['torch_us']:.1f} us)" for line in table if line["kernel_us"] >= line["torch_us"]]
+    text.append(f"the 'kernel' path is faster than torch's exact path at {len(table) - len(behind)} of {len(table)} "
+                f"configurations" + (f"; not at {', '.join(behind)}" if behind else ""))
+    return "\n".join(text)
 
 
 def build_table(rows: list[dict]) -> list[dict]:
@@ -304,6 +392,8 @@ def topk_table(rows: list[dict]) -> list[dict]:
         line = lines.setdefault((r["batch"], r["depth"], r["topk"]), dict(batch=r["batch"], depth=r["depth"], k=r["topk"],
                                                                           roofline_us=r.get("roofline_us")))
         line[f"{r['method']}_us"] = r["time_us"]
+        if r["method"] == "kernel":
+            line["kernel_path"] = topk_path_of(r)
     return [lines[key] for key in sorted(lines)]
 
 
@@ -339,7 +429,7 @@ def stage_summary(rows: list[dict]) -> dict:
     summary = {"dropin equals sglang on every row": all(r["matches_sglang"] is True
                                                         for r in results.select(rows, stage="tree_stage"))}
     for batch in sorted({1, max((r["batch"] for r in stage), default=1)}):
-        for method in ("dropin", "kdtree", "kdtree_graph"):
+        for method in ("dropin", "kdtree", "kdtree_graph", "kdtree_graph_fused"):
             ratios = [r["speedup_vs_sglang"] for r in results.select(stage, method=method, batch=batch)
                       if isinstance(r["speedup_vs_sglang"], (int, float))]
             if ratios:

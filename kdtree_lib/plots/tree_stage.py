@@ -20,19 +20,6 @@ def plot_build_times(ax, rows: list[dict], *, batch: int, depth: int) -> None:
                     title=f"tree build, B={batch}, D={depth}", batch=batch, depth=depth)
 
 
-def plot_topk_times(ax, rows: list[dict], *, k: int) -> None:
-    """Fused top-k, torch's exact path (both L2-flushed) and the one-read roofline vs rows B·D."""
-    for method, label, style in (("kernel_flushed", "fused kernel", "^-"), ("torch_flushed", "torch topk − logsumexp", "o-")):
-        points = sorted((r["batch"] * r["depth"], r["time_us"]) for r in select(rows, method=method, topk=k))
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    roof = sorted({(r["batch"] * r["depth"], r["roofline_us"]) for r in select(rows, method="kernel", topk=k)})
-    if roof:
-        ax.plot(*zip(*roof), "k--", lw=0.8, label="logits ÷ copy bandwidth")
-    ax.set(xscale="log", yscale="log", xlabel="rows B·D (V = 163,840)", ylabel="GPU time (µs)", title=f"draft top-k, k={k}")
-    ax.grid(True, which="both", alpha=0.3)
-
-
 def plot_tree_stage(ax, rows: list[dict], *, batch: int, depth: int) -> None:
     """Time per step vs budget for SGLang's build path, the drop-in and kdtree's stage (eager and graph)."""
     series = [("sglang", "SGLang's build path", "o-"), ("dropin", "the drop-in", "s-"),

@@ -1,0 +1,133 @@
+"""Row readers: which rows of data/results/*.csv the projection reads (the newest runs of the kernels the box runs)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import results
+from .roofline import expected_distinct_experts
+
+if TYPE_CHECKING:
+    from ..model import ModelConfig
+
+
+COMPONENTS = ("attention", "moe", "allreduce", "rest")
+
+
+TREE_KERNEL_COLUMNS = ("draft_topk_seconds", "tree_build_seconds", "accept_compact_seconds")
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """The verify-step rows (scopes layer and step) of the newest run that has them, and the draft
+    rows of the newest run that has them (a --drafter-only run refreshes those alone)."""
+    return (results.latest_run([r for r in rows if r.get("scope") != "draft"])
+            + results.latest_run([r for r in rows if r.get("scope") == "draft"]))
+
+
+def moe_layer_split(rows: list[dict], batch: int, context: int, graph: bool) -> dict[int, np.ndarray]:
+    """nodes -> mean over the MoE layer rows of (attention, moe, allreduce, rest) seconds."""
+    split: dict[int, list[list[float]]] = {}
+    for r in results.select(rows, scope="layer", moe_layer=True, graph=graph, batch=batch, context=context):
+        split.setdefault(int(r["nodes"]), []).append([float(r[f"{c}_seconds"]) for c in COMPONENTS])
+    return {n: np.mean(v, axis=0) for n, v in sorted(split.items())}
+
+
+def touched_vs_uniform(rows: list[dict], config) -> tuple[np.ndarray, np.ndarray, float]:
+    """(tokens B·N, experts touched, largest relative gap to uniform independent routing) of the
+    eager MoE layer rows (routing does not depend on graphs)."""
+    moe_rows = results.select(rows, scope="layer", moe_layer=True, graph=False)
+    tokens = np.array([int(r["batch"]) * int(r["nodes"]) for r in moe_rows])
+    touched = np.array([float(r["experts_touched"]) for r in moe_rows])
+    expected = np.array([expected_distinct_experts(int(t), config.n_routed_experts, config.num_experts_per_tok)
+                         for t in tokens])
+    return tokens, touched, float(np.max(np.abs(touched - expected) / expected))
+
+
+def whole_model_rows(rows: list[dict], config: ModelConfig) -> list[dict]:
+    """Seconds per verify round of the whole model, per (tp, graph, batch, nodes, context): the
+    dense layer rows times first_k_dense_replace and the mean MoE layer row times the MoE layers
+    (per component), plus the head and, for a tree (N > 1), the drafter and the tree kernels."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    drafts: dict[tuple, list[dict]] = {}
+    for row in rows:
+        where = (int(row["tp"]), int(row["batch"]), int(row["nodes"]), int(row["context"]))
+        if row["scope"] == "draft":
+            drafts.setdefault(where, []).append(row)
+        else:
+            groups.setdefault((results.matches(row["graph"], True), *where), {}).setdefault(row["scope"], []).append(row)
+    out = []
+    for (graph, tp, batch, nodes, context), scoped in sorted(groups.items()):
+        layers = scoped.get("layer", [])
+        dense = [r for r in layers if not results.matches(r["moe_layer"], True)]
+        moe = [r for r in layers if results.matches(r["moe_layer"], True)]
+        if not dense or not moe or "step" not in scoped:
+            continue
+        counts = {config.first_k_dense_replace: dense, len(config.moe_layers): moe}
+        row = {"tp": tp, "graph": graph, "batch": batch, "nodes": nodes, "context": context}
+        for name in COMPONENTS:
+            row[name] = sum(count * float(np.mean([float(r[f"{name}_seconds"]) for r in picked]))
+                            for count, picked in counts.items())
+        row["head"] = float(np.mean([float(r["head_seconds"]) for r in scoped["step"]]))
+        draft = drafts.get((tp, batch, nodes, context), [])
+        row["draft"] = float(np.mean([draft_round_seconds(r, graph=graph) for r in draft])) if draft else 0.0
+        row["total"] = sum(row[name] for name in (*COMPONENTS, "head", "draft"))
+        out.append(row)
+    return out
+
+
+def select_rows(rows: list[dict], scope: str, *, tp: int | None = None, graph: bool | None = None) -> list[dict]:
+    """Rows of one scope; of TP degree `tp` (default: the largest present) and graph flag."""
+    picked = [r for r in rows if r.get("scope") == scope]
+    if not picked:
+        return []
+    tp = max(int(r["tp"]) for r in picked) if tp is None else tp
+    return [r for r in picked if int(r["tp"]) == tp and (graph is None or results.matches(r.get("graph"), graph))]
+
+
+def draft_round_seconds(row: dict, *, graph: bool) -> float:
+    """What a draft row adds to a round: the drafter forward (its CUDA-graph time in a graph round,
+    where measured) and the tree kernels."""
+    drafter = (row.get("drafter_graph_seconds") if graph else None) or row.get("drafter_seconds")
+    return float(drafter or 0.0) + sum(float(row[n]) for n in TREE_KERNEL_COLUMNS if row.get(n) not in (None, ""))
+
+
+PORTABLE_VERIFY_CONFIGS = {16: "rows16_keys32_stages2", 32: "rows32_keys32_stages2"}  # the 99 KB variants, by CTA rows
+
+
+BOX_MOE_PROVIDER = "kernel_99kb"      # kdtree_lib.bench.moe_int4: the plan for 99 KB of shared memory (sm_120)
+
+
+def portable_verify_rows(rows: list[dict], *, heads: int) -> list[dict]:
+    """The verify_attn rows of the portable (99 KB) kernel at `heads` heads per rank, the variant the
+    sm_120 plan picks for each shape (CTA of 32 rows from 32 rows up), of the newest run that has them."""
+    def picked(row) -> bool:
+        size = 32 if int(row["rows"]) >= 32 else 16
+        return row.get("config") == PORTABLE_VERIFY_CONFIGS[size] and results.matches(row.get("heads"), heads)
+    return results.latest_run([r for r in rows if r.get("provider") in ("kernel", "kernel_variant") and picked(r)])
+
+
+
+# draft_topk rows of the path the box runs (draft_topk.prepare_draft_topk's default, the exact path), by
+# label: a `path` column where bench.tree_build writes one, else the method; rows written before the labels
+# said which path ran carry method "kernel" for the default launch (which ran the exact path) and "torch"
+BOX_TOPK_PATHS = ("exact",)
+BOX_TOPK_OLD_METHODS = ("kernel", "torch")
+
+
+def box_topk_rows(rows: list[dict]) -> list[dict]:
+    """The newest run's CUDA-graph draft_topk rows of the path the box runs (BOX_TOPK_PATHS by their
+    `path` label; rows without one by BOX_TOPK_OLD_METHODS), tolerant of both labellings."""
+    def box_path(row) -> bool:
+        label = row.get("path")
+        if label not in (None, ""):
+            return str(label) in BOX_TOPK_PATHS
+        return str(row.get("method")) in BOX_TOPK_OLD_METHODS
+    return results.latest_run([r for r in results.select(rows, stage="draft_topk", timing="cuda_graph") if box_path(r)])
+
+
+def box_build_rows(rows: list[dict], *, depth: int) -> list[dict]:
+    """The newest run's CUDA-graph build rows at `depth` of the newest kernel version in it (what build_tree launches)."""
+    run = results.latest_run(results.select(rows, stage="build", method="kernel", timing="cuda_graph", depth=depth))
+    versions = [int(float(r["version"])) for r in run if r.get("version") not in (None, "")]
+    return [r for r in run if not versions or r.get("version") not in (None, "") and int(float(r["version"])) == max(versions)]

@@ -204,7 +204,23 @@ def check_tp_decode(values, figures):
 
 
 def check_projection(values, figures):
-    assert all(0 < e <= 1.5 for e in values["efficiency"].values() if e is not None), values["efficiency"]
+    # every fraction of a roofline the projection uses is one (physics refuses the rest); *_fixed are seconds
+    fractions = {k: e for k, e in values["box_efficiency"].items() if e is not None and not k.endswith("_fixed")}
+    assert fractions and all(0 < e <= 1 for e in fractions.values()), fractions
+    assert 0 < values["drafter_efficiency"] <= 1
+    assert all(line.startswith("REFUSED ") and " us is below its roofline" in line for line in values["refused"])
+    stage = values["tree_stage_us"]  # taken at each batch: a bigger batch's top-k reads more logits
+    assert all(stage[str(a)] < stage[str(b)] for a, b in zip(sorted(map(int, stage)), sorted(map(int, stage))[1:])), stage
+    # the takeaway is printed from the headline rows; the explorer opens on the headline's settings
+    takeaway = "\n".join(values["takeaway"])
+    for key, budget in values["best_budget"].items():
+        context, batch = key[1:].split("_B")
+        assert (f"L={context}, B={batch}: best budget {budget}: {values['best_tokens_per_second'][key]:.0f} tokens/s, "
+                f"{values['best_speedup'][key]:.2f}x AR") in takeaway, key
+    start = values["explorer_start"]
+    assert (start["source"], start["overlap"]) == (values["headline_source"], values["nearest_overlap"])
+    assert values["references"] and all(f"{name} at {rate:g} tokens/s [external]" in takeaway
+                                        for name, context, batch, rate in values["references"] if context == "short")
     projected = values["projected"]
     for r in projected:  # speedup is the ratio of the two throughputs it is printed beside
         assert r["speedup"] > 0 and abs(r["speedup"] * r["ar_tokens_per_second"] - r["tokens_per_second"]) \

@@ -12,6 +12,7 @@ One module per job:
   stop         the latency-aware stop against the best fixed budget
 Every public name is re-exported here, so `projection.X` reads the same whichever module owns X.
 """
+from ..dflash import DRAFTER_PLACEMENTS  # noqa: F401  (projection.DRAFTER_PLACEMENTS, as before the split)
 from .roofline import (CT200, HARDWARE_UNITS, Efficiency, Hardware, KernelTime, allreduce_time, assumptions,  # noqa: F401
                        drafter_costs, drafter_seconds, drafter_shards, expected_distinct_experts, layer_costs,
                        projected_speedup, real_drafter_config, step_costs)

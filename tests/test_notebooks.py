@@ -199,6 +199,12 @@ def check_tp_decode(values, figures):
     tokens, touched = np.array(values["experts_tokens"]), np.array(values["experts_touched"])
     k, experts = values["experts_per_token"], values["n_routed_experts"]
     assert np.all((k <= touched) & (touched <= np.minimum(experts, k * tokens))) and np.all(touched[tokens == 1] == k)
+    # counts are integers: "on" the uniform curve is within half an expert, so float noise is never "above"
+    gap = touched - np.array(values["experts_uniform"])
+    assert values["uniform_sides"] == {"below": int(np.sum(gap < -0.5)), "on": int(np.sum(np.abs(gap) <= 0.5)),
+                                       "above": int(np.sum(gap > 0.5))}
+    assert values["growth"] and all(line.endswith(("still grows", "flat within the rows' spread", "shrinks"))
+                                    for line in values["growth"])
     assert {f"12_tp_verify_step-{name}.png" for name in ("layer-components", "round-vs-nodes", "experts-touched")} \
         <= figures
 

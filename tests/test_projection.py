@@ -454,3 +454,18 @@ def test_takeaway_and_reference_lines_come_from_the_table():
         projection.references([["AR", "long", 1, 92]])
     with pytest.raises(ValueError, match="source/correlation"):
         projection.headline(projection.best_table(table), source="service", correlation=0.9)
+
+
+def test_expert_counts_against_uniform_count_float_noise_as_on_the_curve():
+    assert projection.uniform_sides([384, 8, 100, 200], [383.9999998, 8.0, 120.0, 180.3]) == {"below": 1, "on": 2, "above": 1}
+
+
+def test_growth_is_judged_against_the_layers_spread():
+    def layer(nodes, layer, moe, attention):
+        return {"scope": "layer", "moe_layer": "True", "graph": "True", "batch": "1", "context": "4096",
+                "nodes": str(nodes), "layer": str(layer), "moe_seconds": str(moe), "attention_seconds": str(attention)}
+    rows = [layer(64, 1, 1.00, 0.10), layer(64, 2, 1.10, 0.10), layer(256, 1, 1.05, 0.20), layer(256, 2, 1.12, 0.20)]
+    rounds = [{"batch": 1, "context": 4096, "nodes": n, "moe": m, "attention": a} for n, m, a in ((64, 1.05, 0.1), (256, 1.085, 0.2))]
+    moe, attention = projection.growth_lines(rows, rounds, graph=True, components=("moe", "attention"))
+    assert moe.endswith("flat within the rows' spread") and "+3% against the layers' spread 9.5%" in moe
+    assert attention.endswith("still grows") and "x2.00" in attention

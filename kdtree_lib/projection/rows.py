@@ -131,3 +131,45 @@ def box_build_rows(rows: list[dict], *, depth: int) -> list[dict]:
     run = results.latest_run(results.select(rows, stage="build", method="kernel", timing="cuda_graph", depth=depth))
     versions = [int(float(r["version"])) for r in run if r.get("version") not in (None, "")]
     return [r for r in run if not versions or r.get("version") not in (None, "") and int(float(r["version"])) == max(versions)]
+
+
+# a count of distinct experts is an integer: against a non-integer expectation it cannot come closer than
+# the nearest integer, so it sits "on" the uniform curve when within half an expert of it
+COUNT_RESOLUTION = 0.5
+
+
+def uniform_sides(touched, uniform) -> dict[str, int]:
+    """How many measured expert counts lie below, on (within COUNT_RESOLUTION) and above the uniform curve."""
+    gap = np.asarray(touched, float) - np.asarray(uniform, float)
+    return {"below": int(np.sum(gap < -COUNT_RESOLUTION)), "on": int(np.sum(np.abs(gap) <= COUNT_RESOLUTION)),
+            "above": int(np.sum(gap > COUNT_RESOLUTION))}
+
+
+def layer_spread(rows: list[dict], component: str, *, graph: bool) -> dict[tuple[int, int, int], float]:
+    """(batch, context, nodes) -> (max − min) / mean of `component`_seconds over the MoE layer rows of that
+    shape (the layers and ranks timed alike): how far apart two timings of the same work land."""
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for r in results.select(rows, scope="layer", moe_layer=True, graph=graph):
+        groups.setdefault((int(r["batch"]), int(r["context"]), int(r["nodes"])), []).append(float(r[f"{component}_seconds"]))
+    return {key: float((max(v) - min(v)) / np.mean(v)) for key, v in groups.items()}
+
+
+def growth_lines(rows: list[dict], rounds: list[dict], *, graph: bool, components=("attention", "moe")) -> list[str]:
+    """Per (batch, context) and component of whole-model rounds (whole_model_rows): its ms from the smallest
+    to the largest N, and whether it still grows over the last step of N, judged against the layer rows' own
+    spread at those two shapes (a change within it is not a change the rows can show)."""
+    lines = []
+    for batch, context in sorted({(r["batch"], r["context"]) for r in rounds}):
+        series = sorted((r for r in rounds if (r["batch"], r["context"]) == (batch, context)), key=lambda r: r["nodes"])
+        if len(series) < 2:
+            continue
+        for name in components:
+            spread = layer_spread(rows, name, graph=graph)
+            first, before, last = series[0], series[-2], series[-1]
+            step = last[name] / before[name] - 1
+            noise = max(spread.get((batch, context, r["nodes"]), 0.0) for r in (before, last))
+            verdict = ("still grows" if step > noise else "shrinks" if step < -noise else "flat within the rows' spread")
+            lines.append(f"B={batch}, L={context}: {name} {first[name] * 1e3:.1f} -> {last[name] * 1e3:.1f} ms from N={first['nodes']} "
+                         f"to N={last['nodes']} (x{last[name] / first[name]:.2f}); from N={before['nodes']} to N={last['nodes']} "
+                         f"{step:+.0%} against the layers' spread {noise:.1%} there: {verdict}")
+    return lines

@@ -14,6 +14,7 @@ from kdtree_lib.decode import generate
 from kdtree_lib.model import ModelConfig
 from kdtree_lib.model.checkpoint import dequantize_int4
 from kdtree_lib.pairs import tiny_config
+from tolerances import logit_bound
 
 
 def test_int4_weights_are_slices_of_one_tensor_with_the_fan_in_std():
@@ -53,3 +54,19 @@ def test_a_small_real_shape_pair_decodes_losslessly_on_the_cpu():
     assert [t.tolist() for t in tree.tokens] == expected and [t.tolist() for t in chain.tokens] == expected
     with pytest.raises(ValueError, match="layers"):
         real_shape_pair(0, device="cpu", config=config, drafter_config=drafter_config)
+
+
+def test_the_tp_step_bench_times_int4_experts_as_the_box_holds_them():
+    config = ModelConfig.from_dict(tiny_config())
+    drafter = tp_step.drafter_config(config, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=32, block_size=4,
+                                     feature_layers=1)
+    settings = tp_step.BenchSettings(config=config, layers=3, batches=(1,), nodes=(1, 4), contexts=(8,), device="cpu",
+                                     dtype="float32", graphs=False, repeats=1, warmup=0, drafter=drafter, topic=None,
+                                     int4_experts=True, check=True)
+    run = tp_step.run_tp_bench(settings, world_size=1)
+    layers = [r for r in run["rows"] if r["scope"] == "layer"]
+    assert layers and {r["expert_bits"] for r in run["rows"] if r["scope"] != "draft"} == {4.5}
+    assert all(float(r["moe_seconds"]) > 0 for r in layers)
+    # the segmented step is still the model's verify, INT4 experts included (float32 sums in two orders)
+    torch.testing.assert_close(run["check"]["segmented"], run["check"]["verify"], rtol=0,
+                               atol=logit_bound(config, run["check"]["verify"]))

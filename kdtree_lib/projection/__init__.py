@@ -16,7 +16,7 @@ from ..dflash import DRAFTER_PLACEMENTS  # noqa: F401  (projection.DRAFTER_PLACE
 from .roofline import (CT200, HARDWARE_UNITS, Efficiency, Hardware, KernelTime, allreduce_time, assumptions,  # noqa: F401
                        drafter_costs, drafter_seconds, drafter_shards, expected_distinct_experts, layer_costs,
                        projected_speedup, real_drafter_config, step_costs)
-from .physics import Refusal, Unphysical, check_bandwidth, check_efficiency, check_fraction, check_rows, row_label  # noqa: F401
+from .physics import Refusal, Unphysical, check_efficiency, check_fraction, check_rows, row_label  # noqa: F401
 from .calibration import (calibrate, calibrate_on_rows, drafter_efficiency, fit_kernel_time, fit_residuals,  # noqa: F401
                           calibration_fit, measured_hardware)
 from .rows import (BOX_MOE_PROVIDER, COMPONENTS, PORTABLE_VERIFY_CONFIGS, TREE_KERNEL_COLUMNS, box_build_rows,  # noqa: F401

@@ -1,9 +1,9 @@
 """Physics checks: every number the projection takes in is one some hardware can produce.
 
-A measured row faster than its roofline (its bytes over the run's measured copy bandwidth, or its
-FLOPs over the measured matmul rate), a bandwidth above the measured copy bandwidth and an efficiency
-above 1 (or not above 0) are impossible: the projection refuses them, naming the row or rows that
-produced them, rather than projecting a box faster than its own memory.
+A measured row faster than its roofline (reading its bytes above the run's measured copy bandwidth, or
+doing its FLOPs above the measured matmul rate) and an efficiency above 1 (or not above 0) are
+impossible: the projection refuses them, naming the row or rows (or the parameter) that produced them,
+rather than projecting a box faster than its own memory.
 """
 from __future__ import annotations
 
@@ -83,11 +83,3 @@ def check_rows(file: str, rows: Iterable[dict], *, measured: Callable[[dict], fl
                            f"({limit * 1e6:.4g} us: {limit / seconds:.3f}x the {term})")
         (refused.append(Refusal(file, row, "; ".join(why))) if why else kept.append(row))
     return kept, refused
-
-
-def check_bandwidth(name: str, value: float, *, copy_bandwidth: float, source: str) -> float:
-    """A bandwidth (bytes/s) no higher than the measured copy bandwidth, else Unphysical."""
-    if not 0 < value <= copy_bandwidth:
-        what = f"above the measured copy bandwidth {copy_bandwidth / 1e12:.4g} TB/s" if value > 0 else "not positive"
-        raise Unphysical(f"{name} = {value / 1e12:.4g} TB/s is {what}; refused (from {source})")
-    return value

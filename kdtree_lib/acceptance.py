@@ -157,6 +157,52 @@ def record_oracle(target, drafter, prompt_ids, n_tokens: int, k_max: int, *, bac
             for b, prompt in enumerate(prompts)]
 
 
+def record_oracle_tp(target_path, drafter_path, prompt_ids, n_tokens: int, k_max: int, *, tp: int = 2,
+                     device: str = "cpu", dtype: torch.dtype = torch.float32, yarn_attention: str = "transformers",
+                     drafter_placement: str = "sharded") -> list[OracleRecord]:
+    """record_oracle over the checkpoint pair by path, the target sharded on `tp` spawned ranks (gloo on
+    CPUs; "cuda": rank r on cuda:r, NCCL) and the drafter placed as decode.generate_tp places it. Every
+    rank records in lockstep (the collectives hand every rank the same logits, so the same greedy tokens
+    and drafts); the ranks' tokens are compared once at the end, and rank 0's records are returned."""
+    from .decode import _check_paths
+    from .model import TensorParallel, launch
+    tp = check_positive_int("tp", tp)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    _check_paths(target_path, drafter_path)
+    if drafter_path is None:
+        raise ValueError("drafter_path: the oracle records the drafter's top-k; expected its folder")
+    args = (str(target_path), str(drafter_path), prompt_ids, n_tokens, k_max, device, dtype, yarn_attention,
+            drafter_placement)
+    if tp == 1:
+        return oracle_rank(TensorParallel(), *args)
+    return launch(oracle_rank, tp, *args, backend="nccl" if device == "cuda" else "gloo")
+
+
+def oracle_rank(tp, target_path: str, drafter_path: str, prompt_ids, n_tokens: int, k_max: int, device: str,
+                dtype: torch.dtype, yarn_attention: str, drafter_placement: str) -> list[OracleRecord]:
+    """One rank of record_oracle_tp: load its shard and the drafter, record, check the ranks agree."""
+    from .dflash import load_drafter
+    from .model import load_target
+    on_gpu = device == "cuda"
+    where = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if not on_gpu and tp.size > 1:  # gloo ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
+    target = load_target(target_path, device=where, dtype=dtype, tp_group=tp.group)
+    drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention,
+                           placement=drafter_placement if tp.size > 1 else "replicated")
+    with torch.no_grad():
+        records = record_oracle(target, drafter, prompt_ids, n_tokens, k_max)
+    if tp.size > 1:
+        import torch.distributed as dist
+        everyone = [None] * tp.size
+        dist.all_gather_object(everyone, [r.tokens.tolist() for r in records], group=tp.group)
+        parted = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if parted:
+            raise RuntimeError(f"ranks {parted} recorded other tokens than rank 0: the ranks left lockstep")
+    return records
+
+
 @dataclass
 class SampledRecord:
     """One prompt at T > 0: along a trajectory sampled from the target, the tree of `budget` nodes
@@ -366,6 +412,23 @@ def largest_measurement(rows: list[dict], **criteria) -> list[dict]:
             per_package[row.get("package")] = max(per_package.get(row.get("package"), 0), tokens)
         return sum(per_package.values())
     return latest(results.largest_run(rows, size, **criteria))
+
+
+def live_vs_oracle(rows: list[dict]) -> list[dict]:
+    """Per run (commit, device) holding both: the T = 0 live rows beside the oracle rows of the same block
+    size, package, mode and budget: {"commit", "device", "block_size", "package", "mode", "budget", "live",
+    "oracle", "live_rounds", "oracle_rounds"} (mean tokens per round, root included)."""
+    zero = [r for r in rows if float(r.get("temperature") or 0) == 0]
+    key = ("commit", "device", "block_size", "package", "mode", "budget")
+    oracle = {tuple(str(r[k]) for k in key): r for r in latest(zero, source="oracle")}
+    out = []
+    for row in latest(zero, source="live"):
+        twin = oracle.get(tuple(str(row[k]) for k in key))
+        if twin is not None:
+            out.append({**{k: row[k] for k in key}, "live": float(row["mean_acceptance"]),
+                        "oracle": float(twin["mean_acceptance"]), "live_rounds": int(float(row["rounds"])),
+                        "oracle_rounds": int(float(twin["rounds"]))})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from kdtree_lib.precision import rounding_bound
 from kdtree_lib.results import read_rows
 
 NOTEBOOKS = discover(NOTEBOOKS_DIR)
-SECONDS_PER_NOTEBOOK = 60
+# a hang guard, not a speed target: CI's 2-core machine may be busy, so no test judges wall-clock time
+CELL_TIMEOUT_SECONDS = 1800
 # smaller than the defaults where that saves time without weakening what is asserted
 SMALL_PARAMETERS = {
     "01_tree_build": {"mc_walks": 800, "max_budget": 64},
@@ -189,6 +190,9 @@ def check_acceptance_vs_budget(values, figures):
     assert all(replay >= 1.0 and live >= 1.0 for replay, live, _ in values["monte_carlo_vs_live"].values())
     assert {f"11_acceptance_vs_budget-this-run-{p}.png" for p in values["packages"]} <= figures
     assert "11_acceptance_vs_budget-this-run-sampled.png" in figures
+    # the committed H200 rows are compared, not claimed equal: the recorded gap is the largest printed one
+    gaps = [abs(p["live"] / p["oracle"] - 1) for p in values["committed_live_vs_oracle"]]
+    assert values["gpu_largest_gap"] == (max(gaps) if gaps else None)
 
 
 def check_tp_decode(values, figures):
@@ -201,12 +205,34 @@ def check_tp_decode(values, figures):
     tokens, touched = np.array(values["experts_tokens"]), np.array(values["experts_touched"])
     k, experts = values["experts_per_token"], values["n_routed_experts"]
     assert np.all((k <= touched) & (touched <= np.minimum(experts, k * tokens))) and np.all(touched[tokens == 1] == k)
+    # counts are integers: "on" the uniform curve is within half an expert, so float noise is never "above"
+    gap = touched - np.array(values["experts_uniform"])
+    assert values["uniform_sides"] == {"below": int(np.sum(gap < -0.5)), "on": int(np.sum(np.abs(gap) <= 0.5)),
+                                       "above": int(np.sum(gap > 0.5))}
+    assert values["growth"] and all(line.endswith(("still grows", "flat within the rows' spread", "shrinks"))
+                                    for line in values["growth"])
     assert {f"12_tp_verify_step-{name}.png" for name in ("layer-components", "round-vs-nodes", "experts-touched")} \
         <= figures
 
 
 def check_projection(values, figures):
-    assert all(0 < e <= 1.5 for e in values["efficiency"].values() if e is not None), values["efficiency"]
+    # every fraction of a roofline the projection uses is one (physics refuses the rest); *_fixed are seconds
+    fractions = {k: e for k, e in values["box_efficiency"].items() if e is not None and not k.endswith("_fixed")}
+    assert fractions and all(0 < e <= 1 for e in fractions.values()), fractions
+    assert 0 < values["drafter_efficiency"] <= 1
+    assert all(line.startswith("REFUSED ") and " us is below its roofline" in line for line in values["refused"])
+    stage = values["tree_stage_us"]  # taken at each batch: a bigger batch's top-k reads more logits
+    assert all(stage[str(a)] < stage[str(b)] for a, b in zip(sorted(map(int, stage)), sorted(map(int, stage))[1:])), stage
+    # the takeaway is printed from the headline rows; the explorer opens on the headline's settings
+    takeaway = "\n".join(values["takeaway"])
+    for key, budget in values["best_budget"].items():
+        context, batch = key[1:].split("_B")
+        assert (f"L={context}, B={batch}: best budget {budget}: {values['best_tokens_per_second'][key]:.0f} tokens/s, "
+                f"{values['best_speedup'][key]:.2f}x AR") in takeaway, key
+    start = values["explorer_start"]
+    assert (start["source"], start["overlap"]) == (values["headline_source"], values["nearest_overlap"])
+    assert values["references"] and all(f"{name} at {rate:g} tokens/s [external]" in takeaway
+                                        for name, context, batch, rate in values["references"] if context == "short")
     projected = values["projected"]
     for r in projected:  # speedup is the ratio of the two throughputs it is printed beside
         assert r["speedup"] > 0 and abs(r["speedup"] * r["ar_tokens_per_second"] - r["tokens_per_second"]) \
@@ -296,10 +322,9 @@ def test_notebook_runs_headless(path, tmp_path):
     watched = ("data", str(path.relative_to(REPO_ROOT)))
     before = git_status(*watched)
     run = run_notebook(path, tmp_path, SMALL_PARAMETERS.get(path.stem), figures_dir=figures_dir,
-                       cell_timeout=2 * SECONDS_PER_NOTEBOOK)
+                       cell_timeout=CELL_TIMEOUT_SECONDS)
     assert run.ok, f"{path.name} failed (executed copy: {run.output}): {run.error}"
     assert git_status(*watched) == before, f"{path.name} changed files git sees:\n{git_status(*watched)}"
-    assert run.seconds < SECONDS_PER_NOTEBOOK, f"{path.name} took {run.seconds:.0f} s with its small parameters"
     figures = {p.name for p in figures_dir.glob("*.png")} if figures_dir.exists() else set()
     check = EXPECTATIONS.get(path.stem)
     if check is not None:

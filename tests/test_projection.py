@@ -75,8 +75,8 @@ def acceptance_rows(curve, chain):
 
 
 def round_options(**overrides):
-    verify, _, _ = projection.verify_kernel_inputs([], heads=8, assumed_time=ASSUMED_VERIFY)
-    experts, _, _ = projection.moe_kernel_inputs([], tp=8, assumed_time=ASSUMED_MOE)
+    verify = projection.verify_kernel_inputs([], heads=8, assumed_time=ASSUMED_VERIFY).time
+    experts = projection.moe_kernel_inputs([], tp=8, assumed_time=ASSUMED_MOE).time
     stage = projection.tree_stage_cost([], [], depth=7, assumed_seconds=50e-6)
     drafter = projection.real_drafter_config(K26)
     return {"efficiency": projection.box_efficiency(Efficiency(0.5, 0.7, 0.8), verify, experts), "expert_bits": 4.5,
@@ -122,9 +122,10 @@ def test_a_replicated_real_drafter_costs_more_than_a_sharded_one():
 
 
 def test_absent_rows_are_loud_assumptions_naming_their_parameter():
-    _, inputs, used = projection.moe_kernel_inputs([], tp=8, assumed_time=ASSUMED_MOE)  # no moe_int4.csv rows
+    fit = projection.moe_kernel_inputs([], tp=8, assumed_time=ASSUMED_MOE)  # no moe_int4.csv rows
+    inputs, used = fit.inputs, fit.rows
     other_slice = [r for r in read_rows("moe_int4") if r.get("tp") != "8"]  # rows, but none of the box's TP=8 slice
-    assert projection.moe_kernel_inputs(other_slice, tp=8, assumed_time=ASSUMED_MOE)[2] == []
+    assert projection.moe_kernel_inputs(other_slice, tp=8, assumed_time=ASSUMED_MOE).rows == []
     assert not used and inputs and all(not i.measured for i in inputs)
     assert all("ASSUMPTION" in i.line() and "assumed_moe_time" in i.line() for i in inputs)
     stage = projection.tree_stage_cost([], [], depth=7, assumed_seconds=50e-6)(1, 32)
@@ -140,8 +141,9 @@ def test_kernel_fit_recovers_a_known_time_and_needs_rows_that_grow():
     sizes = np.array([1e6, 1e7, 5e7, 2e8])
     rows = [{"provider": "kernel_99kb", "tp": "8", "bytes": str(b), "copy_tbps": "1.5", "time_us": str(truth.time(b / 1.5e12) * 1e6),
              "date": "d", "commit": "c", "device": "box"} for b in sizes]
-    fitted, inputs, used = projection.moe_kernel_inputs(rows, tp=8, assumed_time=ASSUMED_MOE)
-    assert len(used) == 4 and all(i.measured for i in inputs)
+    fit = projection.moe_kernel_inputs(rows, tp=8, assumed_time=ASSUMED_MOE)
+    fitted, inputs, used = fit.time, fit.inputs, fit.rows
+    assert len(used) == 4 and all(i.measured for i in inputs) and max(map(abs, fit.residuals)) < 1e-9
     assert fitted.fixed == pytest.approx(12e-6, rel=1e-6) and fitted.bytes_efficiency == pytest.approx(0.7, rel=1e-6)
     with pytest.raises(ValueError, match="measured_seconds: expected at least 2"):
         projection.fit_kernel_time([1e-6], [2e-6])
@@ -151,7 +153,8 @@ def test_kernel_fit_recovers_a_known_time_and_needs_rows_that_grow():
 
 def test_the_verify_kernel_model_reproduces_its_rows_within_their_spread():
     rows = read_rows("verify_attn")
-    time, inputs, used = projection.verify_kernel_inputs(rows, heads=8, assumed_time=ASSUMED_VERIFY)
+    fit = projection.verify_kernel_inputs(rows, heads=8, assumed_time=ASSUMED_VERIFY)
+    time, inputs, used = fit.time, fit.inputs, fit.rows  # used: the rows kept, none faster than its roofline
     assert used and all(i.measured for i in inputs)
     assert {r["config"] for r in used} == set(projection.PORTABLE_VERIFY_CONFIGS.values())
     terms = ([float(r["bytes"]) / (float(r["copy_tbps"]) * 1e12) for r in used], [float(r["time_us"]) * 1e-6 for r in used],
@@ -212,6 +215,15 @@ def test_the_explorer_redraws_for_each_choice():
                                 overlaps=projection.OVERLAPS, batches=[1, 8], contexts=[4096], **options)
     replicated = panel.result
     assert replicated["source"] == "stand-in" and replicated["batch"] == 1
+    start = dict(source="service", overlap=0.5, batch=8, context=4096, placement="sharded")  # the headline's settings
+    opened = projection_explorer(K26, [STAND_IN, projection.service_acceptance()], drafters=drafters,
+                                 overlaps=projection.OVERLAPS, batches=[1, 8], contexts=[4096], start=start, **options)
+    assert {w.description: w.value for w in opened.kwargs_widgets} == {
+        "acceptance": "service", "overlap": 0.5, "batch": 8, "context": 4096, "drafter": "sharded"}
+    assert (opened.result["source"], opened.result["correlation"], opened.result["batch"]) == ("service", 0.5, 8)
+    with pytest.raises(ValueError, match="start: batch=3"):
+        projection_explorer(K26, [STAND_IN], drafters=drafters, overlaps=projection.OVERLAPS, batches=[1, 8],
+                            contexts=[4096], start={"batch": 3}, **options)
     placement = next(w for w in panel.kwargs_widgets if w.description == "drafter")
     placement.value = "sharded"
     assert panel.result["speedup_vs_ar"] > replicated["speedup_vs_ar"]  # a cheaper drafter, a faster round
@@ -263,3 +275,194 @@ def test_assumptions_print_hardware_with_units():
     assert "memory_bandwidth = 1.5 TB/s" in lines and "matmul_flops = 500 TFLOP/s" in lines
     assert "allreduce_latency = 24 us" in lines and "allreduce_bus_bandwidth = 40 GB/s" in lines
     assert not any("e+" in line or "000000" in line for line in lines if line.startswith(("memory", "matmul", "allreduce")))
+
+
+# ----------------------------------------------------------------------------------------------
+# physics: every input is one some hardware can produce, or it is refused naming its rows
+
+def verify_row(batch, time_us, *, nodes=8, bytes_=1e9, flops=1e9, config="rows32_keys32_stages2", **extra):
+    return {"date": "2026-12-01T00:00:00Z", "commit": "abc", "device": "H200", "run": "r", "provider": "kernel",
+            "config": config, "heads": "8", "rows": "64", "batch": str(batch), "nodes": str(nodes), "length": "4096",
+            "bytes": str(bytes_), "flops": str(flops), "copy_tbps": "4.0", "matmul_tflops": "800",
+            "time_us": str(time_us), **extra}
+
+
+def test_a_row_faster_than_its_roofline_is_refused_naming_the_row():
+    truth = projection.KernelTime(fixed=10e-6, bytes_efficiency=0.8, flops_efficiency=0.3)
+    rows = []
+    for i, (size, flops) in enumerate([(1e7, 1e9), (1e8, 1e12), (1e9, 1e10), (4e9, 4e13), (2e8, 1e11)]):
+        seconds = truth.time(size / 4e12, flops / 800e12)
+        rows.append(verify_row(i + 1, seconds * 1e6, bytes_=size, flops=flops))
+    fast = verify_row(99, 0.5 * 4e9 / 4e12 * 1e6, bytes_=4e9)  # reads at twice the run's measured copy bandwidth
+    fit = projection.verify_kernel_inputs(rows + [fast], heads=8, assumed_time=ASSUMED_VERIFY)
+    assert [str(r.row["batch"]) for r in fit.refused] == ["99"] and len(fit.rows) == len(rows)
+    line = fit.refused[0].line()
+    assert "REFUSED data/results/verify_attn.csv" in line and "batch=99" in line and "2.000x the copy bandwidth" in line
+    assert fit.time.bytes_efficiency == pytest.approx(0.8, rel=1e-2) and fit.time.flops_efficiency == pytest.approx(0.3, rel=1e-2)
+    assert any(l.startswith("REFUSED") for l in fit.lines_at([1]))
+    with pytest.raises(projection.Unphysical, match="faster than its roofline.*batch=99"):
+        projection.verify_kernel_inputs([fast], heads=8, assumed_time=ASSUMED_VERIFY)
+
+
+def test_an_efficiency_above_one_is_refused_wherever_it_comes_from():
+    with pytest.raises(projection.Unphysical, match=r"efficiency.bytes_efficiency = 1.5 .*assumed_moe_time"):
+        projection.moe_kernel_inputs([], tp=8, assumed_time=projection.KernelTime(1e-5, 1.5))
+    with pytest.raises(projection.Unphysical, match="not positive"):
+        projection.check_fraction("drafter_efficiency", 0.0, source="parameter drafter_efficiency")
+    # layer rows faster than the model's roofline calibrate to an efficiency above 1: refused, naming a row
+    ideal = layer_costs(K26, H200, batch=1, nodes=16, context=4096, moe_layer=True)
+    rows = [{"batch": 1, "nodes": 16, "context": 4096, "moe_layer": "True", "device": "H200", "commit": "c",
+             "attention_seconds": ideal["attention"] / 2, "moe_seconds": ideal["moe"] / 0.5}]
+    with pytest.raises(projection.Unphysical, match=r"efficiency.attention = 2 .*nodes=16"):
+        calibrate(rows, K26, H200)
+
+
+def test_the_committed_verify_rows_give_no_efficiency_above_one():
+    """The rows that gave bytes_efficiency 1.565 under the additive fit: the rows faster than the copy are refused,
+    and the roofline fit of the rest is physical."""
+    fit = projection.verify_kernel_inputs(read_rows("verify_attn"), heads=8, assumed_time=ASSUMED_VERIFY)
+    if not fit.rows:
+        pytest.skip("no portable verify rows committed")
+    assert 0 < fit.time.bytes_efficiency <= 1 and 0 < fit.time.flops_efficiency <= 1
+    for refusal in fit.refused:
+        row = refusal.row
+        assert float(row["time_us"]) * 1e-6 < float(row["bytes"]) / (float(row["copy_tbps"]) * 1e12)
+
+
+@pytest.mark.parametrize("with_flops", [False, True])
+def test_a_kernel_fit_reproduces_its_rows_within_their_spread(with_flops):
+    """Rows of a known kernel time, five repeats per shape with ±3% noise: the fitted model lies within each
+    shape's repeats (their spread), which is what fitting more than noise would break."""
+    truth = projection.KernelTime(fixed=8e-6, bytes_efficiency=0.6, flops_efficiency=0.25 if with_flops else None)
+    rng = np.random.default_rng(0)
+    bytes_s = np.repeat(np.geomspace(1e-6, 1e-3, 8), 5)
+    flops_s = np.repeat(np.geomspace(1e-7, 2e-3, 8)[::-1], 5) if with_flops else None
+    measured = truth.time(bytes_s, 0.0 if flops_s is None else flops_s) * rng.uniform(0.97, 1.03, bytes_s.size)
+    fitted = projection.fit_kernel_time(bytes_s, measured, flops_s)
+    model = fitted.time(bytes_s, 0.0 if flops_s is None else flops_s)
+    repeats = measured.reshape(8, 5)
+    spread = np.max((repeats.max(axis=1) - repeats.min(axis=1)) / np.median(repeats, axis=1))
+    assert 0 < spread < 0.07  # the rows' own noise (calibration_fit's definition)
+    assert np.all(np.abs(model[::5] / np.median(repeats, axis=1) - 1) <= spread)
+
+
+def test_calibration_reproduces_its_rows_within_their_spread():
+    truth = Efficiency(attention=0.4, moe=0.7)
+    rng = np.random.default_rng(1)
+    rows = []
+    for nodes in (1, 16, 64):
+        ideal = layer_costs(K26, H200, batch=1, nodes=nodes, context=32768, moe_layer=True)
+        for _ in range(5):  # five layers of one shape, ±2% apart
+            rows.append({"batch": 1, "nodes": nodes, "context": 32768, "moe_layer": "True",
+                         "attention_seconds": ideal["attention"] / truth.attention * rng.uniform(0.98, 1.02),
+                         "moe_seconds": ideal["moe"] / truth.moe * rng.uniform(0.98, 1.02)})
+    fitted = calibrate(rows, K26, H200)
+    check = projection.calibration_fit(rows, K26, H200, fitted)
+    for name, fit in check.items():
+        assert fit["spread"] < 0.04 and -fit["spread"] <= fit["residual_low"] <= fit["residual_high"] <= fit["spread"], name
+
+
+# ----------------------------------------------------------------------------------------------
+# the tree stage by batch, from the rows of the path the box runs
+
+def topk_row(batch, topk, time_us, **label):
+    return {"date": "2026-12-01T00:00:00Z", "commit": "c", "device": "H200", "stage": "draft_topk", "batch": batch,
+            "depth": 7, "topk": topk, "timing": "cuda_graph", "time_us": time_us, "roofline_us": 1.0 * batch, **label}
+
+
+def stage_rows(topk_rows):
+    build = [{"date": "2026-12-01T00:00:00Z", "commit": "c", "device": "H200", "stage": "build", "method": "kernel",
+              "timing": "cuda_graph", "depth": 7, "batch": b, "budget": 32, "version": 2, "time_us": 10.0} for b in (1, 64)]
+    accept = [{"date": "2026-12-01T00:00:00Z", "commit": "c", "device": "H200", "method": "accept_compact_kernel",
+               "batch": b, "budget": 64, "time_us": 5.0} for b in (1, 64)]
+    return topk_rows + build, accept
+
+
+@pytest.mark.parametrize("label", [{"method": "kernel"}, {"method": "exact_graph", "path": "exact"}])
+def test_the_tree_stage_is_taken_at_the_batch_from_the_box_path(label):
+    """Old rows (method "kernel", which ran the exact path) and new ones (a `path` label) are both read; rows of the
+    fused path are not what the box runs; at B=8 between B=1 and B=64 the cost is interpolated, not B=64's."""
+    fused = {"method": "kernel", "path": "fused"}
+    rows = [topk_row(1, 64, 100.0, **label), topk_row(64, 64, 1360.0, **label),
+            topk_row(1, 64, 1.0e4, **fused), topk_row(64, 64, 1.0e4, **fused)]
+    build, accept = stage_rows(rows)
+    stage = projection.tree_stage_cost(build, accept, depth=7, assumed_seconds=1.0)
+    at8 = stage(8, 32)
+    assert at8.measured and at8.value == pytest.approx((100 + 7 / 63 * 1260 + 10 + 5) * 1e-6)
+    assert "interpolated between B=1 and B=64" in at8.source
+    assert stage(64, 32).value == pytest.approx((1360 + 10 + 5) * 1e-6)
+    assert stage(1, 32).value < at8.value < stage(64, 32).value
+
+
+def test_a_topk_row_faster_than_reading_its_logits_is_refused():
+    rows = [topk_row(1, 64, 100.0, method="kernel"), topk_row(64, 64, 1360.0, method="kernel"),
+            topk_row(8, 64, 4.0, method="kernel")]  # 4 us below its roofline of 8 us
+    build, accept = stage_rows(rows)
+    stage = projection.tree_stage_cost(build, accept, depth=7, assumed_seconds=1.0)
+    assert [r.row["batch"] for r in stage.refused] == [8] and "batch=8" in stage.refused[0].line()
+    assert "interpolated" in stage(8, 32).source
+
+
+# ----------------------------------------------------------------------------------------------
+# where the tree's tokens come from, the external lines and the takeaway
+
+def test_depth_structure_splits_rank0_nodes_from_siblings():
+    """A record where depth 1's right token is always the drafter's second choice and deeper ones its first: the
+    chain accepts the root alone, a full tree the root, the sibling and two rank-0 nodes after it."""
+    from kdtree_lib.acceptance import OracleRecord
+    from kdtree_lib.contracts import DraftTopK
+    positions, depth = 12, 3
+    tokens = np.arange(1, positions + depth + 2, dtype=np.int32)
+    ids = np.zeros((positions, depth, 2), np.int32)
+    for t in range(positions):
+        right = tokens[t + 1:t + 1 + depth]
+        ids[t, 0] = [1000 + t, right[0]]
+        ids[t, 1:, 0], ids[t, 1:, 1] = right[1:], 2000 + t
+    logp = np.tile(np.array([-0.1, -2.5], np.float32), (positions, depth, 1))
+    record = OracleRecord(DraftTopK(logp, ids), tokens)
+    s = projection.depth_structure([record], 14, chain_depth=3)
+    assert (s.tree_mean, s.prefix_mean, s.sibling_mean, s.chain_mean) == (4.0, 0.0, 3.0, 1.0)
+    assert s.rounds == positions // 4 and s.sibling_share_of_gain == 1.0
+    assert s.sibling[1] == s.rounds and s.rank0[1] == 0 and s.rank0[2] == s.rank0[3] == s.rounds
+    assert s.after_sibling[2] == (s.rounds, s.rounds) and s.after_rank0[3] == (s.rounds, s.rounds)
+    assert "100% of the tree's gain over the chain" in s.lines()[0]
+
+
+def test_takeaway_and_reference_lines_come_from_the_table():
+    sources = [STAND_IN, projection.service_acceptance()]
+    table = projection.projection_table(K26, sources, (0.0, 0.5), batches=(1,), contexts=(4096, 32768), **round_options())
+    best = projection.headline(projection.best_table(table), source="service", correlation=0.5)
+    refs = projection.references([["no speculation AR", "short", 1, 1e-3], ["DFlash chain", "short", 1, 1e9],
+                                  ["Eagle3", "32768", 1, 93]])
+    assert [r.kind for r in refs] == ["ar", "chain", ""]
+    lines = projection.reference_lines(best, refs)
+    short, long_ = best[4096, 1], best[32768, 1]
+    assert f"projected DDTree (budget {short['budget']}) {short['tokens_per_second']:.0f} tokens/s beats no speculation AR" in lines[0]
+    assert "the model's own AR" in lines[1] and "does not beat DFlash chain" in lines[2] and "the model's own DFlash chain" in lines[3]
+    assert len(lines) == 5 and "L=32768" in lines[4] and "Eagle3" in lines[4]  # each reference at its own context only
+    takeaway = projection.takeaway_lines(table, source="service", correlation=0.5, refs=refs,
+                                         alternatives={"overlap 0": [r for r in projection.best_table(table)
+                                                                     if r["source"] == "service" and r["correlation"] == 0.0]})
+    assert takeaway[0].startswith(f"L=4096, B=1: best budget {short['budget']}: {short['tokens_per_second']:.0f} tokens/s, "
+                                  f"{short['speedup_vs_ar']:.2f}x AR")
+    assert any("band over sources x overlaps" in line for line in takeaway)
+    assert any("would change it: overlap 0" in line for line in takeaway) and takeaway[-5:] == lines
+    with pytest.raises(ValueError, match="external_references"):
+        projection.references([["AR", "long", 1, 92]])
+    with pytest.raises(ValueError, match="source/correlation"):
+        projection.headline(projection.best_table(table), source="service", correlation=0.9)
+
+
+def test_expert_counts_against_uniform_count_float_noise_as_on_the_curve():
+    assert projection.uniform_sides([384, 8, 100, 200], [383.9999998, 8.0, 120.0, 180.3]) == {"below": 1, "on": 2, "above": 1}
+
+
+def test_growth_is_judged_against_the_layers_spread():
+    def layer(nodes, layer, moe, attention):
+        return {"scope": "layer", "moe_layer": "True", "graph": "True", "batch": "1", "context": "4096",
+                "nodes": str(nodes), "layer": str(layer), "moe_seconds": str(moe), "attention_seconds": str(attention)}
+    rows = [layer(64, 1, 1.00, 0.10), layer(64, 2, 1.10, 0.10), layer(256, 1, 1.05, 0.20), layer(256, 2, 1.12, 0.20)]
+    rounds = [{"batch": 1, "context": 4096, "nodes": n, "moe": m, "attention": a} for n, m, a in ((64, 1.05, 0.1), (256, 1.085, 0.2))]
+    moe, attention = projection.growth_lines(rows, rounds, graph=True, components=("moe", "attention"))
+    assert moe.endswith("flat within the rows' spread") and "+3% against the layers' spread 9.5%" in moe
+    assert attention.endswith("still grows") and "x2.00" in attention

@@ -148,34 +148,24 @@ def test_checkpoint_pair_for_the_notebooks(pair, tmp_path):
 @pytest.mark.gpu
 def test_real_shapes_decode_on_one_gpu(tmp_path):
     """K2.6 at its layer shapes (KDTREE_REAL_LAYERS layers, default 3: one dense, then MoE with INT4
-    experts resident) and the real drafter's shapes, random weights written in the real format and
-    loaded through the real path (checkpoint_pair): DDTree as a CUDA graph equals eager; step time by
-    stage vs budget and peak memory vs the plan, as rows (tmp_path, or data/results/real_shape_decode.csv
-    with KDTREE_APPEND_RESULTS=1)."""
+    experts resident) and the real drafter's shapes, random weights made directly on the GPU
+    (bench.inputs.real_shape_pair: no checkpoint written, so a host with little free disk runs it):
+    DDTree as a CUDA graph equals eager; step time by stage vs budget and peak memory vs the plan, as
+    rows (tmp_path, or data/results/real_shape_decode.csv with KDTREE_APPEND_RESULTS=1)."""
     from kdtree_lib import results
-    from kdtree_lib.model import load_config
+    from kdtree_lib.bench.inputs import real_shape_pair
     from kdtree_lib.model.memory import GIB, plan
-    from kdtree_lib.model.reference import kimi_dflash_config, save_random_drafter, save_random_kimi_checkpoint
     layers = int(os.environ.get("KDTREE_REAL_LAYERS", "3"))
-    text = json.loads((REPO_ROOT / "data" / "configs" / "kimi-k2.6.json").read_text())["text_config"]
-    text = {key: value for key, value in text.items() if key != "quantization_config"} | {"num_hidden_layers": layers}
-    target = save_random_kimi_checkpoint(tmp_path / "target", text)
-    real = json.loads((REPO_ROOT / "data" / "configs" / "kimi-k2.6-dflash.json").read_text())
-    shapes = {key: real[key] for key in ("intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                         "num_key_value_heads", "head_dim")}
-    layer_ids = [min(i, layers - 1) for i in real["dflash_config"]["target_layer_ids"]]  # six features, as real
-    drafter = save_random_drafter(tmp_path / "drafter", kimi_dflash_config(text, layer_ids, **shapes))
-    tokenizer = REPO_ROOT / "data" / "models" / "k26-mini"   # any tokenizer: the prompts below are random ids
     torch.cuda.reset_peak_memory_stats()
-    chosen, run = checkpoint_pair(target, drafter, tokenizer_path=tokenizer, device="cuda")
+    target, drafter = real_shape_pair(layers, device="cuda", dtype=torch.bfloat16)
     prompts = [np.random.default_rng(b).integers(0, 163584, 512) for b in range(2)]
     budgets, new_tokens = (8, 32, 128), 32
-    memory = plan(load_config(target), 1, len(prompts), 512 + new_tokens, max(budgets), chosen.drafter.config)
+    memory = plan(target.config, 1, len(prompts), 512 + new_tokens, max(budgets), drafter.config)
     rows = []
     for budget in budgets:
-        eager = run(chosen.target, chosen.drafter, prompts, budget=budget, max_new_tokens=new_tokens,
-                    cuda_graph=False, profile_stages=True)
-        graph = run(chosen.target, chosen.drafter, prompts, budget=budget, max_new_tokens=new_tokens, cuda_graph=True)
+        eager = generate(target, drafter, prompts, budget=budget, max_new_tokens=new_tokens,
+                         cuda_graph=False, profile_stages=True)
+        graph = generate(target, drafter, prompts, budget=budget, max_new_tokens=new_tokens, cuda_graph=True)
         assert tokens_of(graph) == tokens_of(eager)
         rows.append({"layers": layers, "budget": budget, "batch": len(prompts), "prompt_tokens": 512,
                      "graph_step_ms": 1e3 * graph.decode_seconds / graph.rounds,

@@ -15,11 +15,12 @@ from ..contracts import Tree, tree_from_parents
 from ..dflash import DFlashConfig, DFlashDrafter
 from ..draft_topk import draft_topk
 from ..model import KVCache, ModelConfig, TensorParallel, Transformer
-from ..model.checkpoint import empty_target, load_weights
+from ..model.checkpoint import INT4_CODES_PER_WORD, empty_target, load_weights
 from ..synthetic import zipf_draft_logits
 from ..tree_build import build_tree
 
 FOLLOW_PROBABILITY = 0.8  # the target agrees with the drafter's best child this often (mean accept ~5)
+INT4_CODE_STD = (255 / 12) ** 0.5  # std of a uniform INT4 code (0..15, centred on 8): scales set a weight's std
 
 
 class RandomWeights:
@@ -27,8 +28,12 @@ class RandomWeights:
     seeded by its name (std 1/sqrt(fan-in); norms 1, router biases 0) and the requested slice is
     returned, so every TP degree shards the same model."""
 
-    def __init__(self, device, dtype: torch.dtype, seed: int = 0):
-        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
+    def __init__(self, device, dtype: torch.dtype, seed: int = 0, group_size: int = 32):
+        self.device, self.dtype, self.seed, self.group_size = torch.device(device), dtype, seed, group_size
+
+    def _generator(self, name: str) -> torch.Generator:
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:7], "little"))
 
     def read(self, name: str, shape: tuple[int, ...], dim: int | None = None, start: int | None = None,
              stop: int | None = None) -> torch.Tensor:
@@ -37,19 +42,73 @@ class RandomWeights:
         elif name.endswith("norm.weight"):
             full = torch.ones(shape, device=self.device, dtype=self.dtype)
         else:
-            digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-            generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:7], "little"))
-            full = torch.randn(shape, generator=generator, device=self.device, dtype=self.dtype)
+            full = torch.randn(shape, generator=self._generator(name), device=self.device, dtype=self.dtype)
             full.mul_(shape[-1] ** -0.5)
         return full if dim is None else full.narrow(dim, start, stop - start)
 
+    def read_int4(self, name: str, shape: tuple[int, int], dim: int | None = None, start: int | None = None,
+                  stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An INT4 weight as CheckpointReader.read_int4 hands it out (packed int32 [out, in/8], bf16 scale
+        [out, in/group], or their slice along dim), made on the device: uniform random codes, one scale
+        per weight giving std 1/sqrt(fan-in), so load_experts repacks it into the kernel layout as it does
+        a checkpoint's, with no file written."""
+        out, inputs = shape
+        if inputs % self.group_size:
+            raise ValueError(f"shape: {name}'s input dimension {inputs} is not a multiple of the group {self.group_size}")
+        words = torch.randint(0, 2**32, (out, inputs // INT4_CODES_PER_WORD), generator=self._generator(name),
+                              device=self.device, dtype=torch.int64)
+        packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        scale = torch.full((out, inputs // self.group_size), inputs ** -0.5 / INT4_CODE_STD, device=self.device,
+                           dtype=torch.bfloat16)
+        if dim is None:
+            return packed, scale
+        if dim == 1:
+            if start % self.group_size or stop % self.group_size:
+                raise ValueError(f"slice: [{start}:{stop}] of {name}'s input does not align with groups of {self.group_size}")
+            return (packed[:, start // INT4_CODES_PER_WORD:stop // INT4_CODES_PER_WORD],
+                    scale[:, start // self.group_size:stop // self.group_size])
+        return packed.narrow(dim, start, stop - start), scale.narrow(dim, start, stop - start)
+
 
 def random_target(config: ModelConfig, tp: TensorParallel, *, device, dtype: torch.dtype,
-                  attention_backend: str = "auto", seed: int = 0) -> Transformer:
-    """This rank's shard of `config`'s model (absorbed attention, TP experts), random weights."""
-    model = empty_target(config, tp, device=device, dtype=dtype, attention_backend=attention_backend)
-    load_weights(model, RandomWeights(device, dtype, seed))
+                  attention_backend: str = "auto", seed: int = 0, int4_experts: bool = False) -> Transformer:
+    """This rank's shard of `config`'s model (absorbed attention, TP experts), random weights;
+    int4_experts: the routed experts INT4-resident in the kernel layout (as a checkpoint's load)."""
+    model = empty_target(config, tp, device=device, dtype=dtype, attention_backend=attention_backend,
+                         int4_experts=int4_experts)
+    group = config.quantization.group_size if config.quantization else 32
+    load_weights(model, RandomWeights(device, dtype, seed, group_size=group))
     return model.eval()
+
+
+def real_shape_pair(layers: int, *, device, dtype: torch.dtype = torch.bfloat16, tp: TensorParallel | None = None,
+                    seed: int = 0, int4_experts: bool = True, config: ModelConfig | None = None,
+                    drafter_config: DFlashConfig | None = None) -> tuple[Transformer, DFlashDrafter]:
+    """(target, drafter) made directly on `device`, nothing written to disk: K2.6 at its layer shapes
+    (data/configs/kimi-k2.6.json) with `layers` layers (the first dense, as in K2.6), routed experts INT4
+    in the kernel layout, this rank's shard under `tp`; and the real DFlash drafter's shapes
+    (data/configs/kimi-k2.6-dflash.json: six target features, clamped to the layers there are). Random
+    weights: timings and memory are the real ones', acceptance is meaningless. config / drafter_config
+    replace K2.6's and the real drafter's (small shapes for CPU tests)."""
+    import dataclasses
+    import json
+    from ..paths import REPO_ROOT
+    if int(layers) < 1:
+        raise ValueError(f"layers: expected at least 1, got {layers}")
+    configs = REPO_ROOT / "data" / "configs"
+    if config is None:
+        from ..model import load_config
+        config = dataclasses.replace(load_config(configs / "kimi-k2.6.json"), num_hidden_layers=int(layers))
+    elif config.num_hidden_layers != layers:
+        config = dataclasses.replace(config, num_hidden_layers=int(layers))
+    if drafter_config is None:
+        raw = json.loads((configs / "kimi-k2.6-dflash.json").read_text())
+        drafter_config = DFlashConfig.from_dict(raw)
+    ids = tuple(min(i, config.num_hidden_layers - 1) for i in drafter_config.target_layer_ids)
+    drafter_config = dataclasses.replace(drafter_config, target_layer_ids=ids)
+    target = random_target(config, tp or TensorParallel(), device=device, dtype=dtype, seed=seed,
+                           int4_experts=int4_experts)
+    return target, random_drafter(drafter_config, target, seed=seed)
 
 
 def random_drafter(config: DFlashConfig, target: Transformer, *, seed: int = 0) -> DFlashDrafter:

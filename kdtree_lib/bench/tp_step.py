@@ -76,6 +76,7 @@ class BenchSettings:
     repeats: int = 8
     warmup: int = 2
     attention_backend: str = "auto"
+    int4_experts: bool = False                # routed experts INT4-resident in the kernel layout, as the box runs them
     verify_step: bool = True                  # False: only the drafter and tree kernels (scope "draft" rows)
     drafter: DFlashConfig | None = None       # None: no drafter timing
     drafter_new_tokens: int = 5               # tokens the drafter's cache takes in per round
@@ -330,12 +331,12 @@ def _sweep(tp: TensorParallel, settings: BenchSettings, device: torch.device) ->
     dtype = getattr(torch, settings.dtype)
     config = replace(settings.config, num_hidden_layers=settings.layers)
     model = random_target(config, tp, device=device, dtype=dtype, attention_backend=settings.attention_backend,
-                          seed=settings.seed)
+                          seed=settings.seed, int4_experts=settings.int4_experts)
     drafter = random_drafter(settings.drafter, model, seed=settings.seed) if settings.drafter else None
     clock, rows, check = Clock(device), [], {}
     common = {"run": settings.run, "tp": tp.size, "gpus": tp.size if device.type == "cuda" else 0,
               "layers": settings.layers,
-              "dtype": settings.dtype, "expert_bits": 16, **_ceilings(device)}
+              "dtype": settings.dtype, "expert_bits": 4.5 if settings.int4_experts else 16, **_ceilings(device)}
     graphs = settings.graphs and device.type == "cuda"
     vocab = min(settings.draft_vocab, config.vocab_size)
     for context in settings.contexts:
@@ -429,6 +430,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-drafter", action="store_true")
+    parser.add_argument("--int4-experts", action="store_true", help="routed experts INT4 in the kernel layout (the box's)")
     parser.add_argument("--drafter-only", action="store_true",
                         help="time only the drafter and the tree kernels (refreshes the scope 'draft' rows)")
     parser.add_argument("--max-minutes", type=float, default=None, help="for the whole command; blocks left are skipped")
@@ -436,6 +438,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     settings = k26_settings(layers=args.layers, batches=tuple(args.batches), nodes=tuple(args.nodes),
                             contexts=tuple(args.contexts), repeats=args.repeats, graphs=not args.no_graphs,
+                            int4_experts=args.int4_experts,
                             results_dir=None if args.results_dir is None else str(args.results_dir))
     if args.no_drafter:
         settings = replace(settings, drafter=None)

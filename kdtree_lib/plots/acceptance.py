@@ -44,3 +44,30 @@ def plot_acceptance_histogram(ax, rows: list[dict], *, title: str = "") -> None:
     ax.set_ylabel("fraction of rounds")
     ax.set_title(title)
     ax.legend(fontsize=8)
+
+
+def plot_replay_vs_live(ax, rows: list[dict], *, title: str = "") -> None:
+    """At T > 0: the Monte-Carlo replay's mean acceptance against the live runs' (± their standard error), one
+    point per (block size, package, budget), on the y = x line where they agree: every budget its own point,
+    whatever budgets were run (a budget axis would stack a one-budget run on one x)."""
+    pairs = []
+    for r in rows:
+        if r["source"] != "monte_carlo":
+            continue
+        twin = [x for x in rows if x["source"] == "live"
+                and all(str(x[k]) == str(r[k]) for k in ("block_size", "package", "budget"))]
+        if twin:
+            pairs.append((r, twin[0]))
+    for i, (replay, live) in enumerate(pairs):
+        ax.errorbar(float(live["mean_acceptance"]), float(replay["mean_acceptance"]), xerr=float(live["stderr"]),
+                    fmt="o", color=f"C{i % 10}", capsize=3,
+                    label=f"block {replay['block_size']}, {replay['package']}, budget {replay['budget']}")
+    values = [float(x["mean_acceptance"]) for pair in pairs for x in pair]
+    if values:
+        span = [min(values) * 0.95, max(values) * 1.05]
+        ax.plot(span, span, "k--", lw=0.8, label="replay = live")
+    ax.set_xlabel("live sampled runs: mean tokens per round (± standard error)")
+    ax.set_ylabel("Monte-Carlo replay: mean tokens per round")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)

@@ -1,9 +1,6 @@
-"""Figures of the CT200 projection (notebook 13): the calibration, the router's overlap, the
-acceptance curve used, tokens/s and speedup against budget, and a round's components; the acceptance
-sources side by side and the speedup band over sources × overlaps."""
+"""Figures of the CT200 projection (notebook 13): the calibration, the router's overlap, a round's
+components, the acceptance sources side by side, the speedup band over sources × overlaps, and the explorer."""
 from __future__ import annotations
-
-import textwrap
 
 import numpy as np
 
@@ -47,44 +44,6 @@ def plot_router_overlap(axes, curves: dict[int, list[dict]], correlation: dict[i
         ax.legend()
 
 
-def plot_acceptance_curve(ax, acceptance: dict[int, float], *, title: str) -> None:
-    """Tokens per round against budget: the curve the projection uses."""
-    ax.plot(list(acceptance), list(acceptance.values()), "o-", color="C2")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (draft nodes per tree)")
-    ax.set_ylabel("tokens per round")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-
-
-def plot_speedup_vs_budget(fig, axes, projected: list[dict], best: dict, *, contexts, batches,
-                           assumptions: list[str]) -> None:
-    """Tokens/s (with AR as dotted lines) and speedup over AR against budget, a row per context, the
-    best budget starred; the assumptions printed under the figure."""
-    for row_axes, context in zip(axes, contexts):
-        for batch, color in zip(batches, ("C0", "C3", "C2", "C4")):
-            rows = [r for r in projected if (r["context"], r["batch"]) == (context, batch)]
-            budgets = [r["budget"] for r in rows]
-            top = best[context, batch]
-            row_axes[0].plot(budgets, [r["tokens_per_second"] for r in rows], "o-", color=color,
-                             label=f"DDTree, batch {batch}")
-            row_axes[0].axhline(rows[0]["ar_tokens_per_second"], color=color, linestyle=":", label=f"AR, batch {batch}")
-            row_axes[1].plot(budgets, [r["speedup"] for r in rows], "o-", color=color, label=f"batch {batch}")
-            for ax, key in zip(row_axes, ("tokens_per_second", "speedup")):
-                ax.plot([top["budget"]], [top[key]], "*", color=color, markersize=16)
-        for ax, label in zip(row_axes, ("tokens / s (all requests)", "speedup over AR")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("budget (draft nodes per tree)")
-            ax.set_ylabel(label)
-            ax.set_title(f"CT200 projection, context {context} (star: best budget)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    wrapped = [part for line in assumptions for part in textwrap.wrap(line, 95, subsequent_indent="    ")]
-    half = (len(wrapped) + 1) // 2
-    for x, column in ((0.0, wrapped[:half]), (0.5, wrapped[half:])):
-        fig.text(x, -0.01, "\n".join(column), fontsize=7, va="top", family="monospace")
-
-
 def plot_round_components(axes, projected: list[dict], *, context: int, batches) -> None:
     """Stacked ms per projected round by component against budget, an axis per batch."""
     for ax, batch in zip(axes, batches):
@@ -104,13 +63,14 @@ def plot_round_components(axes, projected: list[dict], *, context: int, batches)
 
 
 def plot_acceptance_sources(ax, sources) -> None:
-    """Tokens per round against budget of each acceptance source (dashed: not measured here), chains as crosses."""
+    """Tokens per round against budget of each acceptance source (dashed: not measured here), chains as crosses
+    at their number of drafts (a chain of 7 drafts has as many nodes as a tree of budget 7)."""
     for color, source in zip(("C2", "C1", "C0", "C4"), sources):
         style = "o-" if source.measured else "o--"
         ax.plot(list(source.curve), list(source.curve.values()), style, color=color,
                 label=source.name + ("" if source.measured else " (ASSUMED)"))
-        ax.plot([min(source.curve)], [source.chain.value], "x", color=color, markersize=10,
-                label=f"{source.name} chain" + ("" if source.chain.measured else " (ASSUMED)"))
+        ax.plot([source.chain_drafts], [source.chain.value], "x", color=color, markersize=10,
+                label=f"{source.name} chain of {source.chain_drafts} drafts" + ("" if source.chain.measured else " (ASSUMED)"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget (draft nodes per tree)")
     ax.set_ylabel("tokens per round")
@@ -146,10 +106,12 @@ def plot_speedup_band(axes, table: list[dict], *, contexts, batches, marked: flo
         ax.legend(fontsize=7)
 
 
-def projection_explorer(config, sources: list, *, drafters: dict, overlaps, batches, contexts, **round_options):
+def projection_explorer(config, sources: list, *, drafters: dict, overlaps, batches, contexts, start: dict | None = None,
+                        **round_options):
     """An ipywidgets panel (notebook 13's explorer): pick the acceptance source, the routing overlap,
     batch, context and drafter placement (drafters: placement -> seconds(batch, context)); it redraws
-    the speedups over AR and over the chain against budget and prints the best budget."""
+    the speedups over AR and over the chain against budget and prints the best budget. It opens on
+    `start` (source, overlap, batch, context, placement: the headline's settings), else on the first of each."""
     import ipywidgets
     import matplotlib.pyplot as plt
 
@@ -175,9 +137,15 @@ def projection_explorer(config, sources: list, *, drafters: dict, overlaps, batc
         plt.show()
         return best
 
+    choices = {"source": list(by_name), "overlap": list(overlaps), "batch": list(batches), "context": list(contexts),
+               "placement": list(drafters)}
+    start = {key: options[0] for key, options in choices.items()} | dict(start or {})
+    for key, value in start.items():
+        if key not in choices or value not in choices[key]:
+            raise ValueError(f"start: {key}={value!r} is not one of {choices.get(key)}")
     return ipywidgets.interactive(
-        redraw, source=ipywidgets.Dropdown(options=list(by_name), description="acceptance"),
-        overlap=ipywidgets.SelectionSlider(options=list(overlaps), description="overlap"),
-        batch=ipywidgets.Dropdown(options=list(batches), description="batch"),
-        context=ipywidgets.Dropdown(options=list(contexts), description="context"),
-        placement=ipywidgets.Dropdown(options=list(drafters), description="drafter"))
+        redraw, source=ipywidgets.Dropdown(options=choices["source"], value=start["source"], description="acceptance"),
+        overlap=ipywidgets.SelectionSlider(options=choices["overlap"], value=start["overlap"], description="overlap"),
+        batch=ipywidgets.Dropdown(options=choices["batch"], value=start["batch"], description="batch"),
+        context=ipywidgets.Dropdown(options=choices["context"], value=start["context"], description="context"),
+        placement=ipywidgets.Dropdown(options=choices["placement"], value=start["placement"], description="drafter"))

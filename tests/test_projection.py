@@ -378,13 +378,16 @@ def stage_rows(topk_rows):
     return topk_rows + build, accept
 
 
-@pytest.mark.parametrize("label", [{"method": "kernel"}, {"method": "exact_graph", "path": "exact"}])
+@pytest.mark.parametrize("label", [{"method": "kernel", "max_abs_diff_vs_torch": 1.9e-6},
+                                   {"method": "kernel", "topk_path": "fused_v2"}])
 def test_the_tree_stage_is_taken_at_the_batch_from_the_box_path(label):
-    """Old rows (method "kernel", which ran the exact path) and new ones (a `path` label) are both read; rows of the
-    fused path are not what the box runs; at B=8 between B=1 and B=64 the cost is interpolated, not B=64's."""
-    fused = {"method": "kernel", "path": "fused"}
+    """Old rows (no `topk_path`: a kernel row that differs from torch's values ran the fused kernel) and new ones
+    (labelled) are both read; rows of the exact path are not what the box runs (decode's GPU step and the drop-in
+    launch the fused kernel); at B=8 between B=1 and B=64 the cost is interpolated, not B=64's."""
+    exact_old = {"method": "kernel", "max_abs_diff_vs_torch": 0}  # the default launch then ran torch's ops
+    exact_new = {"method": "torch", "topk_path": "exact"}
     rows = [topk_row(1, 64, 100.0, **label), topk_row(64, 64, 1360.0, **label),
-            topk_row(1, 64, 1.0e4, **fused), topk_row(64, 64, 1.0e4, **fused)]
+            topk_row(1, 64, 1.0e4, **exact_old), topk_row(64, 64, 1.0e4, **exact_new)]
     build, accept = stage_rows(rows)
     stage = projection.tree_stage_cost(build, accept, depth=7, assumed_seconds=1.0)
     at8 = stage(8, 32)

@@ -306,7 +306,9 @@ def topk_path_of(row: dict) -> str:
         return STAGE_TOPK_PATHS.get(method, "exact")
     if method.startswith("torch") or method == "eager_call":
         return "exact"
-    return "exact" if results.parse_number(row.get("max_abs_diff_vs_torch")) == 0 else "fused_v1"
+    # the cell may come as text or already parsed; int() would truncate a parsed 1.9e-6 to 0
+    diff = row.get("max_abs_diff_vs_torch")
+    return "exact" if diff not in (None, "") and float(diff) == 0.0 else "fused_v1"
 
 
 def topk_targets(rows: list[dict]) -> list[dict]:

@@ -1,0 +1,97 @@
+"""How every `python -m kdtree_lib.X` command refuses an input: one line `prog: message` on stderr and exit
+status 2, never a traceback.
+
+A command's `main(argv=None) -> int` is decorated with `@command` and builds its parser with
+`ArgumentParser`. The decorator turns a refused input into that one line and returns 2, so a test can call
+`main([...])` in-process and read the status. A refused input is
+
+- a `Refused` (this module's class: a usage error, a missing CUDA GPU, any refusal that is no ValueError);
+- a ValueError raised by kdtree_lib's own code (the library names the argument and what it expected); a
+  ValueError raised inside another library (torch, numpy...) is no check of ours but most likely a bug,
+  so it keeps its traceback;
+- a file-system error that names its path (no such file, not a folder, permission denied...).
+
+Anything else is a bug and keeps its traceback; so does everything when KDTREE_TRACEBACK=1 (to debug a
+refusal).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+EXIT_REFUSED = 2  # argparse's own status for a usage error
+PATH_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+class Refused(Exception):
+    """An input the command cannot use, where no ValueError fits (no CUDA GPU, a failed lookup...)."""
+
+
+class UsageError(Refused):
+    """A command line argparse refuses (an unknown flag, a value of the wrong type or out of its choices)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, refusing a bad command line in one line (no usage block) through `@command`."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def require_cuda() -> None:
+    """Refuse a command that needs a CUDA GPU when torch sees none (the one check every GPU command makes
+    before its first CUDA call, instead of failing inside torch or cupy)."""
+    import torch
+    if not torch.cuda.is_available():
+        reason = "this torch has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise Refused(f"needs a CUDA GPU ({reason})")
+
+
+def raised_by_kdtree(error: BaseException) -> bool:
+    """Whether the innermost Python frame of `error`'s traceback is kdtree_lib's code."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE_DIR)
+
+
+def is_refusal(error: BaseException) -> bool:
+    if isinstance(error, (Refused, *PATH_ERRORS)):
+        return True
+    return isinstance(error, ValueError) and raised_by_kdtree(error)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (an OSError as `path: reason`)."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    else:
+        text = str(error) or type(error).__name__
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def prog_of(function) -> str:
+    """`python -m package.module` for a module's function, also when the module runs as __main__."""
+    spec = getattr(sys.modules.get(function.__module__), "__spec__", None)
+    return f"python -m {spec.name if spec is not None else function.__module__}"
+
+
+def command(main):
+    """Decorate a command's `main(argv=None) -> int`: a refused input prints `prog: message` on stderr and
+    returns 2; anything else propagates with its traceback."""
+    @functools.wraps(main)
+    def run(argv=None) -> int:
+        try:
+            return main(argv)
+        except Exception as error:
+            if not is_refusal(error) or os.environ.get("KDTREE_TRACEBACK") == "1":
+                raise
+            print(f"{prog_of(main)}: {one_line(error)}", file=sys.stderr)
+            return EXIT_REFUSED
+    return run

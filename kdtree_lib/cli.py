@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,38 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
+
+
+def _number(text: str, kind, expected: str, ok) -> int | float:
+    """`text` as a `kind` for which ok(value) holds; else an argparse error naming the flag (argparse
+    prefixes `argument --flag: `), so a refusal names what the user typed, not a parameter inside."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _number(text, int, "an integer >= 0", lambda v: v >= 0)
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (no inf, no nan)."""
+    return _number(text, float, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
 
 
 def require_cuda() -> None:

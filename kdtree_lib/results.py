@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from . import cli
 from .backend import device_name
 from .paths import REPO_ROOT, RESULTS_DIR  # $KDTREE_RESULTS_DIR overrides RESULTS_DIR (tests write elsewhere)
 
@@ -177,10 +178,10 @@ def merge_file(path, *, topic: str | None = None, results_dir: Path | None = Non
     return append_rows(topic or path.stem, rows, results_dir=results_dir)
 
 
+@cli.command
 def main(argv=None) -> int:
     """python -m kdtree_lib.results merge FILE.csv [--topic T]: append a results file's rows."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.results", description=main.__doc__)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.results", description=main.__doc__)
     parser.add_argument("command", choices=("merge",))
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--topic", default=None, help="default: each file's name without .csv")

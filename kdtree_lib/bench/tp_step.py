@@ -32,17 +32,17 @@ or under torchrun:  torchrun --nproc-per-node 8 -m kdtree_lib.bench.tp_step --la
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
+from .. import cli
+from . import command_parser
 from .. import results
 from ..backend import resolve
 from ..contracts import DraftTopK, Tree
@@ -419,8 +419,9 @@ def _log(tp: TensorParallel, text: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # command line
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+@cli.command
+def main(argv=None) -> int:
+    parser = command_parser(__spec__.name, __doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2], help="TP degrees to run, one after another")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -432,8 +433,8 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter-only", action="store_true",
                         help="time only the drafter and the tree kernels (refreshes the scope 'draft' rows)")
     parser.add_argument("--max-minutes", type=float, default=None, help="for the whole command; blocks left are skipped")
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
     args = parser.parse_args(argv)
+    cli.require_cuda()
     settings = k26_settings(layers=args.layers, batches=tuple(args.batches), nodes=tuple(args.nodes),
                             contexts=tuple(args.contexts), repeats=args.repeats, graphs=not args.no_graphs,
                             results_dir=None if args.results_dir is None else str(args.results_dir))
@@ -452,11 +453,12 @@ def main(argv=None) -> None:
             verify_step_worker(TensorParallel.from_group(dist.group.WORLD), settings)
         finally:
             dist.destroy_process_group()
-        return
+        return 0
     for degree in args.tp:
         print(f"--- TP={degree}: {settings.layers} layers of {K26_CONFIG.name}", flush=True)
         launch(verify_step_worker, degree, settings, backend="nccl")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -114,3 +114,20 @@ def _place(x) -> str:
 
 def _shape_text(shape) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def read_json_object(path) -> dict:
+    """The JSON object in file `path`; a ValueError naming the file when it is missing, not JSON or not
+    an object (json's own errors name no file)."""
+    import json
+    from pathlib import Path
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value

@@ -757,7 +757,9 @@ def main(argv=None) -> int:
     from .dflash import DFlashConfig
     from .model import load_config
     _check_paths(args.target, args.drafter if args.method != "ar" else None, names=("--target", "--drafter"))
-    vocab = load_config(args.target).vocab_size
+    config = load_config(args.target)
+    config.check_absorbable(str(args.target / "config.json"))  # decode_rank loads the absorbed attention
+    vocab = config.vocab_size
     for ids in prompt_ids:
         if not ids or not all(0 <= i < vocab for i in ids):
             parser.error(f"argument --prompt-ids: expected ids in [0, {vocab}) (the target's vocabulary), got "

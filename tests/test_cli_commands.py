@@ -1,9 +1,13 @@
 """Each `python -m kdtree_lib.X` command refuses a bad input in one line that names the flag the user typed,
 exit status 2, no traceback (in-process through main(argv); one subprocess checks the whole way)."""
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from kdtree_lib.paths import REPO_ROOT
 
 GPU_BENCHES = ["decode", "lossless", "moe_int4", "moe_parallel", "tp_step", "tree_accept", "tree_build", "verify_attn"]
 
@@ -117,3 +121,25 @@ def test_tokenizer_corpus_train_and_client_refuse_in_one_line(capsys, tmp_path):
     assert "argument --max-new-tokens: expected a positive integer" in refusal(
         capsys, "serving.client", ["--url", "http://127.0.0.1:9", "--max-new-tokens", "0"])
 
+
+
+def test_a_refusal_from_the_shell_has_no_traceback(tmp_path):
+    """The whole way, as a user runs it: a damaged checkpoint config refused in one line naming its file."""
+    (tmp_path / "config.json").write_text("{not json")
+    done = subprocess.run([sys.executable, "-m", "kdtree_lib.decode", "--target", str(tmp_path), "--method", "ar",
+                           "--prompt-ids", "1", "--device", "cpu"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("python -m kdtree_lib.decode: ") and str(tmp_path / "config.json") in done.stderr
+
+
+def test_decode_refuses_a_config_the_absorbed_attention_cannot_run(capsys, tmp_path):
+    import json
+    from kdtree_lib.pairs import tiny_config
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config(kv_lora_rank=256)))
+    line = refusal(capsys, "decode", ["--target", str(tmp_path), "--method", "ar", "--prompt-ids", "1",
+                                      "--device", "cpu"])
+    assert "config.json.kv_lora_rank: the absorbed attention (verify_attn) takes K2.6's 512, got 256" in line
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+    assert "argument --prompt-ids: expected ids in [0, 256)" in refusal(
+        capsys, "decode", ["--target", str(tmp_path), "--method", "ar", "--prompt-ids", "1,256", "--device", "cpu"])

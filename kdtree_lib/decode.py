@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from . import backend as _backend, cli
-from .checks import check_positive_int, dtype_name, to_numpy
+from .checks import check_positive_int, check_temperature, dtype_name, to_numpy
 from .dflash import DFlashDrafter
 from .tree_accept import accept, compact_cache
 from .verify_attn import KERNEL_DTYPES
@@ -135,11 +135,11 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
         raise ValueError(f"budget: at most {MAX_BUDGET} draft nodes, got {budget}")
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     sync_every = check_positive_int("sync_every", sync_every)
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+    temperature = check_temperature(temperature)
     if method != "ar":
         check_pair(target, drafter)
     prompts = prompt_list(prompt_ids, target.config.vocab_size)
+    _check_positions(prompts, max_new_tokens, target.config.max_position_embeddings)
     stops = _stop_list(stop_tokens, target.config.vocab_size)
     chosen = resolve_backend(backend, target)
     graph = False if profile_stages and cuda_graph == "auto" else _resolve_graph(cuda_graph, chosen, target)
@@ -241,7 +241,25 @@ def decoder_capacity(prompts, max_new_tokens: int, nodes: int, depth: int) -> in
     return -(-needed // CAPACITY_ROUND) * CAPACITY_ROUND
 
 
+def _check_positions(prompts: list[np.ndarray], max_new_tokens: int, limit: int) -> None:
+    """Every position decoded lies inside the target's max_position_embeddings."""
+    longest = max(len(p) for p in prompts)
+    if longest > limit:
+        b = next(b for b, p in enumerate(prompts) if len(p) == longest)
+        raise ValueError(f"prompt_ids[{b}]: {longest} tokens, longer than the target's max_position_embeddings={limit}")
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: {longest} prompt tokens + {max_new_tokens} new tokens pass the target's "
+                         f"max_position_embeddings={limit}")
+
+
 def _stop_list(stop_tokens, vocab: int) -> tuple[int, ...]:
+    """stop_tokens as ids: a list, tuple or 1-D array of integers (a string is no list of ids: "42" would
+    stop on 4 and 2; nor is a float or a bool an id)."""
+    if isinstance(stop_tokens, (np.ndarray, torch.Tensor)):
+        stop_tokens = to_numpy(stop_tokens).tolist() if stop_tokens.ndim == 1 else stop_tokens
+    if not isinstance(stop_tokens, (list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in stop_tokens):
+        raise ValueError(f"stop_tokens: expected a list of integer token ids, got {stop_tokens!r}")
     stops = tuple(int(t) for t in stop_tokens)
     if len(stops) > MAX_STOP_TOKENS:
         raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS}, got {len(stops)}")
@@ -526,6 +544,8 @@ def sample_posterior(logits, temperature: float, generator=None) -> torch.Tensor
     """The target's token at every node, int64 [B, N]: argmax at T = 0; at T > 0 a sample of
     softmax(logits / T) by the exponential race argmax(p / E), E ~ Exp(1) (no host synchronisation,
     unlike torch.multinomial)."""
+    if logits.device.type == "cpu" and bool(torch.isnan(logits).any()):  # host values: no synchronisation
+        raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index as a token)")
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)

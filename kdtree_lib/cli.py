@@ -9,7 +9,9 @@ A command's `main(argv=None) -> int` is decorated with `@command` and builds its
 - a ValueError raised by kdtree_lib's own code (the library names the argument and what it expected); a
   ValueError raised inside another library (torch, numpy...) is no check of ours but most likely a bug,
   so it keeps its traceback;
-- a file-system error that names its path (no such file, not a folder, permission denied...).
+- a file-system error that names its path (no such file, not a folder, permission denied...);
+- any of these raised in a rank spawned by torch.multiprocessing (model.tp.launch), which hands it back
+  as the rank's traceback text: read from that text by the same rule.
 
 Anything else is a bug and keeps its traceback; so does everything when KDTREE_TRACEBACK=1 (to debug a
 refusal).
@@ -100,6 +102,26 @@ def is_refusal(error: BaseException) -> bool:
     return isinstance(error, ValueError) and raised_by_kdtree(error)
 
 
+VALUE_ERRORS = ("ValueError", "MemoryPlanError")  # the ValueErrors a rank's traceback text may name
+
+
+def rank_refusal(error: BaseException) -> str | None:
+    """`rank R: message` for a refusal raised in a spawned rank, else None (a bug there keeps its text)."""
+    if type(error).__name__ != "ProcessRaisedException":
+        return None
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    frames = [line.strip() for line in lines if line.strip().startswith('File "')]
+    if not frames:
+        return None
+    kind, _, message = lines[-1].partition(": ")
+    kind = kind.rsplit(".", 1)[-1]
+    ours = Path(frames[-1].split('"')[1]).resolve().is_relative_to(PACKAGE_DIR)
+    refused = {"Refused", "UsageError", *(e.__name__ for e in PATH_ERRORS)}
+    if kind in refused or (kind in VALUE_ERRORS and ours):
+        return f"rank {getattr(error, 'error_index', '?')}: {message}"
+    return None
+
+
 def one_line(error: BaseException) -> str:
     """The error's message on one line (an OSError as `path: reason`)."""
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
@@ -123,8 +145,9 @@ def command(main):
         try:
             return main(argv)
         except Exception as error:
-            if not is_refusal(error) or os.environ.get("KDTREE_TRACEBACK") == "1":
+            from_rank = rank_refusal(error)
+            if not (from_rank or is_refusal(error)) or os.environ.get("KDTREE_TRACEBACK") == "1":
                 raise
-            print(f"{prog_of(main)}: {one_line(error)}", file=sys.stderr)
+            print(f"{prog_of(main)}: {from_rank or one_line(error)}", file=sys.stderr)
             return EXIT_REFUSED
     return run

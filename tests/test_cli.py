@@ -86,3 +86,21 @@ def test_require_cuda_says_so_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(cli.Refused, match="^needs a CUDA GPU"):
         cli.require_cuda()
+
+
+def rank_error(trace: str):
+    torch = pytest.importorskip("torch")
+    message = "\n\n-- Process 1 terminated with the following error:\n" + trace
+    return torch.multiprocessing.ProcessRaisedException(message, 1, 4242)
+
+
+def test_a_refusal_in_a_spawned_rank_is_one_line_too():
+    """model.tp.launch's ranks hand their errors back as traceback text (torch.multiprocessing)."""
+    ours = cli.PACKAGE_DIR / "model" / "checkpoint.py"
+    trace = (f'Traceback (most recent call last):\n  File "{ours}", line 9, in read\n    raise ValueError(...)\n'
+             "ValueError: checkpoint: tensor model.norm.weight is missing in /somewhere\n")
+    assert cli.rank_refusal(rank_error(trace)) == "rank 1: checkpoint: tensor model.norm.weight is missing in /somewhere"
+    elsewhere = trace.replace(str(ours), "/usr/lib/python3/site-packages/numpy/core/shape_base.py")
+    assert cli.rank_refusal(rank_error(elsewhere)) is None, "a ValueError raised by another library is a bug"
+    assert cli.rank_refusal(rank_error(trace.replace("ValueError: checkpoint", "KeyError: checkpoint"))) is None
+    assert cli.rank_refusal(ValueError("not from a rank")) is None

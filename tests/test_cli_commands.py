@@ -38,7 +38,8 @@ def test_every_gpu_bench_takes_results_dir_and_says_it_needs_cuda(capsys, tmp_pa
 @pytest.mark.parametrize("argv, flag", [
     (["--only", "build,typo"], "--only"),
     (["--only", ""], "--only"),
-    (["--budgets", "8,x"], "--budgets"),
+    (["--budgets", "8,x"], "argument --budgets: expected a positive integer, got 'x'"),
+    (["--budgets", "8,0"], "argument --budgets: expected a positive integer, got '0'"),
 ])
 def test_tree_build_bench_refuses_its_arguments(capsys, argv, flag):
     assert f"{flag}" in refusal(capsys, "bench.tree_build", argv)
@@ -46,6 +47,13 @@ def test_tree_build_bench_refuses_its_arguments(capsys, argv, flag):
 
 def test_verify_attn_bench_refuses_a_bad_part(capsys):
     assert "--part: '3/2'; expected K/P with 0 <= K < P" in refusal(capsys, "bench.verify_attn", ["--part", "3/2"])
+
+
+@pytest.mark.parametrize("bench, argv", [("moe_int4", ["--reps", "0"]), ("tp_step", ["--nodes", "8", "-1"]),
+                                         ("moe_parallel", ["--tp", "0"]), ("decode", ["--block-size", "0"]),
+                                         ("tp_step", ["--max-minutes", "nan"])])
+def test_bench_numbers_are_refused_naming_the_flag(capsys, bench, argv):
+    assert f"argument {argv[0]}: expected a" in refusal(capsys, f"bench.{bench}", argv)
 
 
 BOX = ["--target", "t", "--drafter", "d", "--results-dir", "r", "--device", "cpu"]

@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
 from ..decode import STAGES, DecodeResult, generate
 from ..dflash import hf_features, load_drafter
@@ -328,9 +327,9 @@ def _ratio(speed: float, baseline: list[dict]) -> float:
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__)
     parser.add_argument("--quick", action="store_true", help=f"budgets {QUICK_BUDGETS}, one repeat")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--new-tokens", type=cli.positive_int, default=128)
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=128)
+    parser.add_argument("--block-size", type=cli.positive_int, default=8)
     parser.add_argument("--no-reference-style", action="store_true")
     parser.add_argument("--no-kdtree", action="store_true", help="only the baselines")
     parser.add_argument("--official", type=Path, default=None,

@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..dflash import DFlashConfig, DFlashDrafter, TargetHead
 from ..model.tp import TensorParallel, launch
 from .timing import Clock, time_segments
@@ -74,9 +73,9 @@ def time_placements(tp: TensorParallel, shape: dict, batches, context: int, devi
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--tp", type=cli.positive_int, default=2)
+    parser.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=cli.positive_int, default=512)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--append", action="store_true", help=f"append the rows to --results-dir's {TOPIC}.csv")
     args = parser.parse_args(argv)

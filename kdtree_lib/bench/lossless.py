@@ -26,9 +26,8 @@ import math
 import numpy as np
 import torch
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..checks import dtype_name
 from ..decode import generate
 from ..pairs import pair_with_prompts
@@ -139,7 +138,7 @@ def _true(cell) -> bool:
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__.split("\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=cli.positive_int, default=64)
     args = parser.parse_args(argv)
     cli.require_cuda()
     rows = (lossless_rows(dtype=torch.float32, prompts_per_package=8, new_tokens=args.new_tokens)

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import statistics
 
-from .. import cli
-from . import command_parser
-from .. import moe, results
+from .. import cli, moe, results
 from ..paths import K26_CONFIG
-from . import ceilings, timing
+from . import ceilings, command_parser, timing
 
 TOPIC = "moe_int4"
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -196,9 +194,9 @@ def parallel_comparison(rows, *, tp: int = TARGET_TP) -> list[dict]:
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=cli.positive_int, default=10)
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_TOKENS} only")
-    parser.add_argument("--tp", type=int, nargs="+", default=list(TPS), choices=(1, 8))
+    parser.add_argument("--tp", type=cli.positive_int, nargs="+", default=list(TPS), choices=(1, 8))
     args = parser.parse_args(argv)
     cli.require_cuda()
     run(args.tp, QUICK_TOKENS if args.quick else TOKENS, reps=args.reps, results_dir=args.results_dir)

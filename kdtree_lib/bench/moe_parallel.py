@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..model import ModelConfig, TensorParallel, load_config
 from ..model.model import Experts
 from ..paths import K26_CONFIG
@@ -71,9 +70,9 @@ def compare_moe_parallel(config: ModelConfig, token_counts, *, tp_size: int = 8,
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 72, 288, 1088, 2112], help="routed tokens per step")
-    parser.add_argument("--tp", type=int, default=8, help="ranks the experts are sharded over")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=cli.positive_int, nargs="+", default=[16, 72, 288, 1088, 2112], help="routed tokens per step")
+    parser.add_argument("--tp", type=cli.positive_int, default=8, help="ranks the experts are sharded over")
+    parser.add_argument("--repeats", type=cli.positive_int, default=5)
     args = parser.parse_args(argv)
     cli.require_cuda()
     rows = compare_moe_parallel(load_config(K26_CONFIG), args.tokens, tp_size=args.tp, repeats=args.repeats)

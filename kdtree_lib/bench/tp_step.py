@@ -41,9 +41,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..backend import resolve
 from ..contracts import DraftTopK, Tree
 from ..dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
@@ -422,17 +421,17 @@ def _log(tp: TensorParallel, text: str) -> None:
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[2], help="TP degrees to run, one after another")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--tp", type=cli.positive_int, nargs="+", default=[2], help="TP degrees to run, one after another")
+    parser.add_argument("--layers", type=cli.positive_int, default=3)
+    parser.add_argument("--batches", type=cli.positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--nodes", type=cli.positive_int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--contexts", type=cli.positive_int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--repeats", type=cli.positive_int, default=8)
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-drafter", action="store_true")
     parser.add_argument("--drafter-only", action="store_true",
                         help="time only the drafter and the tree kernels (refreshes the scope 'draft' rows)")
-    parser.add_argument("--max-minutes", type=float, default=None, help="for the whole command; blocks left are skipped")
+    parser.add_argument("--max-minutes", type=cli.positive_float, default=None, help="for the whole command; blocks left are skipped")
     args = parser.parse_args(argv)
     cli.require_cuda()
     settings = k26_settings(layers=args.layers, batches=tuple(args.batches), nodes=tuple(args.nodes),

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..contracts import DraftTopK
 from ..tree_accept import accept, compact_cache, prepare_accept_launch, prepare_compact_launch
 from ..tree_build import build_tree

@@ -38,9 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..contracts import DraftTopK
 from ..draft_topk import draft_topk, prepare_draft_topk
 from ..tree_build import BUILD_KERNEL, TREE_OUTPUTS, best_first_pops, build_tree, prepare_build_launch
@@ -334,7 +333,8 @@ PARTS = ("build", "topk", "stage")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(","))
+    """argparse type: comma-separated positive integers."""
+    return tuple(cli.positive_int(part) for part in text.split(","))
 
 
 @cli.command

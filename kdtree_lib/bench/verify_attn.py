@@ -28,9 +28,8 @@ import statistics
 
 import numpy as np
 
-from .. import cli
+from .. import cli, results
 from . import command_parser
-from .. import results
 from ..contracts import tree_from_parents
 from ..verify_attn import (CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch,
                            runnable_configs, verify_attention)
@@ -198,8 +197,9 @@ def benchmark_shapes(heads=HEADS, nodes=NODES, lengths=LENGTHS, batches=BATCHES,
 def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), time_budget: float = float("inf"),
         run_stamp: str | None = None, results_dir=None, log=print) -> list[dict]:
     """Time every provider on every shape, appending each shape's rows to `results_dir` (default
-    data/results) as it goes; stops starting new shapes after `time_budget` seconds. Returns the rows. `run_stamp` (default:
-    now) marks every row of the run, so parts of one grid measured on several GPUs form one run.
+    data/results) as it goes; stops starting new shapes after `time_budget` seconds. Returns the rows.
+    `run_stamp` (default: now) marks every row of the run, so parts of one grid measured on several GPUs
+    form one run.
     `variants`: kernel configs also timed on every shape (provider kernel_variant, its `config`
     column naming it), next to the launcher's own choice (provider kernel)."""
     import time
@@ -554,7 +554,7 @@ def profile_case(batch: int, nodes: int, heads: int, length: int, config=None):
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=cli.positive_int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--targets", action="store_true", help="the target shapes only (N·H >= 128, L >= 32k)")
     parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG",
@@ -563,7 +563,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")
     parser.add_argument("--flush-study", action="store_true", help="kernel time after each kind of L2 flush")
-    parser.add_argument("--profile", type=int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
+    parser.add_argument("--profile", type=cli.positive_int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
     parser.add_argument("--config", default=None, help="variant for --profile")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds before no new shape starts")
     parser.add_argument("--part", default="0/1", metavar="K/P", help="every P-th shape from the K-th (one GPU's share)")

@@ -77,13 +77,17 @@ def positive_float(text: str) -> float:
     return _number(text, float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
 
 
-def require_cuda() -> None:
+def require_cuda(*, kernels: bool = False) -> None:
     """Refuse a command that needs a CUDA GPU when torch sees none (the one check every GPU command makes
-    before its first CUDA call, instead of failing inside torch or cupy)."""
+    before its first CUDA call, instead of failing inside torch or cupy); kernels=True: the command also
+    launches this project's kernels, which go through CuPy."""
     import torch
     if not torch.cuda.is_available():
         reason = "this torch has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise Refused(f"needs a CUDA GPU ({reason})")
+    from .backend import cuda_available
+    if kernels and not cuda_available():
+        raise Refused("needs a CUDA GPU that CuPy sees (the kernels launch through CuPy; is cupy installed?)")
 
 
 def raised_by_kdtree(error: BaseException) -> bool:

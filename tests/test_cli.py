@@ -104,3 +104,13 @@ def test_a_refusal_in_a_spawned_rank_is_one_line_too():
     assert cli.rank_refusal(rank_error(elsewhere)) is None, "a ValueError raised by another library is a bug"
     assert cli.rank_refusal(rank_error(trace.replace("ValueError: checkpoint", "KeyError: checkpoint"))) is None
     assert cli.rank_refusal(ValueError("not from a rank")) is None
+
+
+def test_require_cuda_for_the_kernels_needs_cupy_too(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from kdtree_lib import backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "cuda_available", lambda: False)
+    cli.require_cuda()  # torch's own GPU work needs no CuPy
+    with pytest.raises(cli.Refused, match="^needs a CUDA GPU that CuPy sees"):
+        cli.require_cuda(kernels=True)

@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_TOKENS} only")
     parser.add_argument("--tp", type=cli.positive_int, nargs="+", default=list(TPS), choices=(1, 8))
     args = parser.parse_args(argv)
-    cli.require_cuda()
+    cli.require_cuda(kernels=True)
     run(args.tp, QUICK_TOKENS if args.quick else TOKENS, reps=args.reps, results_dir=args.results_dir)
     for provider in ("kernel", "kernel_99kb"):
         print(summary(results.latest_run(results.read_rows(TOPIC, results_dir=args.results_dir)), provider))

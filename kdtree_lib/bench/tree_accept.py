@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="batches 1 and 64, budget 64 only")
     args = parser.parse_args(argv)
-    cli.require_cuda()
+    cli.require_cuda(kernels=True)
     grid = dict(batches=(1, 64), budgets=(64,)) if args.quick else {}
     results.append_rows("tree_accept", bench_accept(**grid), results_dir=args.results_dir)
     return 0

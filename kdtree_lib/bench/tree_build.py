@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     parts = set(args.only.split(","))
     if not parts or not parts <= set(PARTS):
         raise ValueError(f"--only: {args.only!r}; expected a comma-separated subset of {','.join(PARTS)}")
-    cli.require_cuda()
+    cli.require_cuda(kernels=True)
     grid = dict(batches=(1, 64), depths=(7,)) if args.quick else dict(batches=args.batches, depths=args.depths)
     if "build" in parts:
         budgets = (8, 64) if args.quick else args.budgets

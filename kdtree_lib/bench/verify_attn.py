@@ -570,7 +570,7 @@ def main(argv=None) -> int:
     parser.add_argument("--run", default=None, help="run stamp shared by the parts of one grid (default: now)")
     args = parser.parse_args(argv)
     part, parts = _part(args.part)
-    cli.require_cuda()
+    cli.require_cuda(kernels=True)
     if args.profile:
         profile_case(*args.profile, config=args.config)
         return 0

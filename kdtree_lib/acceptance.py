@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import results
+from . import cli, results
 from .checks import check_array, check_positive_int, framework, to_numpy
 from .decode import Decoder, check_pair, decoder_capacity, generate, prompt_list, resolve_backend
-from .pairs import pair_with_prompts
+from .pairs import pair_with_prompts, stand_in_paths
 from .tree_accept import accept
 from .contracts import DraftTopK, tree_nodes
 from .tree_build import build_tree
@@ -434,21 +434,29 @@ def live_vs_oracle(rows: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # the command line
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.acceptance", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.acceptance", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=None)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
-    parser.add_argument("--live-budgets", type=int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--prompts-per-package", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=1.0, help="the T > 0 comparison (0 skips it)")
-    parser.add_argument("--mc-budget", type=int, default=64, help="largest budget of the T > 0 recording")
-    parser.add_argument("--seeds", type=int, default=4, help="live runs per budget at T > 0")
+    parser.add_argument("--block-sizes", type=cli.positive_int, nargs="+", default=[8, 16])
+    parser.add_argument("--budgets", type=cli.positive_int, nargs="+", default=list(BUDGETS))
+    parser.add_argument("--live-budgets", type=cli.positive_int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--prompts-per-package", type=cli.positive_int, default=8)
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=128)
+    parser.add_argument("--new-tokens", type=cli.positive_int, default=256)
+    parser.add_argument("--temperature", type=cli.nonnegative_float, default=1.0,
+                        help="the T > 0 comparison (0 skips it)")
+    parser.add_argument("--mc-budget", type=cli.positive_int, default=64, help="largest budget of the T > 0 recording")
+    parser.add_argument("--seeds", type=cli.positive_int, default=4, help="live runs per budget at T > 0")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    # every block size needs its trained pair: a sweep that would measure nothing is refused up front
+    for block_size in args.block_sizes:
+        missing = [path for path in stand_in_paths(block_size, args.models_dir) if not (path / "config.json").is_file()]
+        if missing:
+            parser.error(f"argument --block-sizes: no stand-in checkpoint for block size {block_size} "
+                         f"({', '.join(map(str, missing))} has no config.json; see --models-dir)")
     results.check_writable(args.results_dir, topics=(TOPIC,))  # before measuring, not after
     run = results.new_run_id()
 
@@ -466,9 +474,6 @@ def main(argv=None) -> int:
         chosen = pair_with_prompts(block_size, prompts_per_package=args.prompts_per_package,
                                    prompt_tokens=args.prompt_tokens, models_dir=args.models_dir, device=device,
                                    dtype=dtype)
-        if not chosen.stand_in:
-            print(f"no stand-in checkpoints for block size {block_size}: skipped", file=sys.stderr)
-            continue
         target, drafter, pair, packages = chosen.target, chosen.drafter, chosen.name, chosen.packages
         k_max = min(max(args.budgets), target.config.vocab_size)
         for package, prompts in packages.items():

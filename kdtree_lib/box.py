@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import results
+from . import cli, results
 from .acceptance import live_rows, oracle_rows, record_oracle
 from .bench.inputs import random_cache, synthetic_tree
 from .bench.timing import Clock
@@ -305,24 +305,28 @@ def run_kit(settings: KitSettings, tp: int = 1) -> dict[str, int]:
     return launch(kit_rank, tp, settings, backend="nccl" if settings.device == "cuda" else "gloo")
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.box", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.box", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = KitSettings(target="", drafter="", results_dir="")
     parser.add_argument("--target", required=True, help="the target's checkpoint folder")
     parser.add_argument("--drafter", required=True, help="the DFlash drafter's folder")
     parser.add_argument("--results-dir", required=True, type=Path, help="where the rows go (e.g. runs/box)")
     parser.add_argument("--tokenizer", default=None, help="default: --target")
-    parser.add_argument("--tp", type=int, default=1, help="ranks to spawn (under torchrun: the world)")
+    parser.add_argument("--tp", type=cli.positive_int, default=1, help="ranks to spawn (under torchrun: the world)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=defaults.device)
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--drafter-placement", choices=DRAFTER_PLACEMENTS, default=defaults.drafter_placement)
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     for name in ("budgets", "live_budgets", "batches", "contexts", "nodes"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=list(getattr(defaults, name)))
+        parser.add_argument(f"--{name.replace('_', '-')}", type=cli.positive_int, nargs="+",
+                            default=list(getattr(defaults, name)))
     for name in ("prompts_per_package", "prompt_tokens", "new_tokens", "union_sequences", "union_length",
                  "union_windows", "repeats", "warmup"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+        parser.add_argument(f"--{name.replace('_', '-')}", type=cli.nonnegative_int if name == "warmup" else cli.positive_int,
+                            default=getattr(defaults, name))
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -331,22 +335,18 @@ def main(argv=None) -> int:
     values["dtype"] = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     settings = KitSettings(**{**values, "results_dir": str(args.results_dir)}, graphs=not args.no_graphs,
                            progress=not args.no_progress)
-    try:
-        if "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank of WORLD
-            import torch.distributed as dist
-            settings = check_settings(replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
-            if settings.device == "cuda":
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if settings.device == "cuda" else "gloo")
-            try:
-                kit_rank(TensorParallel.from_group(dist.group.WORLD), settings)
-            finally:
-                dist.destroy_process_group()
-        else:
-            run_kit(settings, tp=args.tp)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank of WORLD
+        import torch.distributed as dist
+        settings = check_settings(replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+        if settings.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if settings.device == "cuda" else "gloo")
+        try:
+            kit_rank(TensorParallel.from_group(dist.group.WORLD), settings)
+        finally:
+            dist.destroy_process_group()
+    else:
+        run_kit(settings, tp=args.tp)
     return 0
 
 

@@ -94,6 +94,23 @@ def check_positive_int(name: str, value) -> int:
     return int(value)
 
 
+def check_temperature(value) -> float:
+    """A sampling temperature: a finite real number >= 0 (0 = greedy). A bool is no temperature, and
+    inf would sample uniformly whatever the logits say."""
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating))
+            or not 0 <= value < np.inf):
+        raise ValueError(f"temperature: expected a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_token_ids(name: str, ids: np.ndarray, vocab: int | None) -> None:
+    """Host token ids: >= 0, and < vocab when the vocabulary size is known."""
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError(f"{name}: token ids must be >= 0, got {int(ids.min())}")
+    if vocab is not None and ids.size and int(ids.max()) >= vocab:
+        raise ValueError(f"{name}: token ids must be < vocab={vocab}, got {int(ids.max())}")
+
+
 def check_finite(name: str, x: np.ndarray, *, allow_neg_inf: bool = False) -> None:
     """NaN (and +inf, and -inf unless allowed) is a bad input, not something to propagate."""
     if np.isnan(x).any():
@@ -114,3 +131,20 @@ def _place(x) -> str:
 
 def _shape_text(shape) -> str:
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def read_json_object(path) -> dict:
+    """The JSON object in file `path`; a ValueError naming the file when it is missing, not JSON or not
+    an object (json's own errors name no file)."""
+    import json
+    from pathlib import Path
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value

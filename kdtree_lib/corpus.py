@@ -32,6 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path, PurePosixPath
+from . import cli
 from .paths import CORPUS_DIR
 
 MANIFEST_PATH = CORPUS_DIR / "manifest.json"
@@ -350,9 +351,10 @@ def heldout_prompts(build_dir, count: int, chars: int, seed: int) -> list[dict]:
     return prompts
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.corpus", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.corpus", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="rebuild the corpus and check it against the manifest")
     build.add_argument("--out", type=Path, required=True, help="build folder (git-ignored)")
@@ -367,8 +369,8 @@ def main(argv=None) -> int:
     prompts = sub.add_parser("prompts", help="write held-out prompt excerpts for the acceptance measurements")
     prompts.add_argument("--build", type=Path, required=True, help="a corpus build folder")
     prompts.add_argument("--out", type=Path, default=PROMPTS_PATH)
-    prompts.add_argument("--count", type=int, default=64)
-    prompts.add_argument("--chars", type=int, default=1200)
+    prompts.add_argument("--count", type=cli.positive_int, default=64)
+    prompts.add_argument("--chars", type=cli.positive_int, default=1200)
     prompts.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -382,8 +384,7 @@ def main(argv=None) -> int:
         built = read_packages(manifest, site_packages=args.site_packages, from_site=args.from_site_packages,
                               wheels_dir=args.wheels or args.out / "wheels")
     except LookupError as err:
-        print(err, file=sys.stderr)
-        return 2
+        raise cli.Refused(str(err)) from None
     source = "site-packages" if args.from_site_packages else "wheels"
     for b in built:
         print(f"{b.package.split:8s} {b.package.pin:32s} {len(b.documents):5d} files "

@@ -51,8 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import backend as _backend
-from .checks import check_positive_int, dtype_name, to_numpy
+from . import backend as _backend, cli
+from .checks import check_positive_int, check_temperature, dtype_name, to_numpy
 from .dflash import DFlashDrafter
 from .tree_accept import accept, compact_cache
 from .verify_attn import KERNEL_DTYPES
@@ -135,11 +135,11 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
         raise ValueError(f"budget: at most {MAX_BUDGET} draft nodes, got {budget}")
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     sync_every = check_positive_int("sync_every", sync_every)
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+    temperature = check_temperature(temperature)
     if method != "ar":
         check_pair(target, drafter)
     prompts = prompt_list(prompt_ids, target.config.vocab_size)
+    _check_positions(prompts, max_new_tokens, target.config.max_position_embeddings)
     stops = _stop_list(stop_tokens, target.config.vocab_size)
     chosen = resolve_backend(backend, target)
     graph = False if profile_stages and cuda_graph == "auto" else _resolve_graph(cuda_graph, chosen, target)
@@ -253,7 +253,25 @@ def committed_tokens(out: np.ndarray, out_len: np.ndarray, max_new_tokens: int, 
     return tokens
 
 
+def _check_positions(prompts: list[np.ndarray], max_new_tokens: int, limit: int) -> None:
+    """Every position decoded lies inside the target's max_position_embeddings."""
+    longest = max(len(p) for p in prompts)
+    if longest > limit:
+        b = next(b for b, p in enumerate(prompts) if len(p) == longest)
+        raise ValueError(f"prompt_ids[{b}]: {longest} tokens, longer than the target's max_position_embeddings={limit}")
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: {longest} prompt tokens + {max_new_tokens} new tokens pass the target's "
+                         f"max_position_embeddings={limit}")
+
+
 def _stop_list(stop_tokens, vocab: int) -> tuple[int, ...]:
+    """stop_tokens as ids: a list, tuple or 1-D array of integers (a string is no list of ids: "42" would
+    stop on 4 and 2; nor is a float or a bool an id)."""
+    if isinstance(stop_tokens, (np.ndarray, torch.Tensor)):
+        stop_tokens = to_numpy(stop_tokens).tolist() if stop_tokens.ndim == 1 else stop_tokens
+    if not isinstance(stop_tokens, (list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in stop_tokens):
+        raise ValueError(f"stop_tokens: expected a list of integer token ids, got {stop_tokens!r}")
     stops = tuple(int(t) for t in stop_tokens)
     if len(stops) > MAX_STOP_TOKENS:
         raise ValueError(f"stop_tokens: at most {MAX_STOP_TOKENS}, got {len(stops)}")
@@ -534,6 +552,8 @@ def sample_posterior(logits, temperature: float, generator=None) -> torch.Tensor
     """The target's token at every node, int64 [B, N]: argmax at T = 0; at T > 0 a sample of
     softmax(logits / T) by the exponential race argmax(p / E), E ~ Exp(1) (no host synchronisation,
     unlike torch.multinomial)."""
+    if logits.device.type == "cpu" and bool(torch.isnan(logits).any()):  # host values: no synchronisation
+        raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index as a token)")
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -713,12 +733,13 @@ def checkpoint_pair(target_path, drafter_path, *, tokenizer_path=None, tp: int =
     return PairWithPrompts(target, drafter, description, name, True, packages), run
 
 
-def _check_paths(target_path, drafter_path) -> None:
-    for name, path in (("target_path", target_path), ("drafter_path", drafter_path)):
+def _check_paths(target_path, drafter_path, names=("target_path", "drafter_path")) -> None:
+    for name, path in zip(names, (target_path, drafter_path)):
         if path is not None and not (Path(path) / "config.json").is_file():
             raise ValueError(f"{name}: no checkpoint at {path} (its config.json is missing)")
 
 
+@cli.command
 def main(argv=None) -> int:
     """python -m kdtree_lib.decode: decode prompts with a checkpoint pair, under torchrun or alone.
 
@@ -728,18 +749,18 @@ def main(argv=None) -> int:
     import argparse
     import json
     import os
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.decode", description=main.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.decode", description=main.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="the target's checkpoint folder")
     parser.add_argument("--drafter", type=Path, help="the DFlash drafter's folder (needed by chain and ddtree)")
     parser.add_argument("--tokenizer", type=Path, help="folder with tiktoken.model or tokenizer.json (default: --target)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt's text (repeat for a batch)")
     parser.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated ids")
     parser.add_argument("--method", choices=METHODS, default="ddtree")
-    parser.add_argument("--budget", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun's world size)")
+    parser.add_argument("--budget", type=cli.positive_int, default=32, help=f"draft nodes per tree (at most {MAX_BUDGET})")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=64)
+    parser.add_argument("--temperature", type=cli.nonnegative_float, default=0.0)
+    parser.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel degree (torchrun's world size)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 on a GPU, float32 on a CPU")
@@ -748,14 +769,36 @@ def main(argv=None) -> int:
                         help="the drafter whole on every rank, or its layers split over the ranks")
     parser.add_argument("--stop-at-eos", action="store_true", help="stop a request at the tokenizer's eos")
     args = parser.parse_args(argv)
+    if args.budget > MAX_BUDGET:
+        parser.error(f"argument --budget: at most {MAX_BUDGET} draft nodes, got {args.budget}")
     if args.method != "ar" and args.drafter is None:
-        parser.error(f"--drafter: method {args.method} needs a drafter")
+        parser.error(f"argument --drafter: method {args.method} needs a drafter")
     if not args.prompt and not args.prompt_ids:
-        parser.error("--prompt or --prompt-ids: nothing to decode")
+        parser.error("argument --prompt or --prompt-ids: nothing to decode")
+    prompt_ids = []
+    for ids in args.prompt_ids:
+        try:
+            prompt_ids.append([int(i) for i in ids.split(",")])
+        except ValueError:
+            parser.error(f"argument --prompt-ids: expected comma-separated integers, got {ids!r}")
+    # the configs are read here, before any rank spawns: a bad checkpoint is refused in one line
+    from .dflash import DFlashConfig
+    from .model import load_config
+    _check_paths(args.target, args.drafter if args.method != "ar" else None, names=("--target", "--drafter"))
+    config = load_config(args.target)
+    config.check_absorbable(str(args.target / "config.json"))  # decode_rank loads the absorbed attention
+    vocab = config.vocab_size
+    for ids in prompt_ids:
+        if not ids or not all(0 <= i < vocab for i in ids):
+            parser.error(f"argument --prompt-ids: expected ids in [0, {vocab}) (the target's vocabulary), got "
+                         f"{','.join(map(str, ids))!r}")
+    if args.device == "cuda":
+        cli.require_cuda()
+    if args.method != "ar":
+        DFlashConfig.load(args.drafter, yarn_attention=args.yarn_attention)
     from .tokenizer import load_text_tokenizer
     tokenizer = load_text_tokenizer(args.tokenizer or args.target) if args.prompt or args.stop_at_eos else None
-    prompts = [tokenizer.encode(text) for text in args.prompt] + [
-        [int(i) for i in ids.split(",")] for ids in args.prompt_ids]
+    prompts = [tokenizer.encode(text) for text in args.prompt] + prompt_ids
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     options = dict(method=args.method, budget=args.budget, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature,
@@ -764,7 +807,7 @@ def main(argv=None) -> int:
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         import torch.distributed as dist
         if int(os.environ["WORLD_SIZE"]) != args.tp:
-            parser.error(f"--tp: {args.tp}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
+            parser.error(f"argument --tp: {args.tp}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")

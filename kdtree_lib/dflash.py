@@ -39,7 +39,7 @@ H query heads, G key/value heads, d head_dim, V vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .checks import read_json_object
 from .model.model import RMSNorm, yarn_inv_freq, yarn_mscale
 from .model.tp import TensorParallel
 
@@ -201,6 +202,12 @@ class DFlashConfig:
         missing = DFLASH_KEYS - set(values)
         if missing:
             raise ValueError(f"config: {sorted(missing)} missing (top level or under dflash_config)")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
+        derived = {"head_dim": ("hidden_size", "num_attention_heads"), "num_key_value_heads": ("num_attention_heads",)}
+        missing = [name for name in required if name not in derived] + sorted(
+            {key for name in required for key in derived.get(name, ()) if key not in values})
+        if missing:
+            raise ValueError(f"config: missing required keys {sorted(set(missing))}")
         values["rope_theta"], values["yarn"] = _rope(raw, yarn_attention)
         values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
         values.setdefault("num_key_value_heads", raw["num_attention_heads"])
@@ -231,7 +238,11 @@ class DFlashConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise ValueError(f"path: no drafter config {file}")
-        return cls.from_dict(json.loads(file.read_text()), yarn_attention=yarn_attention)
+        raw = read_json_object(file)
+        try:
+            return cls.from_dict(raw, yarn_attention=yarn_attention)
+        except ValueError as error:
+            raise ValueError(f"{file}: {error}") from None
 
 
 def _rope(raw: dict, yarn_attention: str) -> tuple[float, YarnRope | None]:
@@ -691,8 +702,9 @@ def read_drafter_weights(path: Path, drafter: DFlashDrafter) -> dict:
     """This rank's slice of every tensor of the checkpoint at `path` (model.safetensors, or shards
     with an index; names with or without z-lab's "model." prefix), read slice by slice: a sharded
     drafter's rank reads only its 1/tp of the split weights."""
+    from .model.checkpoint import read_weight_map
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = sorted(set(read_weight_map(index).values())) if index.is_file() else ["model.safetensors"]
     tp, state, names = drafter.tp, {}, set(drafter.state_dict())
     for file in files:
         if not (path / file).is_file():

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import cli
 from .plots import FIGURES_DIR_ENV
 from .paths import NOTEBOOKS_DIR, REPO_ROOT, RUNS_DIR
 
@@ -333,9 +334,10 @@ def strip_outputs(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------------
 # command line
 
+@cli.command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.notebooks", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.notebooks", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--notebooks-dir", type=Path, default=NOTEBOOKS_DIR, help="where NN_name.ipynb live")
     parser.add_argument("--output-dir", type=Path, help="where executed notebooks go (default runs/<time>/)")
     parser.add_argument("--only", help="comma-separated numbers or names, e.g. 01,02")
@@ -343,26 +345,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="override one parameter of one notebook (repeatable)")
     parser.add_argument("--params-file", type=Path, help="YAML/JSON {notebook: {parameter: value}}")
     parser.add_argument("--figures-dir", type=Path, help="where figures go (default data/figures/)")
-    parser.add_argument("--cell-timeout", type=float, help="seconds a single cell may run")
+    parser.add_argument("--cell-timeout", type=cli.positive_float, help="seconds a single cell may run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--check-clean", action="store_true", help="exit 1 if any notebook carries outputs")
     parser.add_argument("--strip", action="store_true", help="clear outputs of the notebooks in place")
     args = parser.parse_args(argv)
+    only = None if args.only is None else [part.strip() for part in args.only.split(",")]
+    if only is not None and not all(only):
+        parser.error(f"argument --only: expected comma-separated notebook numbers or names, got {args.only!r}")
 
     all_notebooks = sorted(Path(args.notebooks_dir).glob("*.ipynb"))
     if args.check_clean or args.strip:
         return _clean_command(all_notebooks, strip=args.strip)
-    try:
-        paths = discover(args.notebooks_dir, args.only.split(",") if args.only else None)
-        overrides = parse_overrides(args.settings, paths, args.params_file)
-        if not paths:
-            raise ValueError(f"no NN_name.ipynb notebooks in {args.notebooks_dir}")
-        output_dir = args.output_dir or RUNS_DIR / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        runs = run_all(paths, output_dir, overrides, figures_dir=args.figures_dir,
-                       cell_timeout=args.cell_timeout, progress=not args.no_progress)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    paths = discover(args.notebooks_dir, only)
+    overrides = parse_overrides(args.settings, paths, args.params_file)
+    if not paths:
+        raise ValueError(f"--notebooks-dir: no NN_name.ipynb notebooks in {args.notebooks_dir}")
+    output_dir = args.output_dir or RUNS_DIR / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    runs = run_all(paths, output_dir, overrides, figures_dir=args.figures_dir,
+                   cell_timeout=args.cell_timeout, progress=not args.no_progress)
     print(format_table(runs))
     print(f"executed notebooks in {output_dir}")
     return 0 if all(run.ok for run in runs) else 1

@@ -120,7 +120,7 @@ def load_pair(target_path, drafter_path, *, device="cpu", dtype=torch.float32):
     verify kernel on a GPU) when its MLA widths are the verify contract's 512 + 64, else the naive
     per-head path (slower, and a step that cannot be captured in a CUDA graph)."""
     config = load_config(target_path)
-    absorbable = (config.kv_lora_rank, config.qk_rope_head_dim) == (LATENT_DIM, ROPE_DIM)
+    absorbable = config.absorbable
     if not absorbable:
         warnings.warn(f"{target_path}: kv_lora_rank {config.kv_lora_rank} + qk_rope_head_dim "
                       f"{config.qk_rope_head_dim} are not the verify kernel's {LATENT_DIM} + {ROPE_DIM}: "

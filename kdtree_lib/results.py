@@ -21,12 +21,12 @@ import os
 import re
 import stat
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
 
+from . import cli
 from .backend import device_name
 from .paths import REPO_ROOT, RESULTS_DIR  # $KDTREE_RESULTS_DIR overrides RESULTS_DIR (tests write elsewhere)
 
@@ -411,21 +411,17 @@ def merge_files(paths, *, topic: str | None = None, results_dir: Path | None = N
     return merged
 
 
+@cli.command
 def main(argv=None) -> int:
     """python -m kdtree_lib.results merge FILE.csv... [--topic T]: add the rows of results files made
     elsewhere (those not already there)."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.results", description=main.__doc__)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.results", description=main.__doc__)
     parser.add_argument("command", choices=("merge",))
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--topic", default=None, help="default: each file's name without .csv")
     args = parser.parse_args(argv)
-    try:
-        for path, destination, added in merge_files(args.files, topic=args.topic):
-            print(f"{path} -> {destination}: {added} rows added")
-    except (ValueError, OSError) as error:
-        print(f"error: {str(error).replace(chr(10), ' ')}", file=sys.stderr)
-        return 2
+    for path, destination, added in merge_files(args.files, topic=args.topic):  # refusals: cli.command's one line
+        print(f"{path} -> {destination}: {added} rows added")
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from . import cli
 from .corpus import SPLITS, read_documents
 from .paths import MODELS_DIR
 
@@ -238,14 +239,15 @@ def _token_name(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.tokenizer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.tokenizer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on the corpus's train split and write tokenizer.json")
     train.add_argument("--corpus", type=Path, required=True, help="a corpus build folder")
     train.add_argument("--out", type=Path, default=TOKENIZER_PATH)
-    train.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    train.add_argument("--vocab-size", type=cli.positive_int, default=VOCAB_SIZE)
     encode = sub.add_parser("encode", help="tokenize both splits (cached) and print statistics")
     encode.add_argument("--corpus", type=Path, required=True)
     encode.add_argument("--tokenizer", type=Path, default=TOKENIZER_PATH)

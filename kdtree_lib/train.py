@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cli
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, save_drafter
 from .pairs import TARGET_DIR, TINY_DRAFTER, load_pair, load_prompts, stand_in_paths, tiny_config
 from .paths import CORPUS_DIR, MODELS_DIR
@@ -536,8 +537,8 @@ def write_eval(directory: Path, settings: Settings, **values) -> None:
 
 
 def parse_args(argv) -> tuple[str, Settings, dict]:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=("target", "drafter", "all", "acceptance"))
     parser.add_argument("--out", type=Path, default=MODELS_DIR)
     parser.add_argument("--corpus", type=Path, default=CORPUS_DIR / "build",
@@ -549,10 +550,10 @@ def parse_args(argv) -> tuple[str, Settings, dict]:
                  "drafter_lr", "drafter_minutes", "anchor_tokens", "labels", "experts", "bias_rate", "warmup",
                  "log_every", "eval_every", "eval_windows"):
         parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=None)
-    parser.add_argument("--prompts", type=int, default=64, help="acceptance: held-out prompts")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="acceptance: tokens per prompt")
-    parser.add_argument("--new-tokens", type=int, default=256, help="acceptance: greedy tokens per prompt")
+    parser.add_argument("--block-sizes", type=cli.positive_int, nargs="+", default=None)
+    parser.add_argument("--prompts", type=cli.positive_int, default=64, help="acceptance: held-out prompts")
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=128, help="acceptance: tokens per prompt")
+    parser.add_argument("--new-tokens", type=cli.positive_int, default=256, help="acceptance: greedy tokens per prompt")
     args = parser.parse_args(argv)
     acceptance = {"n_prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
     values = TINY_SETTINGS.copy() if args.tiny else {}
@@ -568,6 +569,7 @@ TINY_SETTINGS = dict(seq_len=64, batch_size=2, steps=5, drafter_steps=5, warmup=
                      log_every=1, eval_every=5, eval_windows=2)
 
 
+@cli.command
 def main(argv=None) -> int:
     stage, settings, acceptance = parse_args(argv)
     torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32

@@ -18,21 +18,25 @@ import numpy as np
 
 from . import backend as _backend
 from . import cuda
-from .checks import check_array, check_finite, check_positive_int, check_same_device, dtype_name, framework, to_numpy
+from .checks import (check_array, check_finite, check_positive_int, check_same_device, check_temperature,
+                     check_token_ids, dtype_name, framework, to_numpy)
 from .contracts import MAX_BUDGET, AcceptResult, Tree
 
 
 def posterior_tokens(target_logits, *, temperature: float = 0.0, generator=None):
     """The target's token at every tree node: argmax at T=0, a sample from softmax(logits/T) at T>0.
 
-    target_logits [B, N, V] (numpy or torch); returns int32 [B, N] in the same framework.
+    target_logits [B, N, V] (numpy or torch); returns int32 [B, N] in the same framework. NaN logits
+    are refused (an argmax would return a NaN's index as a token); for a GPU tensor that check reads
+    one flag back, so the decode loop's own sampler (decode.sample_posterior) does not come here.
     """
     check_array("target_logits", target_logits, ndim=3,
                 dtypes=("float32", "float16", "bfloat16", "float64"))
-    if not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+    temperature = check_temperature(temperature)
     if framework(target_logits) == "torch":
         import torch
+        if bool(torch.isnan(target_logits).any()):
+            raise ValueError("target_logits: contains NaN")
         if temperature == 0:
             return target_logits.argmax(dim=-1).to(torch.int32)
         probs = torch.softmax(target_logits.float() / temperature, dim=-1)
@@ -84,14 +88,6 @@ def accept(tree: Tree, posterior, *, vocab: int | None = None, backend: str = "a
     return AcceptResult(path=path, n_accepted=n_accepted, bonus=bonus)
 
 
-def check_token_ids(name: str, ids: np.ndarray, vocab: int | None) -> None:
-    """Host token ids: >= 0, and < vocab when the vocabulary size is known."""
-    if ids.size and int(ids.min()) < 0:
-        raise ValueError(f"{name}: token ids must be >= 0, got {int(ids.min())}")
-    if vocab is not None and ids.size and int(ids.max()) >= vocab:
-        raise ValueError(f"{name}: token ids must be < vocab={vocab}, got {int(ids.max())}")
-
-
 def _check_accept_args(tree: Tree, posterior, vocab) -> None:
     if not isinstance(tree, Tree):
         raise ValueError(f"tree: expected a Tree, got {type(tree).__name__}")
@@ -117,11 +113,39 @@ def compaction_plan(result: AcceptResult, lengths) -> tuple[np.ndarray, np.ndarr
     return source.astype(np.int32), destination.astype(np.int32)
 
 
+def check_compaction_values(lengths, result: AcceptResult) -> None:
+    """The value checks of a compaction: lengths >= 0 (a negative one would overwrite another slot)
+    and a walk's result that holds together (check_accept_result). Reads the values on the host:
+    compact_cache runs it on host data; for device data call it explicitly (it synchronises)."""
+    lengths = to_numpy(lengths)
+    if lengths.size and int(lengths.min()) < 0:
+        raise ValueError(f"lengths: expected committed lengths >= 0, got {int(lengths.min())}")
+    check_accept_result(result)
+
+
+def check_accept_result(result: AcceptResult) -> None:
+    """A walk's result holds together: each path starts at the root, its node indices increase, its
+    live entries are a prefix (-1 after) and n_accepted counts them. Reads the values on the host."""
+    path, n_accepted = to_numpy(result.path), to_numpy(result.n_accepted)
+    live = path >= 0
+    counted = live.sum(axis=1)
+    if not np.array_equal(live, np.arange(path.shape[1])[None, :] < counted[:, None]) or (path[:, 0] != 0).any():
+        raise ValueError("result.path: expected each row to start at the root (node 0), its nodes first, -1 after")
+    if (np.diff(np.where(live, path, np.iinfo(np.int32).max), axis=1)[live[:, 1:]] <= 0).any():
+        raise ValueError("result.path: a path's node indices must increase (a parent precedes its children)")
+    if not np.array_equal(n_accepted, counted):
+        raise ValueError(f"result.n_accepted: {n_accepted.tolist()} disagrees with the paths' lengths "
+                         f"{counted.tolist()}")
+
+
 def compact_cache(caches, lengths, result: AcceptResult, *, backend: str = "auto"):
     """Move the accepted nodes' entries to the committed end of every layer's cache.
 
     caches: a list of per-layer tensors [B, L_max, C] (torch, cupy or numpy; modified in place);
-    lengths int32 [B]. Returns the new lengths (lengths + n_accepted), same framework.
+    lengths int32 [B]. Returns the new lengths (lengths + n_accepted), same framework. Values are
+    checked (check_compaction_values) where they are on the host: always on the NumPy path, and the
+    walk's result when it comes from the host; device values are not read back (that would
+    synchronise the step), so validate them explicitly with check_compaction_values.
     """
     if not caches:
         raise ValueError("caches: expected a non-empty list of per-layer caches [B, L_max, C]")
@@ -132,7 +156,10 @@ def compact_cache(caches, lengths, result: AcceptResult, *, backend: str = "auto
     check_same_device(**{"caches[0]": caches[0], "lengths": lengths})
     chosen = _backend.resolve(backend, ("numpy", "cupy"), caches[0], lengths)
     if chosen == "cupy":
+        if framework(result.path) == "numpy":  # a host walk's result: checked before it is copied over
+            check_accept_result(result)
         return _compact_cache_cupy(caches, lengths, result)
+    check_compaction_values(lengths, result)
     source, destination = compaction_plan(result, lengths)
     slots = int(caches[0].shape[1])
     if (source >= slots).any():

@@ -20,7 +20,8 @@ import numpy as np
 
 from . import backend as _backend
 from . import cuda
-from .checks import check_array, check_finite, check_positive_int, check_same_device, dtype_name, framework, to_numpy
+from .checks import (check_array, check_finite, check_positive_int, check_same_device, check_token_ids, dtype_name,
+                     framework, to_numpy)
 from .contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, TREE_MODES, DraftTopK, Tree, tree_from_parents, tree_nodes
 
 
@@ -89,7 +90,8 @@ def build_tree(draft: DraftTopK, budget: int, *, root=None, policy="paper", mode
     mode="tree": the policy's tree at capacity N = budget + 1 ("paper", "spine_first", "sglang", or
     a policy object with its parameters). mode="chain": the top-1 path of depth min(budget, D),
     capacity N = min(budget, D) + 1. `root` [B] holds the last committed tokens (tokens[:, 0]); 0
-    when omitted. The kernel builds the paper's policy.
+    when omitted. The kernel builds the paper's policy. Token ids and roots must be >= 0: checked
+    on the host path; device values are not read back (that would synchronise the step).
     """
     logp, ids, budget, root, policy = _check_build_args(draft, budget, root, policy, mode)
     chosen = _backend.resolve(backend, ("numpy", "cupy"), logp)
@@ -98,6 +100,8 @@ def build_tree(draft: DraftTopK, budget: int, *, root=None, policy="paper", mode
         return BuildLaunch(logp, ids, budget, root, mode, _empty_tree(logp, budget, mode))()
     logp, ids, root = to_numpy(logp), to_numpy(ids), to_numpy(root)
     check_draft_values(logp)
+    check_token_ids("draft.ids", ids, None)
+    check_token_ids("root", root, None)
     batch, depth_limit, _ = logp.shape
     capacity = tree_nodes(budget, mode=mode, depth=depth_limit)
     parents = np.full((batch, capacity), -1, np.int32)

@@ -176,7 +176,16 @@ def test_a_seed_reproduces_a_sampled_run(peaked_pair):
     (dict(method="beam"), "method: expected one of"),
     (dict(budget=0), "budget: expected a positive integer"),
     (dict(budget=2048), "budget: at most 1024"),
-    (dict(temperature=-1.0), "temperature: expected a number >= 0"),
+    (dict(temperature=-1.0), "temperature: expected a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature: expected a finite number >= 0, got inf"),
+    (dict(temperature=float("nan")), "temperature: expected a finite number >= 0, got nan"),
+    (dict(temperature=True), "temperature: expected a finite number >= 0, got True"),
+    (dict(stop_tokens="42"), "stop_tokens: expected a list of integer token ids, got '42'"),
+    (dict(stop_tokens=[3.7]), r"stop_tokens: expected a list of integer token ids, got \[3.7\]"),
+    (dict(stop_tokens=True), "stop_tokens: expected a list of integer token ids, got True"),
+    (dict(stop_tokens=[True]), "stop_tokens: expected a list of integer token ids"),
+    (dict(prompt_ids=[1] * 4097), r"prompt_ids\[0\]: 4097 tokens, longer than the target's max_position_embeddings=4096"),
+    (dict(prompt_ids=[1] * 4000, max_new_tokens=97), "max_new_tokens: 4000 prompt tokens \\+ 97 new tokens pass"),
     (dict(max_new_tokens=0), "max_new_tokens: expected a positive integer"),
     (dict(prompt_ids=[]), "prompt_ids: expected a non-empty"),
     (dict(prompt_ids=[[1, 2], []]), r"prompt_ids\[1\]: expected a non-empty"),
@@ -191,6 +200,17 @@ def test_bad_arguments_are_named(pair, kwargs, message):
     arguments = dict(drafter=drafter, prompt_ids=PROMPTS[0]) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(target, arguments.pop("drafter"), arguments.pop("prompt_ids"), **arguments)
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_nan_weights_raise_naming_the_logits(pair, method):
+    """A NaN target decodes nothing: the argmax of NaN logits would return token 0 every step."""
+    target, drafter = pair
+    broken = copy.deepcopy(target)
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="logits"):
+        generate(broken, drafter if method == "ddtree" else None, PROMPTS[0], method=method, max_new_tokens=4)
 
 
 def test_a_drafter_of_another_vocabulary_is_refused(pair):

@@ -167,7 +167,7 @@ def test_the_command_line_refuses_a_topic_outside_the_folder_in_one_line(tmp_pat
     source = results.append_rows("demo", [{"x": 1}], results_dir=tmp_path / "remote")
     assert results.main(["merge", str(source), "--topic", "../escaped"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("error: topic: ") and "'../escaped'" in error and error.count("\n") == 1
+    assert error.startswith("python -m kdtree_lib.results: topic: ") and "'../escaped'" in error and error.count("\n") == 1
     assert not (tmp_path / "escaped.csv").exists() and not (tmp_path / "results").exists()
 
 

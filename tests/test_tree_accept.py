@@ -133,6 +133,14 @@ def test_posterior_tokens_greedy_and_sampled_in_both_frameworks():
         posterior_tokens(logits, temperature=-1.0)
     with pytest.raises(ValueError, match="target_logits: contains NaN"):
         posterior_tokens(np.full((1, 2, 3), np.nan))
+    one_nan = torch.from_numpy(logits.copy())
+    one_nan[0, 1, 2] = float("nan")  # torch's argmax would answer 2, the NaN's index
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match="target_logits: contains NaN"):
+            posterior_tokens(one_nan, temperature=temperature)
+    for temperature in (float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
+            posterior_tokens(logits, temperature=temperature)
 
 
 def hand_tree():
@@ -204,3 +212,26 @@ def test_accept_and_compaction_reject_bad_input():
         compact_cache([np.zeros((2, 8, 4))], np.array([7, 0], np.int32),
                       AcceptResult(path=np.array([[0, 1], [0, -1]]), n_accepted=np.array([2, 1]),
                                    bonus=np.zeros(2, np.int32)))
+
+
+@pytest.mark.parametrize("lengths, path, n_accepted, message", [
+    ([4, -2], [[0, 1], [0, -1]], [2, 1], "lengths: expected committed lengths >= 0, got -2"),
+    ([0, 3], [[0, 1], [0, -1]], [1, 1], r"result.n_accepted: \[1, 1\] disagrees with the paths' lengths \[2, 1\]"),
+    ([0, 3], [[0, 1], [0, -1]], [2, 2], "result.n_accepted"),
+    ([0, 3], [[0, -1], [0, 2]], [1, 1], "result.n_accepted"),
+    ([0, 3], [[1, 2], [0, -1]], [2, 1], "start at the root"),
+    ([0, 3], [[0, -1, 2], [0, -1, -1]], [2, 1], "start at the root"),
+    ([0, 3], [[0, 2, 1], [0, -1, -1]], [3, 1], "node indices must increase"),
+])
+def test_compaction_refuses_values_that_would_move_the_wrong_slots(lengths, path, n_accepted, message):
+    """A negative length overwrote another request's slot; an n_accepted disagreeing with its path was
+    taken as is (it advances the lengths): both refused before anything moves."""
+    caches = [np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)]
+    before = caches[0].copy()
+    result = AcceptResult(path=np.array(path, np.int32), n_accepted=np.array(n_accepted, np.int32),
+                          bonus=np.zeros(2, np.int32))
+    for cache_list, length_array in ((caches, np.array(lengths, np.int32)),
+                                     ([torch.from_numpy(caches[0])], torch.tensor(lengths, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=message):
+            compact_cache(cache_list, length_array, result)
+    np.testing.assert_array_equal(caches[0], before)

@@ -200,6 +200,8 @@ def test_build_tree_rejects_bad_input():
         (dict(draft=good, budget=4, backend="gpu"), "backend: expected one of"),
         (dict(draft=make_draft(np.zeros((1, 33, 2))), budget=4), "depth D must be in 1..32"),
         (dict(draft=make_draft(np.zeros((1, 0, 2))), budget=4), "depth D must be in 1..32"),
+        (dict(draft=DraftTopK(good.logp, -good.ids - 1), budget=4), "draft.ids: token ids must be >= 0, got -204"),
+        (dict(draft=good, budget=4, root=np.array([5, -1], np.int32)), "root: token ids must be >= 0, got -1"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -24,7 +24,6 @@ DDTree's speedup over AR >= 0.8 x its mean acceptance length.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
 from ..decode import STAGES, DecodeResult, generate
 from ..dflash import hf_features, load_drafter
@@ -323,22 +323,19 @@ def _ratio(speed: float, baseline: list[dict]) -> float:
     return speed / results.as_float(baseline[0]["tokens_per_second"]) if baseline and baseline[0].get("tokens_per_second") else float("nan")
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__.name, __doc__)
     parser.add_argument("--quick", action="store_true", help=f"budgets {QUICK_BUDGETS}, one repeat")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--new-tokens", type=cli.positive_int, default=128)
+    parser.add_argument("--prompt-tokens", type=cli.positive_int, default=128)
+    parser.add_argument("--block-size", type=cli.positive_int, default=8)
     parser.add_argument("--no-reference-style", action="store_true")
     parser.add_argument("--no-kdtree", action="store_true", help="only the baselines")
     parser.add_argument("--official", type=Path, default=None,
                         help="a local (uncommitted) copy of github.com/liranringel/ddtree: also time the official code")
-    parser.add_argument("--results-dir", default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_decode needs a CUDA GPU", file=sys.stderr)
-        return 1
+    cli.require_cuda()
     rows = run(budgets=QUICK_BUDGETS if args.quick else BUDGETS, repeats=1 if args.quick else 3,
                new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
                kdtree=not args.no_kdtree, reference_style=not args.no_reference_style, official_dir=args.official,

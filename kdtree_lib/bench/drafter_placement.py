@@ -14,7 +14,6 @@ Rows are printed; --append adds them to data/results/drafter_placement.csv.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -23,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..dflash import DFlashConfig, DFlashDrafter, TargetHead
 from ..model.tp import TensorParallel, launch
 from .timing import Clock, time_segments
@@ -70,21 +70,23 @@ def time_placements(tp: TensorParallel, shape: dict, batches, context: int, devi
     return rows
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.drafter_placement", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--context", type=int, default=512)
+    parser = command_parser(__spec__.name, __doc__)
+    parser.add_argument("--tp", type=cli.positive_int, default=2)
+    parser.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=cli.positive_int, default=512)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--append", action="store_true", help="append the rows to data/results/drafter_placement.csv")
+    parser.add_argument("--append", action="store_true", help=f"append the rows to --results-dir's {TOPIC}.csv")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        cli.require_cuda()
     rows = launch(time_placements, args.tp, DEFAULT_SHAPE, args.batch, args.context, args.device,
                   backend="nccl" if args.device == "cuda" else "gloo")
     for row in rows:
         print(json.dumps(row))
     if args.append:
-        print(results.append_rows(TOPIC, rows))
+        print(results.append_rows(TOPIC, rows, results_dir=args.results_dir))
     return 0
 
 

@@ -21,13 +21,13 @@ bf16 prefill score the common prefix).
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
 import torch
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..checks import dtype_name
 from ..decode import generate
 from ..pairs import pair_with_prompts
@@ -135,11 +135,12 @@ def _true(cell) -> bool:
     return cell is True or str(cell) == "True"
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.lossless", description=__doc__.split("\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--results-dir", default=None)
+    parser = command_parser(__spec__.name, __doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=cli.positive_int, default=64)
     args = parser.parse_args(argv)
+    cli.require_cuda()
     rows = (lossless_rows(dtype=torch.float32, prompts_per_package=8, new_tokens=args.new_tokens)
             + lossless_rows(dtype=torch.bfloat16, prompts_per_package=4, new_tokens=args.new_tokens))
     for dtype, facts in summary(rows).items():

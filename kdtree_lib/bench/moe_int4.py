@@ -23,12 +23,11 @@ Each call's time is timing.gpu_seconds (L2 flushed before each repeat).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from .. import moe, results
+from .. import cli, moe, results
 from ..paths import K26_CONFIG
-from . import ceilings, timing
+from . import ceilings, command_parser, timing
 
 TOPIC = "moe_int4"
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -69,7 +68,7 @@ def torch_baseline(config, tp: int, device="cuda"):
     return experts
 
 
-def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, log=print) -> list[dict]:
+def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, results_dir=None, log=print) -> list[dict]:
     """Time every provider on every (tp, routing, M), appending each tp's rows as it goes."""
     import torch
     from ..model.config import load_config
@@ -110,7 +109,7 @@ def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, log=print)
                 log(f"tp={tp} {routing:10s} M={m:4d} hit={need['experts_hit']:3d} {n_bytes / 1e6:8.1f} MB: "
                     + ", ".join(f"{provider} {seconds * 1e6:.1f} us" for provider, (seconds, _, _) in times.items())
                     + f" ({100 * roofline / times['kernel'][0]:.1f}% roof) [{times['kernel'][1]}]")
-        results.append_rows(TOPIC, tp_rows)
+        results.append_rows(TOPIC, tp_rows, results_dir=results_dir)
         rows += tp_rows
         del experts, ep_share, baseline
         torch.cuda.empty_cache()
@@ -192,16 +191,19 @@ def parallel_comparison(rows, *, tp: int = TARGET_TP) -> list[dict]:
             if (r["routing"], r["tokens"]) in tp_times]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.moe_int4", description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=10)
+@cli.command
+def main(argv=None) -> int:
+    parser = command_parser(__spec__.name, __doc__.splitlines()[0])
+    parser.add_argument("--reps", type=cli.positive_int, default=10)
     parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_TOKENS} only")
-    parser.add_argument("--tp", type=int, nargs="+", default=list(TPS), choices=(1, 8))
+    parser.add_argument("--tp", type=cli.positive_int, nargs="+", default=list(TPS), choices=(1, 8))
     args = parser.parse_args(argv)
-    run(args.tp, QUICK_TOKENS if args.quick else TOKENS, reps=args.reps)
+    cli.require_cuda(kernels=True)
+    run(args.tp, QUICK_TOKENS if args.quick else TOKENS, reps=args.reps, results_dir=args.results_dir)
     for provider in ("kernel", "kernel_99kb"):
-        print(summary(results.latest_run(results.read_rows(TOPIC)), provider))
+        print(summary(results.latest_run(results.read_rows(TOPIC, results_dir=args.results_dir)), provider))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

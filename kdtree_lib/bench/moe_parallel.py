@@ -15,12 +15,11 @@ Rows go to data/results/model_moe_parallel.csv (notebook 08 plots them).
 """
 from __future__ import annotations
 
-import argparse
-import sys
 
 import torch
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..model import ModelConfig, TensorParallel, load_config
 from ..model.model import Experts
 from ..paths import K26_CONFIG
@@ -68,17 +67,14 @@ def compare_moe_parallel(config: ModelConfig, token_counts, *, tp_size: int = 8,
             for (n, scheme, impl), runs in times.items()]
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.bench.moe_parallel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 72, 288, 1088, 2112], help="routed tokens per step")
-    parser.add_argument("--tp", type=int, default=8, help="ranks the experts are sharded over")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--results-dir", default=None, help="default: data/results/")
+    parser = command_parser(__spec__.name, __doc__)
+    parser.add_argument("--tokens", type=cli.positive_int, nargs="+", default=[16, 72, 288, 1088, 2112], help="routed tokens per step")
+    parser.add_argument("--tp", type=cli.positive_int, default=8, help="ranks the experts are sharded over")
+    parser.add_argument("--repeats", type=cli.positive_int, default=5)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("moe_parallel needs a CUDA GPU", file=sys.stderr)
-        return 1
+    cli.require_cuda()
     rows = compare_moe_parallel(load_config(K26_CONFIG), args.tokens, tp_size=args.tp, repeats=args.repeats)
     print(results.append_rows(TOPIC, rows, results_dir=args.results_dir))
     return 0

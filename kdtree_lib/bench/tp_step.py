@@ -32,18 +32,17 @@ or under torchrun:  torchrun --nproc-per-node 8 -m kdtree_lib.bench.tp_step --la
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..backend import resolve
 from ..contracts import DraftTopK, Tree
 from ..dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
@@ -420,22 +419,23 @@ def _log(tp: TensorParallel, text: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # command line
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[2], help="TP degrees to run, one after another")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--repeats", type=int, default=8)
+@cli.command
+def main(argv=None) -> int:
+    parser = command_parser(__spec__.name, __doc__.split("\n")[0])
+    parser.add_argument("--tp", type=cli.positive_int, nargs="+", default=[2], help="TP degrees to run, one after another")
+    parser.add_argument("--layers", type=cli.positive_int, default=3)
+    parser.add_argument("--batches", type=cli.positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--nodes", type=cli.positive_int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--contexts", type=cli.positive_int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--repeats", type=cli.positive_int, default=8)
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--no-drafter", action="store_true")
     parser.add_argument("--int4-experts", action="store_true", help="routed experts INT4 in the kernel layout (the box's)")
     parser.add_argument("--drafter-only", action="store_true",
                         help="time only the drafter and the tree kernels (refreshes the scope 'draft' rows)")
-    parser.add_argument("--max-minutes", type=float, default=None, help="for the whole command; blocks left are skipped")
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
+    parser.add_argument("--max-minutes", type=cli.positive_float, default=None, help="for the whole command; blocks left are skipped")
     args = parser.parse_args(argv)
+    cli.require_cuda()
     settings = k26_settings(layers=args.layers, batches=tuple(args.batches), nodes=tuple(args.nodes),
                             contexts=tuple(args.contexts), repeats=args.repeats, graphs=not args.no_graphs,
                             int4_experts=args.int4_experts,
@@ -455,11 +455,12 @@ def main(argv=None) -> None:
             verify_step_worker(TensorParallel.from_group(dist.group.WORLD), settings)
         finally:
             dist.destroy_process_group()
-        return
+        return 0
     for degree in args.tp:
         print(f"--- TP={degree}: {settings.layers} layers of {K26_CONFIG.name}", flush=True)
         launch(verify_step_worker, degree, settings, backend="nccl")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,12 +11,11 @@ uniform in [0, 1024), a posterior that follows the drafter's best child with pro
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import numpy as np
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..contracts import DraftTopK
 from ..tree_accept import accept, compact_cache, prepare_accept_launch, prepare_compact_launch
 from ..tree_build import build_tree
@@ -135,14 +134,16 @@ def compaction_matches_reference(result, lengths: np.ndarray, layers: int, budge
             and np.array_equal(new_lengths.cpu().numpy(), want_lengths))
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+@cli.command
+def main(argv=None) -> int:
+    parser = command_parser(__spec__.name, __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="batches 1 and 64, budget 64 only")
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
     args = parser.parse_args(argv)
+    cli.require_cuda(kernels=True)
     grid = dict(batches=(1, 64), budgets=(64,)) if args.quick else {}
     results.append_rows("tree_accept", bench_accept(**grid), results_dir=args.results_dir)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -44,12 +44,12 @@ graph); on a CPU "dropin_host_build" (the host build). Each path is called once 
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..contracts import DraftTopK
 from ..draft_topk import draft_topk, prepare_draft_topk
 from ..tree_build import BUILD_KERNEL, TREE_OUTPUTS, best_first_pops, build_tree, prepare_build_launch
@@ -439,15 +439,19 @@ def stage_summary(rows: list[dict]) -> dict:
     return summary
 
 
+PARTS = ("build", "topk", "stage")
+
+
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(","))
+    """argparse type: comma-separated positive integers."""
+    return tuple(cli.positive_int(part) for part in text.split(","))
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+@cli.command
+def main(argv=None) -> int:
+    parser = command_parser(__spec__.name, __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few small configurations (a smoke test)")
-    parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
-    parser.add_argument("--only", default="build,topk", help="comma-separated subset of build,topk,stage")
+    parser.add_argument("--only", default="build,topk", help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--sglang-utils", type=Path, default=None,
                         help="a local copy of SGLang's ddtree_utils.py: times its build beside the drop-in (stage)")
     parser.add_argument("--batches", type=_int_list, default=BATCHES)
@@ -456,6 +460,9 @@ def main(argv=None) -> None:
     parser.add_argument("--ks", type=_int_list, default=TOPK_KS)
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
+    if not parts or not parts <= set(PARTS):
+        raise ValueError(f"--only: {args.only!r}; expected a comma-separated subset of {','.join(PARTS)}")
+    cli.require_cuda(kernels=True)
     grid = dict(batches=(1, 64), depths=(7,)) if args.quick else dict(batches=args.batches, depths=args.depths)
     if "build" in parts:
         budgets = (8, 64) if args.quick else args.budgets
@@ -468,7 +475,8 @@ def main(argv=None) -> None:
         utils = load_sglang_module(args.sglang_utils) if args.sglang_utils else None
         budgets = (8, 64) if args.quick else args.budgets
         results.append_rows("tree_build", bench_tree_stage(utils, **grid, budgets=budgets), results_dir=args.results_dir)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

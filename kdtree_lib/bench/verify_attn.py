@@ -28,7 +28,8 @@ import statistics
 
 import numpy as np
 
-from .. import results
+from .. import cli, results
+from . import command_parser
 from ..contracts import tree_from_parents
 from ..verify_attn import (CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch,
                            runnable_configs, verify_attention)
@@ -194,10 +195,11 @@ def benchmark_shapes(heads=HEADS, nodes=NODES, lengths=LENGTHS, batches=BATCHES,
 # the run
 
 def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), time_budget: float = float("inf"),
-        run_stamp: str | None = None, log=print) -> list[dict]:
-    """Time every provider on every shape, appending each shape's rows to data/results as it goes;
-    stops starting new shapes after `time_budget` seconds. Returns the rows. `run_stamp` (default:
-    now) marks every row of the run, so parts of one grid measured on several GPUs form one run.
+        run_stamp: str | None = None, results_dir=None, log=print) -> list[dict]:
+    """Time every provider on every shape, appending each shape's rows to `results_dir` (default
+    data/results) as it goes; stops starting new shapes after `time_budget` seconds. Returns the rows.
+    `run_stamp` (default: now) marks every row of the run, so parts of one grid measured on several GPUs
+    form one run.
     `variants`: kernel configs also timed on every shape (provider kernel_variant, its `config`
     column naming it), next to the launcher's own choice (provider kernel)."""
     import time
@@ -254,7 +256,7 @@ def run(shapes=None, *, reps: int = 10, baselines: bool = True, variants=(), tim
             shape_rows.append(row)
         for name, (seconds, splits) in variant_times.items():
             shape_rows.append({**timed("kernel_variant", seconds), **kernel_fields(seconds, name, splits)})
-        results.append_rows(TOPIC, shape_rows)
+        results.append_rows(TOPIC, shape_rows, results_dir=results_dir)
         rows += shape_rows
         kernel_row = next(r for r in shape_rows if r["provider"] == "kernel")
         log(f"B={batch:3d} N={nodes:4d} H={heads:3d} L={length:7d}: kernel {kernel_row['time_us']:9.1f} us "
@@ -549,10 +551,10 @@ def profile_case(batch: int, nodes: int, heads: int, length: int, config=None):
     print("profiled", batch, nodes, heads, length, launch.plan)
 
 
-def main():
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=10)
+@cli.command
+def main(argv=None) -> int:
+    parser = command_parser(__spec__.name, __doc__.splitlines()[0])
+    parser.add_argument("--reps", type=cli.positive_int, default=10)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--targets", action="store_true", help="the target shapes only (N·H >= 128, L >= 32k)")
     parser.add_argument("--variants", nargs="*", default=(), metavar="CONFIG",
@@ -561,29 +563,43 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a tiny correctness run (for compute-sanitizer)")
     parser.add_argument("--explore", action="store_true", help="time every variant and split on a few shapes")
     parser.add_argument("--flush-study", action="store_true", help="kernel time after each kind of L2 flush")
-    parser.add_argument("--profile", type=int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
+    parser.add_argument("--profile", type=cli.positive_int, nargs=4, metavar=("B", "N", "H", "L"), help="one launch for ncu")
     parser.add_argument("--config", default=None, help="variant for --profile")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds before no new shape starts")
     parser.add_argument("--part", default="0/1", metavar="K/P", help="every P-th shape from the K-th (one GPU's share)")
     parser.add_argument("--run", default=None, help="run stamp shared by the parts of one grid (default: now)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    part, parts = _part(args.part)
+    cli.require_cuda(kernels=True)
     if args.profile:
-        return profile_case(*args.profile, config=args.config)
+        profile_case(*args.profile, config=args.config)
+        return 0
     if args.explore:
-        return explore(QUICK_SHAPES, reps=args.reps)
+        explore(QUICK_SHAPES, reps=args.reps)
+        return 0
     if args.flush_study:
-        return flush_study(QUICK_SHAPES, reps=args.reps)
+        flush_study(QUICK_SHAPES, reps=args.reps)
+        return 0
     if args.smoke:
-        raise SystemExit(0 if smoke() else 1)
-    part, parts = (int(x) for x in args.part.split("/"))
-    if not 0 <= part < parts:
-        raise SystemExit(f"--part: expected K/P with 0 <= K < P, got {args.part}")
+        return 0 if smoke() else 1
     shapes = QUICK_SHAPES if args.quick else benchmark_shapes()
     if args.targets:
         shapes = [s for s in shapes if s[1] * s[2] >= TARGET_ROWS and s[3] >= TARGET_LENGTH]
     run(shapes[part::parts], reps=args.reps, baselines=not args.no_baselines, variants=args.variants,
-        time_budget=args.budget, run_stamp=args.run)
+        time_budget=args.budget, run_stamp=args.run, results_dir=args.results_dir)
+    return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    """--part K/P as (K, P)."""
+    try:
+        part, parts = (int(x) for x in text.split("/"))
+    except ValueError:
+        part, parts = -1, 0
+    if not 0 <= part < parts:
+        raise ValueError(f"--part: {text!r}; expected K/P with 0 <= K < P")
+    return part, parts
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..checks import read_json_object
 from ..moe import fits_kernel_layout
 from .config import ModelConfig, QuantConfig, load_config
 from .model import Experts, Transformer
@@ -43,6 +44,8 @@ def load_target(path, *, device="cpu", dtype=torch.bfloat16, tp_group=None, moe_
     does not fit loads them dequantized to `dtype`.
     """
     config = load_config(path)
+    if attention == "absorbed":
+        config.check_absorbable(str(Path(path) / "config.json"))
     tp = TensorParallel.from_group(tp_group)
     width = config.moe_intermediate_size // (tp.size if moe_parallel == "tp" else 1)
     int4 = config.quantization is not None and not dequantize_experts and fits_kernel_layout(config.hidden_size, width)
@@ -130,7 +133,7 @@ class CheckpointReader:
 
     def _weight_map(self) -> dict[str, str]:
         if (self.path / INDEX_FILE).is_file():
-            return json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+            return read_weight_map(self.path / INDEX_FILE)
         if (self.path / SINGLE_FILE).is_file():
             with self._open(SINGLE_FILE) as handle:
                 return {name: SINGLE_FILE for name in handle.keys()}
@@ -143,7 +146,11 @@ class CheckpointReader:
         file, stored = self.location[name]
         if file not in self._handles:
             self._handles[file] = self._open(file)
-        return self._handles[file].get_slice(stored)
+        try:
+            return self._handles[file].get_slice(stored)
+        except SafetensorError:
+            raise ValueError(f"checkpoint: tensor {stored} is not in {self.path / file}, where {INDEX_FILE} "
+                             "places it (a damaged or mismatched shard?)") from None
 
     def _open(self, file: str):
         """One shard, opened; a damaged one (truncated, not safetensors) is a ValueError naming the file."""
@@ -174,7 +181,7 @@ class CheckpointReader:
             return self.read_raw(name, dim, start, stop)
         if name.endswith(".weight") and f"{name}_packed" in self:
             return dequantize_int4(*self.read_int4(name, shape, dim, start, stop), self.quantization.group_size)
-        raise ValueError(f"checkpoint: tensor {name} is missing")
+        raise ValueError(f"checkpoint: tensor {name} is missing in {self.path}")
 
     def read_int4(self, name: str, shape: tuple[int, int], dim: int | None = None, start: int | None = None,
                   stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,9 +196,9 @@ class CheckpointReader:
         expected = {packed: (out, inputs // INT4_CODES_PER_WORD), scale: (out, inputs // group)}
         for part, part_shape in expected.items():
             if inputs % group or part not in self or self.shape(part) != part_shape:
-                found = list(self.shape(part)) if part in self else "nothing"
+                found = f"shape {list(self.shape(part))}" if part in self else "no such tensor"
                 raise ValueError(f"checkpoint: tensor {part} should have shape {list(part_shape)} "
-                                 f"(weight {list(shape)}, group {group}), found {found}")
+                                 f"(weight {list(shape)}, group {group}), found {found} in {self.path}")
         if dim == 1:
             if start % group or stop % group:
                 raise ValueError(f"checkpoint: slice [{start}:{stop}] of {name}'s input dimension does not "
@@ -201,6 +208,16 @@ class CheckpointReader:
         else:
             codes, scales = self.read_raw(packed, dim, start, stop), self.read_raw(scale, dim, start, stop)
         return codes, scales
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """{tensor name: shard file} of a model.safetensors.index.json; a ValueError naming the file and
+    the key when it is not JSON or has no such map."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> shard file, "
+                         f"got {type(weight_map).__name__ if weight_map is not None else 'none'}")
+    return weight_map
 
 
 # ----------------------------------------------------------------------------------------------

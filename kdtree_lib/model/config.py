@@ -7,10 +7,11 @@ a model that loads and runs but computes something else.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+
+from ..checks import read_json_object
 
 # keys that describe the file or training, not the forward pass
 METADATA_KEYS = frozenset({
@@ -33,6 +34,13 @@ REQUIRED_VALUES = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method
 # keys read by from_dict besides the dataclass fields
 PARSED_KEYS = frozenset({"num_key_value_heads", "quantization_config", "rope_theta", "rope_scaling",
                          "rope_parameters", "rope_interleave"}) | frozenset(REQUIRED_VALUES)
+# sizes that must be positive integers, and counts that may be 0
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                 "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                 "max_position_embeddings", "rope_original_max_position")
+NONNEGATIVE_INTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "rope_factor", "routed_scaling_factor")
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"})
 
@@ -85,6 +93,14 @@ class ModelConfig:
     quantization: QuantConfig | None = None
 
     def __post_init__(self):
+        for name in POSITIVE_INTS + NONNEGATIVE_INTS:
+            value, least = getattr(self, name), 1 if name in POSITIVE_INTS else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+        for name in POSITIVE_FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
         if self.n_routed_experts % self.n_group:
             raise ValueError(f"n_group: {self.n_group} does not divide n_routed_experts={self.n_routed_experts}")
         if not 1 <= self.topk_group <= self.n_group:
@@ -123,6 +139,22 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
+    @property
+    def absorbable(self) -> bool:
+        """Whether the absorbed attention runs this model: verify_attn (kernel and reference) fixes the
+        latent at K2.6's kv_lora_rank 512 + qk_rope_head_dim 64; the naive path takes any widths."""
+        from ..verify_attn import LATENT_DIM, ROPE_DIM
+        return (self.kv_lora_rank, self.qk_rope_head_dim) == (LATENT_DIM, ROPE_DIM)
+
+    def check_absorbable(self, where: str = "config") -> None:
+        """Refuse, naming the field, a model the absorbed attention cannot run (before it fails inside
+        verify_attn at the first forward)."""
+        from ..verify_attn import LATENT_DIM, ROPE_DIM
+        for name, fixed in (("kv_lora_rank", LATENT_DIM), ("qk_rope_head_dim", ROPE_DIM)):
+            if getattr(self, name) != fixed:
+                raise ValueError(f"{where}.{name}: the absorbed attention (verify_attn) takes K2.6's {fixed}, got "
+                                 f"{getattr(self, name)} (load with attention='naive' for other widths)")
+
     # construction ---------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -156,13 +188,18 @@ class ModelConfig:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from a checkpoint directory (its config.json) or a config file."""
+    """ModelConfig from a checkpoint directory (its config.json) or a config file; a ValueError names
+    the file and the key."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"config: no such file {path}")
-    return ModelConfig.from_dict(json.loads(path.read_text()))
+    raw = read_json_object(path)
+    try:
+        return ModelConfig.from_dict(raw)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def _check_known(raw: dict, known: frozenset | set, where: str) -> None:
@@ -211,4 +248,8 @@ def _quant_config(quant: dict, where: str) -> QuantConfig:
     for key in ("input_activations", "output_activations"):
         if group.get(key) is not None:
             raise ValueError(f"{where}.config_groups.{name}.{key}: activation quantization is not implemented")
-    return QuantConfig(num_bits=4, group_size=int(weights.get("group_size", 32)))
+    from ..moe import GROUP_SIZE
+    if weights.get("group_size", GROUP_SIZE) != GROUP_SIZE:
+        raise ValueError(f"{where}.config_groups.{name}.weights.group_size: only {GROUP_SIZE} is implemented "
+                         f"(the INT4 kernel's and the dequantizer's group), got {weights['group_size']!r}")
+    return QuantConfig(num_bits=4, group_size=GROUP_SIZE)

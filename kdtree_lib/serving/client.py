@@ -16,7 +16,6 @@ event loop would add its time to every request measured meanwhile), and whatever
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -29,6 +28,7 @@ from statistics import median
 
 import httpx
 
+from .. import cli
 from ..corpus import PROMPTS_PATH
 from ..results import append_rows, check_writable
 
@@ -375,21 +375,22 @@ def _median(values):
     return median(values) if values else None
 
 
+@cli.command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kdtree_lib.serving.client", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.serving.client", description=__doc__.split("\n")[0])
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
     parser.add_argument("--prompts", type=Path, default=None, help="JSONL with a text or prompt field per line "
                                                                    "(default: the committed held-out prompts)")
-    parser.add_argument("--count", type=int, default=16, help="prompts per arm")
-    parser.add_argument("--max-chars", type=int, default=2000, help="characters kept of each prompt")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--count", type=cli.positive_int, default=16, help="prompts per arm")
+    parser.add_argument("--max-chars", type=cli.positive_int, default=2000, help="characters kept of each prompt")
+    parser.add_argument("--concurrency", type=cli.positive_int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--endpoints", nargs="+", choices=tuple(ENDPOINTS), default=["generate", "completions"])
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256)
+    parser.add_argument("--temperature", type=cli.nonnegative_float, default=0.0)
     parser.add_argument("--budget-label", default=None, help="default: read from the server's reported configuration")
-    parser.add_argument("--warmup", type=int, default=2, help="unrecorded requests before the first arm")
+    parser.add_argument("--warmup", type=cli.nonnegative_int, default=2, help="unrecorded requests before the first arm")
     parser.add_argument("--no-flush", action="store_true", help="do not call /flush_cache before each arm")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    parser.add_argument("--timeout", type=cli.positive_float, default=300.0, help="seconds per request")
     parser.add_argument("--results-dir", type=Path, default=None, help="default: data/results/")
     args = parser.parse_args(argv)
     try:

@@ -341,7 +341,8 @@ def _row(source: str, rounds, *, stderr: float = float("nan"), **columns) -> dic
 
 def _progress(items, description: str, enabled: bool):
     from tqdm.auto import tqdm
-    return tqdm(list(items), desc=description, unit="budget", disable=not enabled, file=sys.stderr)
+    # disabled only when asked: an explicit disable=False would override the headless TQDM_DISABLE (notebooks.py)
+    return tqdm(list(items), desc=description, unit="budget", file=sys.stderr, **({} if enabled else {"disable": True}))
 
 
 # ----------------------------------------------------------------------------------------------

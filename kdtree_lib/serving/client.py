@@ -260,7 +260,8 @@ async def sweep(url: str, prompts: list, *, concurrencies=(1, 2, 4, 8), endpoint
             await measure(client, url, endpoints[0], prompt, **request)
         rows = []
         arms = [(endpoint, concurrency) for endpoint in endpoints for concurrency in concurrencies]
-        with tqdm(total=len(arms) * len(prompts), unit="request", disable=not progress) as bar:
+        # disabled only when asked: an explicit disable=False would override the headless TQDM_DISABLE (notebooks.py)
+        with tqdm(total=len(arms) * len(prompts), unit="request", **({} if progress else {"disable": True})) as bar:
             for endpoint, concurrency in arms:
                 flushed = await flush_cache(client, url, timeout_s) if flush else None
                 slots = asyncio.Semaphore(concurrency)

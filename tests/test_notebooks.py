@@ -17,7 +17,7 @@ from kdtree_lib.notebooks import discover, read_record, run_notebook
 from kdtree_lib.bench.lossless import within_bf16_resolution
 from kdtree_lib.bench.tree_build import kernel_history
 from kdtree_lib.precision import rounding_bound
-from kdtree_lib.results import read_rows
+from kdtree_lib.results import latest_run, read_rows
 
 NOTEBOOKS = discover(NOTEBOOKS_DIR)
 SECONDS_PER_NOTEBOOK = 60
@@ -165,6 +165,39 @@ def check_stand_in_pair(values, figures):
     assert "09_stand_in_pair-acceptance.png" in figures
 
 
+def check_moe_int4(values, figures):
+    from kdtree_lib.bench import moe_int4 as bench
+    assert values["repack_lossless"] and values["repacked_bytes"] == values["checkpoint_bytes"]
+    assert values["reference_error"] <= values["reference_error_bound"]
+    rows = latest_run(read_rows(bench.TOPIC, results_dir=RESULTS_DIR))
+    if not rows:
+        return
+    # the verdict names the newest committed run and judges each target from its rows, as printed
+    assert values["run"] == {key: rows[0][key] for key in ("device", "date", "commit")}
+    assert f"commit {rows[0]['commit']}" in values["takeaway"]
+    kernel = [r for r in rows if r["provider"] == "kernel" and r["tp"] == bench.TARGET_TP]
+    pct = [r["pct_roofline"] for r in kernel if r["tokens"] >= bench.TARGET_MIN_TOKENS]
+    assert values["shapes_at_target"] == sum(p >= bench.TARGET_PCT for p in pct) and values["target_shapes"] == len(pct)
+    assert values["roofline_target_met"] == all(p >= bench.TARGET_PCT for p in pct)
+    assert values["single_token_ok"] == all(t <= b for t, b in zip(values["single_token_us"],
+                                                                   values["single_token_bound_us"]))
+    lines = values["takeaway"].splitlines()
+    for key, words in (("roofline_target_met", "of the roofline"), ("single_token_ok", "M = 1 within"),
+                       ("union_target_met", "follows the union")):
+        line = next(line for line in lines if words in line)
+        assert (": met" in line) == values[key] and (": missed" in line) == (not values[key]), line
+    # the launcher's plan against the fastest token-tile variant of the same shape, as the text counts it
+    beaten = []
+    for r in kernel:
+        timed = [v["time_us"] for v in rows if v["tp"] == bench.TARGET_TP and v["routing"] == r["routing"]
+                 and v["tokens"] == r["tokens"] and str(v["provider"]).startswith("kernel_tt")]
+        if timed and min(timed) < r["time_us"]:
+            beaten.append(100 * (1 - min(timed) / r["time_us"]))
+    assert values["plan_beaten_at"] == len(beaten)
+    assert values["plan_beaten_by_pct"] == round(max(beaten, default=0.0), 1)
+    assert {"07_moe_int4-time.png", "07_moe_int4-union.png"} <= figures
+
+
 def check_k26_model(values, figures):
     assert 1.0e12 < values["total_parameters"] < 1.1e12 and 3.0e10 < values["active_parameters"] < 3.5e10
     assert values["kv_bytes_per_token"] == (512 + 64) * 2 * 61  # bf16 latent + rope key, 61 layers
@@ -274,6 +307,7 @@ EXPECTATIONS = {
     "01_tree_build": check_tree_build,
     "02_verify_attention": check_verify_attention,
     "05_verify_attn_cupy": check_verify_attn_cupy,
+    "07_moe_int4": check_moe_int4,
     "08_k26_model": check_k26_model,
     "09_stand_in_pair": check_stand_in_pair,
     "10_ddtree_decode": check_ddtree_decode,

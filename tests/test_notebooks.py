@@ -17,7 +17,7 @@ from kdtree_lib.notebooks import discover, read_record, run_notebook
 from kdtree_lib.bench.lossless import within_bf16_resolution
 from kdtree_lib.bench.tree_build import kernel_history
 from kdtree_lib.precision import rounding_bound
-from kdtree_lib.results import latest_run, read_rows
+from kdtree_lib.results import as_float, latest_run, newest_per, read_rows
 
 NOTEBOOKS = discover(NOTEBOOKS_DIR)
 SECONDS_PER_NOTEBOOK = 60
@@ -224,6 +224,40 @@ def check_ddtree_decode(values, figures):
         assert all(within_bf16_resolution(gap, spacing, error) for gap, spacing, error in
                    zip(facts["top2_gaps"], facts["bf16_spacings"], facts["bf16_errors"]))
     assert {"10_ddtree_decode-acceptance.png", "10_ddtree_decode-this-run-stages.png"} <= figures
+    if values.get("gpu_rows_source") == "committed":  # the verdict under the table, against the committed rows
+        check_decode_verdict(values)
+
+
+def check_decode_verdict(values):
+    from kdtree_lib.bench import decode as bench
+    rows = newest_per([r for r in read_rows(bench.TOPIC, results_dir=RESULTS_DIR) if r.get("tokens_per_second")],
+                      bench.LATEST_KEYS)
+    assert {run["commit"] for run in values["runs"]} == {r["commit"] for r in rows}
+    assert all(f"commit {run['commit']}" in values["takeaway"] for run in values["runs"])
+    def speed(**where):
+        found = [as_float(r["tokens_per_second"]) for r in rows if all(str(r[k]) == str(v) for k, v in where.items())]
+        return found[0] if found else None
+    lines = values["takeaway"].splitlines()
+    for impl, key in (("official", "vs_official"), ("reference_style", "vs_reference_style")):
+        ratios = [speed(impl="kdtree", method="ddtree", cuda_graph=True, batch=1, budget=r["budget"]) /
+                  as_float(r["tokens_per_second"]) for r in rows if r["impl"] == impl and str(r["batch"]) == "1"]
+        assert values[f"{key}_min"] == round(min(ratios), 2)
+        assert values[f"{key}_met"] == (min(ratios) >= bench.REFERENCE_TARGET)
+    target_line = next(line for line in lines if "mean acceptance" in line)
+    met = values["speedup_target_met_at"] == values["speedup_target_lines"]
+    assert (": met" in target_line) == met and (": missed" in target_line) == (not met), target_line
+    for batch, fact in values["batches"].items():
+        budgets = sorted({int(as_float(r["budget"])) for r in rows if r["impl"] == "kdtree" and r["method"] == "ddtree"
+                          and str(r["batch"]) == batch})
+        gains = {b: speed(impl="kdtree", method="ddtree", cuda_graph=True, batch=batch, budget=b)
+                 / speed(impl="kdtree", method="ddtree", cuda_graph=False, batch=batch, budget=b) for b in budgets}
+        assert fact["graph_gain_largest_at"] == max(gains, key=gains.get)
+        assert fact["graph_gain_range"] == [round(min(gains.values()), 2), round(max(gains.values()), 2)]
+        assert fact["budgets"] == [budgets[0], budgets[-1]]
+        graph_ms = {as_float(r["budget"]): as_float(r["ms_per_round"]) for r in rows if r["impl"] == "kdtree"
+                    and r["method"] == "ddtree" and str(r["batch"]) == batch and str(r["cuda_graph"]) == "True"}
+        assert fact["graph_ms_per_round"] == [round(graph_ms[budgets[0]], 3), round(graph_ms[budgets[-1]], 3)]
+        assert f"largest at budget {fact['graph_gain_largest_at']}" in values["takeaway"]
 
 
 def check_acceptance_vs_budget(values, figures):

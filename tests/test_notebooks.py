@@ -1,7 +1,7 @@
 """Every notebook in notebooks/ runs headless through papermill (kernel python3) with small parameters, and
 the values it records with `kdtree_lib.notebooks.record` hold.
 
-New notebooks (NN_name.ipynb) are picked up by the glob: they must run in under a minute on a CPU with
+New notebooks (NN_name.ipynb) are picked up by the glob: they must run in under a minute on a 2-core CPU with
 their defaults; add an entry to EXPECTATIONS to assert on what they record.
 """
 import os
@@ -20,7 +20,11 @@ from kdtree_lib.precision import rounding_bound
 from kdtree_lib.results import as_float, latest_run, newest_per, read_rows
 
 NOTEBOOKS = discover(NOTEBOOKS_DIR)
-SECONDS_PER_NOTEBOOK = 60
+# A notebook's size is judged by the CPU time of its kernel (and what the kernel starts), never by the wall clock,
+# which a busy CI machine stretches without bound: a minute on both cores of the 2-core CI machine.
+CPU_SECONDS_PER_NOTEBOOK = 2 * 60
+# a hang guard only, not a speed test: one cell of a CPU-sized notebook on a machine loaded many times over
+CELL_TIMEOUT_SECONDS = 30 * 60
 # smaller than the defaults where that saves time without weakening what is asserted
 SMALL_PARAMETERS = {
     "01_tree_build": {"mc_walks": 800, "max_budget": 64},
@@ -334,6 +338,19 @@ def check_live_service(values, figures):
     assert values["streamed"] > 0 and values["ttft_below_latency"]
     assert all(rate > 0 for rate in values["aggregate_tokens_per_second"].values())
     assert {"15_live_service-throughput.png", "15_live_service-acceptance-and-tpot.png"} <= figures
+    # "batching pays" only beyond the spread of per-request tok/s with one request in flight, from this run's rows
+    on_disk = read_rows("serving", results_dir=rows_file.parent)
+    assert values["batching"], "two concurrencies measured: a verdict is printed"
+    for v in values["batching"]:
+        alone = [as_float(r["tokens_per_second"]) for r in on_disk if r["budget_label"] == str(v["budget_label"])
+                 and r["endpoint"] == v["endpoint"] and int(as_float(r["concurrency"])) == v["concurrencies"][0]
+                 and r["ok"] == "True"]
+        assert v["requests_alone"] == len(alone)
+        spread = (max(alone) - min(alone)) / np.median(alone) if len(alone) >= 2 else None
+        if spread is None or abs(v["ratio"] - 1) <= spread:
+            assert v["verdict"] == "within noise", v
+        else:
+            assert v["verdict"] == ("pays" if v["ratio"] > 1 else "costs"), v
 
 
 EXPECTATIONS = {
@@ -373,10 +390,12 @@ def test_notebook_runs_headless(path, tmp_path):
     watched = ("data", str(path.relative_to(REPO_ROOT)))
     before = git_status(*watched)
     run = run_notebook(path, tmp_path, SMALL_PARAMETERS.get(path.stem), figures_dir=figures_dir,
-                       cell_timeout=2 * SECONDS_PER_NOTEBOOK)
+                       cell_timeout=CELL_TIMEOUT_SECONDS)
     assert run.ok, f"{path.name} failed (executed copy: {run.output}): {run.error}"
     assert git_status(*watched) == before, f"{path.name} changed files git sees:\n{git_status(*watched)}"
-    assert run.seconds < SECONDS_PER_NOTEBOOK, f"{path.name} took {run.seconds:.0f} s with its small parameters"
+    assert run.cpu_seconds > 1, "the kernel's CPU time must be counted (it imports torch at least)"
+    assert run.cpu_seconds < CPU_SECONDS_PER_NOTEBOOK, \
+        f"{path.name} took {run.cpu_seconds:.0f} CPU s ({run.seconds:.0f} s wall) with its small parameters"
     figures = {p.name for p in figures_dir.glob("*.png")} if figures_dir.exists() else set()
     check = EXPECTATIONS.get(path.stem)
     if check is not None:

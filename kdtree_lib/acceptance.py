@@ -369,6 +369,17 @@ def largest_measurement(rows: list[dict], **criteria) -> list[dict]:
     return latest(results.largest_run(rows, size, **criteria))
 
 
+def reported_acceptance(rows: list[dict], *, block_size: int, **criteria) -> tuple[list[dict], dict]:
+    """The acceptance the project quotes for one block size at T = 0: the oracle rows of the biggest measurement
+    (largest_measurement, over every package it covers) and {(mode, budget): mean tokens per round over its
+    packages} (projection.acceptance_curve, the curve notebooks 11 and 13 and the projection read)."""
+    from .projection import acceptance_curve
+    shown = largest_measurement(rows, source="oracle", temperature=0, block_size=block_size, **criteria)
+    table = {(mode, budget): value for mode in sorted({r["mode"] for r in shown})
+             for budget, value in acceptance_curve(shown, mode=mode).items()}
+    return shown, table
+
+
 # ----------------------------------------------------------------------------------------------
 # the command line
 

@@ -162,10 +162,23 @@ def check_stand_in_pair(values, figures):
         assert len(read_rows("acceptance", results_dir=rows_file.parent)) == len(values["this_run"])
         for key, acceptance in values["this_run"].items():  # b<block>-<mode>-<budget>: 1 .. D + 1 per round
             assert 1 <= acceptance <= int(key.split("-")[0][1:]), (key, acceptance)
-    # what the notebook quotes is a committed measurement, at least as big as this run's
-    committed_runs = {(r["date"], r["commit"], r["device"]) for r in read_rows("acceptance", results_dir=RESULTS_DIR)}
-    assert tuple(values["shown_run"][k] for k in ("date", "commit", "device")) in committed_runs
+    # what the notebook quotes is, per block size, the biggest committed measurement, at least as big as this run's,
+    # and the same number notebook 13's projection reads (its curve: the mean over the measurement's packages)
+    from kdtree_lib.acceptance import largest_measurement
+    from kdtree_lib.projection import acceptance_curve
+    committed = read_rows("acceptance", results_dir=RESULTS_DIR)
+    committed_runs = {(r["date"], r["commit"], r["device"]) for r in committed}
+    assert values["shown_runs"] and all(tuple(run[k] for k in ("date", "commit", "device")) in committed_runs
+                                        for run in values["shown_runs"].values())
     assert values["shown_tokens"] >= values.get("this_run_tokens", 0)
+    for block, run in values["shown_runs"].items():
+        tree = largest_measurement(committed, source="oracle", mode="tree", temperature=0, block_size=int(block))
+        assert run["commit"] == tree[0]["commit"] and len({r["package"] for r in tree}) >= 2
+        curve = acceptance_curve(tree)
+        quoted = {int(key.split("-")[2]): v for key, v in values["acceptance"].items() if key.startswith(f"b{block}-tree-")}
+        assert quoted and all(v == curve[budget] for budget, v in quoted.items()), (block, quoted)
+    if "ddtree_b8_budget32" in values:
+        assert values["meets_quality_bar"] == (values["ddtree_b8_budget32"] >= 3.0)
     assert "09_stand_in_pair-acceptance.png" in figures
 
 

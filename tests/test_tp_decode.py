@@ -116,7 +116,7 @@ def test_launcher_in_process_and_under_torchrun(pair, capsys):
     if torchrun is None:
         pytest.skip("torchrun is not installed beside this python")
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "kdtree_lib.decode",
-                           *argv, "--tp", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                           *argv, "--tp", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
                           env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     ranked = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

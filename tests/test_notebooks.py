@@ -433,3 +433,69 @@ def test_headless_kernels_show_no_progress_bars():
     plain = {k: v for k, v in os.environ.items() if k not in NO_PROGRESS_BARS}
     assert disabled({**plain, **NO_PROGRESS_BARS}) == "[True, True]"
     assert disabled(plain) == "[False, False]", "without the headless setting, progress=True shows the bars"
+
+
+# ----------------------------------------------------------------------------------------------
+# figures the notebooks draw: a reader can tell their lines apart and read their axes
+
+def _visible_tick_labels(fig, axis):
+    """The drawn extents of the labelled ticks inside the axis's view."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    low, high = sorted(axis.get_view_interval())
+    ticks = [*zip(axis.get_majorticklocs(), axis.get_ticklabels()),
+             *zip(axis.get_minorticklocs(), axis.get_ticklabels(minor=True))]
+    return [label.get_window_extent(renderer) for location, label in ticks
+            if low <= location <= high and label.get_visible() and label.get_text()]
+
+
+def test_ceiling_lines_in_the_shared_legend_have_distinct_styles():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from kdtree_lib.plots.verify_attn import legend_beside, plot_achieved
+    row = dict(provider="kernel", rows=64, tflops=10.0, tbps=1.0, time_us=5.0, batch=1, heads=8, length=4096,
+               matmul_tflops=700.0, mma_sync_tflops=500.0, copy_tbps=4.0)
+    fig, (ax_flops, ax_bytes) = plt.subplots(1, 2)
+    plot_achieved(ax_flops, ax_bytes, [row, {**row, "rows": 128}], batch=1)
+    legend = legend_beside(fig)
+    styles = {text.get_text(): (handle.get_color(), handle.get_linestyle(), handle.get_marker())
+              for text, handle in zip(legend.get_texts(), legend.legend_handles)}
+    ceilings = {label: styles[label] for label in ("cuBLAS bf16 ceiling", "mma.sync ceiling", "copy bandwidth")}
+    assert len(set(ceilings.values())) == len(ceilings), ceilings
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("tokens", [[8, 32, 64], [1, 4, 8], [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]])
+def test_expert_union_ticks_do_not_overlap(tokens):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    from kdtree_lib.plots.projection import plot_router_overlap
+    config = SimpleNamespace(n_routed_experts=384, num_experts_per_tok=8)
+    curves = {1: [{"tokens": t, "distinct_mean": min(384, 6 * t)} for t in tokens]}
+    fig, axes = plt.subplots(1, 1, figsize=(3.5, 3), squeeze=False, layout="constrained")  # a narrow panel
+    plot_router_overlap(axes[0], curves, {1: 0.3}, config)
+    boxes = sorted(_visible_tick_labels(fig, axes[0, 0].xaxis), key=lambda box: box.x0)
+    assert len(boxes) >= 2, "the axis has labelled ticks"
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]
+    plt.close(fig)
+
+
+def test_throughput_axis_is_linear_below_a_decade():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from kdtree_lib.plots.decode import plot_throughput
+    rows = [dict(impl="kdtree", method="ddtree", cuda_graph=cuda_graph, batch=2, budget=budget, pair="p",
+                 tokens_per_second=speed) for cuda_graph, budget, speed in
+            ((False, 8, 5.0), (False, 32, 3.3), (True, 8, 4.9), (True, 32, 3.4))]
+    fig, ax = plt.subplots()
+    plot_throughput(ax, rows, batch=2)
+    assert ax.get_yscale() == "linear"
+    ax.cla()
+    plot_throughput(ax, [{**r, "tokens_per_second": r["tokens_per_second"] * (100 if r["budget"] == 8 else 1)}
+                         for r in rows], batch=2)
+    assert ax.get_yscale() == "log"
+    plt.close(fig)

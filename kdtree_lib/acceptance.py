@@ -387,7 +387,8 @@ def _row(source: str, rounds, *, stderr: float = float("nan"), **columns) -> dic
 
 def _progress(items, description: str, enabled: bool):
     from tqdm.auto import tqdm
-    return tqdm(list(items), desc=description, unit="budget", disable=not enabled, file=sys.stderr)
+    # disabled only when asked: an explicit disable=False would override the headless TQDM_DISABLE (notebooks.py)
+    return tqdm(list(items), desc=description, unit="budget", file=sys.stderr, **({} if enabled else {"disable": True}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,6 +430,17 @@ def live_vs_oracle(rows: list[dict]) -> list[dict]:
                         "oracle": float(twin["mean_acceptance"]), "live_rounds": int(float(row["rounds"])),
                         "oracle_rounds": int(float(twin["rounds"]))})
     return out
+
+
+def reported_acceptance(rows: list[dict], *, block_size: int, **criteria) -> tuple[list[dict], dict]:
+    """The acceptance the project quotes for one block size at T = 0: the oracle rows of the biggest measurement
+    (largest_measurement, over every package it covers) and {(mode, budget): mean tokens per round over its
+    packages} (projection.acceptance_curve, the curve notebooks 11 and 13 and the projection read)."""
+    from .projection import acceptance_curve
+    shown = largest_measurement(rows, source="oracle", temperature=0, block_size=block_size, **criteria)
+    table = {(mode, budget): value for mode in sorted({r["mode"] for r in shown})
+             for budget, value in acceptance_curve(shown, mode=mode).items()}
+    return shown, table
 
 
 # ----------------------------------------------------------------------------------------------

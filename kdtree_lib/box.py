@@ -218,7 +218,9 @@ def _bench_settings(target, settings: KitSettings) -> BenchSettings:
 
 def _progress(items, description: str, settings: KitSettings):
     from tqdm.auto import tqdm
-    return tqdm(list(items), desc=description, disable=not settings.progress, file=sys.stderr, leave=False)
+    # disabled only when asked: an explicit disable=False would override the headless TQDM_DISABLE (notebooks.py)
+    return tqdm(list(items), desc=description, file=sys.stderr, leave=False,
+                **({} if settings.progress else {"disable": True}))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class NotebookRun:
     seconds: float
     output: Path
     error: str = ""
+    cpu_seconds: float = 0.0  # the kernel's and its children's CPU time: how big the run is, whatever the machine's load
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ def run_notebook(path: Path, output_dir: Path, parameters: dict | None = None, *
     if figures_dir is not None:
         kernel_env[FIGURES_DIR_ENV] = str(Path(figures_dir).resolve())
     kernel_log = output_dir / f"{path.stem}.kernel.log"
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _children_cpu_seconds()
     error = ""
     with _environment(kernel_env), tempfile.TemporaryDirectory(prefix="kdtree-kernel-") as sockets:
         try:
@@ -204,7 +205,15 @@ def run_notebook(path: Path, output_dir: Path, parameters: dict | None = None, *
             error = f"{type(err).__name__}: {err}"
     if kernel_log.exists() and not kernel_log.stat().st_size:
         kernel_log.unlink()
-    return NotebookRun(path.stem, not error, time.perf_counter() - start, output, error)
+    return NotebookRun(path.stem, not error, time.perf_counter() - start, output, error,
+                       cpu_seconds=_children_cpu_seconds() - cpu_start)
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU time of this process's finished children (the kernel is one once papermill shuts it down)."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_all(paths: list[Path], output_dir: Path, overrides: dict[str, dict] | None = None, *,

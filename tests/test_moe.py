@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from kdtree_lib import cuda, moe  # noqa: E402
 from kdtree_lib.model.checkpoint import dequantize_int4, quantize_int4  # noqa: E402
+from tolerances import assert_within_baseline, logit_bound  # noqa: E402
 
 K26 = {"hidden": 7168, "width": 2048, "experts": 384, "top_k": 8}
 SM120_LIMITS = moe.SM120_SMEM_PER_BLOCK
@@ -107,22 +108,37 @@ def test_reference_equals_dequantize_then_matmul():
     routes, weights = routing(tokens, n_experts, top_k, seed=2)
     x = np.random.default_rng(3).standard_normal((tokens, hidden)).astype(np.float32)
     out = moe.moe_forward(x, routes, weights, experts, backend="numpy")
-    gate_up = dequantize_int4(tensors[0].reshape(-1, hidden // 8), tensors[1].reshape(-1, hidden // 32), 32)
-    down = dequantize_int4(tensors[2].reshape(-1, width // 8), tensors[3].reshape(-1, width // 32), 32)
-    gate_up = gate_up.double().numpy().reshape(n_experts, 2 * width, hidden)
-    down = down.double().numpy().reshape(n_experts, hidden, width)
-    expected = np.zeros((tokens, hidden))
-    for t in range(tokens):
-        for s in range(top_k):
-            gate, up = np.split(gate_up[routes[t, s]] @ x[t].astype(np.float64), 2)
-            expected[t] += weights[t, s] * (down[routes[t, s]] @ (gate / (1 + np.exp(-gate)) * up))
+    gate_up, down = dequantized(tensors, n_experts, hidden, width)
+    expected = dense_loop(x, routes, weights, gate_up, down, np.float64)
+    # the same-precision baseline: the same loop in float32 (dequantize, then matmul token by token)
+    baseline = dense_loop(x, routes, weights, gate_up, down, np.float32)
     assert out.dtype == np.float32
-    error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
-    assert error < 64 * np.finfo(np.float32).eps  # fp32 sums of a few hundred terms
+    assert_within_baseline(out, expected, baseline, what="numpy backend")
     dense = moe.DenseExperts(torch.from_numpy(gate_up).float(), torch.from_numpy(down).float())
     torch_out = moe.moe_forward(torch.from_numpy(x), torch.from_numpy(routes), torch.from_numpy(weights), dense,
                                 backend="torch")
-    assert np.linalg.norm(torch_out.numpy() - expected) / np.linalg.norm(expected) < 64 * np.finfo(np.float32).eps
+    assert_within_baseline(torch_out, expected, baseline, what="torch backend, dense experts")
+    with pytest.raises(AssertionError):  # a bound that a wrong answer fails: two tokens' outputs swapped
+        assert_within_baseline(out[[1, 0, *range(2, tokens)]], expected, baseline)
+
+
+def dequantized(tensors, n_experts, hidden, width):
+    """The checkpoint's INT4 experts as float64 gate_up [E, 2W, H] and down [E, H, W] (exact in float32 too)."""
+    gate_up = dequantize_int4(tensors[0].reshape(-1, hidden // 8), tensors[1].reshape(-1, hidden // 32), 32)
+    down = dequantize_int4(tensors[2].reshape(-1, width // 8), tensors[3].reshape(-1, width // 32), 32)
+    return (gate_up.double().numpy().reshape(n_experts, 2 * width, hidden),
+            down.double().numpy().reshape(n_experts, hidden, width))
+
+
+def dense_loop(x, routes, weights, gate_up, down, dtype):
+    """The MoE layer written out token by token in `dtype`."""
+    x, weights, gate_up, down = (np.asarray(a).astype(dtype) for a in (x, weights, gate_up, down))
+    out = np.zeros(x.shape, dtype)
+    for t in range(x.shape[0]):
+        for s in range(routes.shape[1]):
+            gate, up = np.split(gate_up[routes[t, s]] @ x[t], 2)
+            out[t] += weights[t, s] * (down[routes[t, s]] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
 
 
 def test_tp_and_ep_shards_sum_to_the_whole():
@@ -146,8 +162,10 @@ def test_tp_and_ep_shards_sum_to_the_whole():
         shard = moe.Int4Experts.from_checkpoint(*(t[part] for t in tensors), hidden=hidden, width=width,
                                                 first_expert=first, total_experts=n_experts)
         ep.append(moe.moe_forward(x, routes, weights, shard))
-    bound = 64 * np.finfo(np.float32).eps * np.linalg.norm(full)
-    assert np.linalg.norm(sum(tp) - full) < bound and np.linalg.norm(sum(ep) - full) < bound
+    # the shards' sum is as close to the float64 layer as the whole layer in float32 (the same-precision baseline)
+    expected = dense_loop(x, routes, weights, *dequantized(tensors, n_experts, hidden, width), np.float64)
+    assert_within_baseline(sum(tp), expected, full, what="TP shards")
+    assert_within_baseline(sum(ep), expected, full, what="EP shards")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,9 +287,8 @@ def test_int4_experts_stay_int4_and_give_the_dequantized_models_logits(int4_chec
     tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(8))
     ours = resident.prefill(tokens, resident.new_cache(1, 9)).logits
     theirs = dequantized.prefill(tokens, dequantized.new_cache(1, 9)).logits
-    # the same fp32 weights; only the experts' summation order may differ
-    bound = 64 * torch.finfo(torch.float32).eps * float(theirs.abs().max())
-    assert float((ours - theirs).abs().max()) <= bound
+    # the same fp32 weights; only the experts' summation order may differ: two float32 forwards of one model
+    assert float((ours - theirs).abs().max()) <= logit_bound(config, theirs)
 
 
 def test_each_rank_reads_only_its_int4_slices(int4_checkpoint):

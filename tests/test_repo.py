@@ -74,7 +74,7 @@ def test_runner_table_and_exit_code_on_failure(tiny_notebooks, tmp_path):
     output = tmp_path / "run"
     finished = subprocess.run([sys.executable, "-m", "kdtree_lib.notebooks", "--notebooks-dir", str(tiny_notebooks),
                                "--output-dir", str(output), "--no-progress"],
-                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=1800)
     assert finished.returncode == 1, finished.stdout + finished.stderr
     rows = {line.split()[0]: line.split()[1] for line in finished.stdout.splitlines()
             if line[:2].isdigit() and "_" in line.split()[0]}
@@ -180,7 +180,7 @@ def test_a_headless_run_prints_its_table_and_stores_no_noise(tmp_path):
     output = tmp_path / "run"
     finished = subprocess.run([sys.executable, "-m", "kdtree_lib.notebooks", "--notebooks-dir", str(folder),
                                "--output-dir", str(output), "--no-progress"],
-                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=1800)
     terminal = (finished.stdout + finished.stderr).splitlines()
     assert finished.returncode == 0, terminal
     table = {"notebook  status  seconds  error", "--------  ------  -------  -----", "1 passed, 0 failed"}

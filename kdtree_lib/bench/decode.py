@@ -45,6 +45,8 @@ TOPIC = "decode"
 BATCHES = (1, 8)
 BUDGETS = (8, 16, 32, 64, 128, 256)
 QUICK_BUDGETS = (8, 32, 128)
+REFERENCE_TARGET = 5.0    # DDTree's tokens/s over the reference implementation's, batch 1
+ACCEPTANCE_TARGET = 0.8   # DDTree's speedup over AR, as a fraction of its mean acceptance length
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,11 +313,75 @@ def summary(rows: list[dict]) -> list[dict]:
                    if ar and chain else float("nan"))
         lines.append({"batch": int(results.as_float(batch)), "budget": int(results.as_float(budget)), "tokens_per_second": speed,
                       "mean_acceptance": acceptance, "speedup_vs_ar": speedup,
-                      "speedup_target": 0.8 * acceptance, "meets_speedup_target": speedup >= 0.8 * acceptance,
+                      "speedup_target": ACCEPTANCE_TARGET * acceptance,
+                      "meets_speedup_target": speedup >= ACCEPTANCE_TARGET * acceptance,
                       "draft_bound_ceiling": ceiling, "vs_ceiling": speedup / ceiling,
                       "graph_gain": _ratio(speed, eager),
                       "vs_reference_style": _ratio(speed, reference), "vs_official": _ratio(speed, official)})
     return sorted(lines, key=lambda line: (line["batch"], line["budget"]))
+
+
+def takeaway(rows: list[dict]) -> tuple[str, dict]:
+    """What the GPU table says, from its rows: the runs, each speed target met or missed with its numbers,
+    where the CUDA graph's gain is largest, how the graph round grows with the budget, and the share of the
+    pair's ceiling DDTree reaches at the smallest and largest budget. Returns (text, facts); the facts are
+    what the text states (notebook 10 records them; its check asserts them)."""
+    rows = results.newest_per(rows, LATEST_KEYS)
+    lines = summary(rows)
+    runs = sorted({(r.get("device"), r.get("date"), r.get("commit")) for r in rows})
+    facts = {"runs": [dict(zip(("device", "date", "commit"), run)) for run in runs], "batches": {}}
+    text = ["rows of " + ", ".join(f"{device} {date} (commit {commit})" for device, date, commit in runs) + ":"]
+    verdict = lambda ok: "met" if ok else "missed"  # noqa: E731
+    for name, key in (("the official code", "vs_official"), ("our reference style", "vs_reference_style")):
+        ratios = [line[key] for line in lines if np.isfinite(line[key])]
+        if ratios:
+            met = min(ratios) >= REFERENCE_TARGET
+            facts[f"{key}_min"], facts[f"{key}_met"] = round(min(ratios), 2), met
+            text.append(f"* DDTree >= {REFERENCE_TARGET:g}x {name} (batch 1): {verdict(met)}, "
+                        f"{min(ratios):.1f}x to {max(ratios):.1f}x over {len(ratios)} budgets.")
+    met = [line for line in lines if line["meets_speedup_target"]]
+    best = max(lines, key=lambda line: line["speedup_vs_ar"] / line["speedup_target"])
+    facts["speedup_target_met_at"], facts["speedup_target_lines"] = len(met), len(lines)
+    text.append(f"* speedup over AR >= {ACCEPTANCE_TARGET} x mean acceptance: "
+                f"{verdict(len(met) == len(lines))} at {len(lines) - len(met)} of {len(lines)} (batch, budget); "
+                f"closest at batch {best['batch']}, budget {best['budget']}: {best['speedup_vs_ar']:.2f}x "
+                f"against {best['speedup_target']:.2f}x, where the pair's own ceiling is {best['draft_bound_ceiling']:.2f}x.")
+    for batch in sorted({line["batch"] for line in lines}):
+        line_b = [line for line in lines if line["batch"] == batch]
+        gain = max(line_b, key=lambda line: line["graph_gain"])
+        graph = {int(results.as_float(r["budget"])): results.as_float(r["ms_per_round"])
+                 for r in results.select(rows, impl="kdtree", method="ddtree", cuda_graph=True, batch=batch)}
+        small, large = line_b[0], line_b[-1]
+        facts["batches"][str(batch)] = fact = {
+            "graph_gain_range": [round(min(line["graph_gain"] for line in line_b), 2), round(gain["graph_gain"], 2)],
+            "graph_gain_largest_at": gain["budget"],
+            "graph_ms_per_round": [round(graph[small["budget"]], 3), round(graph[large["budget"]], 3)],
+            "budgets": [small["budget"], large["budget"]],
+            "vs_ceiling": [round(small["vs_ceiling"], 3), round(large["vs_ceiling"], 3)]}
+        profiled = [r for r in results.select(rows, impl="kdtree", method="ddtree", cuda_graph=False, batch=batch)
+                    if r.get("verify_ms_per_round") not in (None, "")]
+        if profiled:  # eager rounds, the only ones profiled by stage
+            share = lambda r, stages: sum(results.as_float(r[f"{s}_ms_per_round"]) for s in stages) / sum(  # noqa: E731
+                results.as_float(r[f"{s}_ms_per_round"]) for s in STAGES)
+            fact["eager_tree_accept_share_max"] = round(max(share(r, ("tree", "accept")) for r in profiled), 3)
+            verify = {int(results.as_float(r["budget"])): results.as_float(r["verify_ms_per_round"]) for r in profiled}
+            fact["eager_verify_ms"] = [round(verify[min(verify)], 2), round(verify[max(verify)], 2)]
+            fact["eager_verify_budgets"] = [min(verify), max(verify)]
+        text.append(f"* batch {batch}: the CUDA graph is {fact['graph_gain_range'][0]:.1f}x to "
+                    f"{fact['graph_gain_range'][1]:.1f}x the eager round, largest at budget {gain['budget']}; a graph "
+                    f"round takes {fact['graph_ms_per_round'][0]:.2f} ms at budget {small['budget']} and "
+                    f"{fact['graph_ms_per_round'][1]:.2f} ms at {large['budget']} "
+                    f"({fact['graph_ms_per_round'][1] / fact['graph_ms_per_round'][0]:.2f}x for "
+                    f"{(large['budget'] + 1) / (small['budget'] + 1):.0f}x the nodes); DDTree reaches "
+                    f"{small['vs_ceiling']:.0%} of the pair's ceiling at budget {small['budget']} and "
+                    f"{large['vs_ceiling']:.0%} at {large['budget']}.")
+        if profiled:
+            text.append(f"  In its eager rounds (profiled by stage, each launch paid on the host) tree + accept take at "
+                        f"most {fact['eager_tree_accept_share_max']:.0%} of a round, and verify takes "
+                        f"{fact['eager_verify_ms'][0]:.1f} ms at budget {fact['eager_verify_budgets'][0]} and "
+                        f"{fact['eager_verify_ms'][1]:.1f} ms at {fact['eager_verify_budgets'][1]}: launch-bound, "
+                        f"so they do not show how verify grows with the nodes; the graph rounds above do.")
+    return "\n".join(text), facts
 
 
 def _ratio(speed: float, baseline: list[dict]) -> float:

@@ -191,6 +191,74 @@ def parallel_comparison(rows, *, tp: int = TARGET_TP) -> list[dict]:
             if (r["routing"], r["tokens"]) in tp_times]
 
 
+def union_growth(rows, *, tp: int = TARGET_TP, provider: str = "kernel") -> list[dict]:
+    """Per routing at TP=tp, from M = TARGET_MIN_TOKENS to the largest M: how time per expert hit grew against
+    tokens per expert hit (time that follows the union grows far less than the tokens per expert)."""
+    growth = []
+    for routing in ROUTINGS:
+        line = sorted((r for r in results.select(rows, provider=provider, tp=tp, routing=routing)
+                       if r["tokens"] >= TARGET_MIN_TOKENS), key=lambda r: r["tokens"])
+        if len(line) < 2:
+            continue
+        first, last = line[0], line[-1]
+        per_hit = [r["time_us"] / r["experts_hit"] for r in (first, last)]
+        tokens_per_hit = [r["tokens"] * r["top_k"] / r["experts_hit"] for r in (first, last)]
+        growth.append({"routing": routing, "tokens": [first["tokens"], last["tokens"]],
+                       "us_per_expert_hit": [round(v, 2) for v in per_hit],
+                       "tokens_per_expert_hit": [round(v, 1) for v in tokens_per_hit],
+                       "time_growth": round(per_hit[1] / per_hit[0], 2),
+                       "token_growth": round(tokens_per_hit[1] / tokens_per_hit[0], 2)})
+    return growth
+
+
+def takeaway(rows, provider: str = "kernel") -> tuple[str, dict]:
+    """The benchmark's verdict from one run's rows: the run, each target met or missed with its numbers, where a
+    token-tile variant beat the launcher's plan and by how much, and TP against EP. Returns (text, facts);
+    the facts are what the text states (a notebook records them and its check asserts them)."""
+    run = rows[0]
+    facts = summary(rows, provider)
+    facts["run"] = {key: run[key] for key in ("device", "date", "commit")}
+    facts["roofline_target_met"] = facts["target_shapes"] > 0 and facts["shapes_at_target"] == facts["target_shapes"]
+    lines = [f"{provider} on {run['device']}, run of {run['date']} (commit {run['commit']}):"]
+    verdict = lambda ok: "met" if ok else "missed"  # noqa: E731
+    if facts["target_shapes"]:
+        lines.append(f"* >= {TARGET_PCT:.0f}% of the roofline for M >= {TARGET_MIN_TOKENS} at TP={TARGET_TP}: "
+                     f"{verdict(facts['roofline_target_met'])}, {facts['shapes_at_target']} of "
+                     f"{facts['target_shapes']} shapes; {facts['pct_roofline_min']}% at worst, "
+                     f"median {facts['pct_roofline_median']}%.")
+    if facts["single_token_ok"] is not None:
+        worst = max(t / b for t, b in zip(facts["single_token_us"], facts["single_token_bound_us"]))
+        facts["single_token_over_bound"] = round(worst, 2)
+        lines.append(f"* M = 1 within {SINGLE_TOKEN_SLACK}x (roofline + one empty launch) = "
+                     f"{max(facts['single_token_bound_us'])} us: {verdict(facts['single_token_ok'])}, "
+                     f"{', '.join(f'{t} us' for t in facts['single_token_us'])} ({worst:.2f}x the bound at worst).")
+    growth = union_growth(rows, provider=provider)
+    facts["union_growth"] = growth
+    if growth:  # met: time per expert hit grows by less than half of what tokens per expert hit grow by
+        facts["union_target_met"] = all(g["time_growth"] < 0.5 * g["token_growth"] for g in growth)
+        lines.append("* time follows the union of experts, not the tokens: "
+                     f"{verdict(facts['union_target_met'])}; " + "; ".join(
+                         f"{g['routing']} M={g['tokens'][0]}->{g['tokens'][1]}: time per expert hit "
+                         f"x{g['time_growth']} while tokens per expert hit x{g['token_growth']}" for g in growth) + ".")
+    better = [b for b in best_plans(rows) if b["best_us"] < b["launcher_us"]]
+    facts["plan_beaten_at"] = len(better)
+    facts["plan_beaten_by_pct"] = round(max((100 * (1 - b["best_us"] / b["launcher_us"]) for b in better),
+                                            default=0.0), 1)
+    if better:
+        top = max(better, key=lambda b: 1 - b["best_us"] / b["launcher_us"])
+        lines.append(f"* the launcher's own plan is beaten by a token-tile variant at {len(better)} of "
+                     f"{len(best_plans(rows))} TP={TARGET_TP} shapes, by up to {facts['plan_beaten_by_pct']}% "
+                     f"({top['routing']} M={top['tokens']}: {top['launcher_us']:.1f} -> {top['best_us']:.1f} us): "
+                     f"its token-tile choice is not yet tuned.")
+    comparison = parallel_comparison(rows)
+    if comparison:
+        facts["tp_faster_than_ep"] = sum(c["ep_over_tp"] > 1 for c in comparison)
+        facts["tp_ep_shapes"] = len(comparison)
+        lines.append(f"* the TP=8 slice is faster than EP (its slowest rank) at {facts['tp_faster_than_ep']} of "
+                     f"{len(comparison)} shapes.")
+    return "\n".join(lines), facts
+
+
 @cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, __doc__.splitlines()[0])

@@ -28,7 +28,7 @@ import statistics
 
 import numpy as np
 
-from .. import cli, results
+from .. import cli, precision, results
 from . import command_parser
 from ..contracts import tree_from_parents
 from ..verify_attn import (CACHE_DIM, DEFAULT_SCALE, LATENT_DIM, ROPE_DIM, key_mask, prepare_verify_launch,
@@ -138,6 +138,57 @@ def errors(out, lse, ref_out, ref_lse) -> dict:
     return {"rel_err": float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)),
             "lse_err": float(np.abs(lse - ref_lse).max()),
             "finite": bool(np.isfinite(out).all() and np.isfinite(lse).all())}
+
+
+def same_precision_error(q_latent, q_rope, cache, lengths, tree, ref_out, ref_lse, scale: float = DEFAULT_SCALE) -> float:
+    """The relative error, against the float32 reference, of the same-precision baseline: torch attention in the
+    kernel's own precision steps (16-bit inputs, float32 scores and softmax sums, P rounded to the 16-bit dtype
+    for P @ V with float32 accumulation, O rounded to it), so its error is what those roundings cost."""
+    import torch
+    slots = int(lengths.max()) + q_latent.shape[1]
+    clean = torch.nan_to_num(cache)[:, :slots].float()
+    additive = fallback_mask(lengths, tree, slots, q_latent.device)
+    q = torch.cat([q_latent, q_rope], dim=-1).float()
+    scores = torch.einsum("bnhd,bld->bnhl", q, clean) * scale + additive[:, :, None, :]
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    out = torch.einsum("bnhl,blc->bnhc", p.to(q_latent.dtype).float(), clean[..., :LATENT_DIM]) / p.sum(-1, keepdim=True)
+    return errors(out.to(q_latent.dtype), ref_lse, ref_out, ref_lse)["rel_err"]
+
+
+def out_error_bound(q_latent, q_rope, cache, lengths, tree, ref_out, ref_lse) -> float:
+    """How far the kernel's O may be from the float32 reference (relative Frobenius): flash-attention's criterion,
+    twice the same-precision baseline's error, plus the unit roundoff eps/2 of the output's dtype (rounding the exact
+    O to it moves every element by at most eps/2 of itself: the floor where the baseline happens to be exact)."""
+    baseline = same_precision_error(q_latent, q_rope, cache, lengths, tree, ref_out, ref_lse)
+    return 2 * baseline + precision.eps(q_latent.dtype) / 2
+
+
+def lse_error_bound(q_latent, q_rope, cache, lengths, tree, ref_lse, scale: float = DEFAULT_SCALE) -> float:
+    """How far the kernel's LSE (float32) may be from the float32 reference's: both compute, from the same 16-bit
+    inputs (exact products in float32), lse = log sum_j exp(s_j), in different orders, so twice the first-order
+    rounding bound of one evaluation:
+    - a score s_j sums CACHE_DIM products of magnitude up to `score_magnitude` (scale x max_j sum_i |q_i k_ji|), plus
+      the scale's rounding, the log2-domain fma and the subtracted maximum (4 more terms); lse moves by at most
+      max_j |delta s_j| (a softmax-weighted mean of them);
+    - the denominator sums `keys` positive terms, each with exp2's own error (ex2.approx: within 2 eps) and the
+      running-maximum rescales, so its relative error is at most eps x (keys + 4) and log moves by as much;
+    - the LSE itself and the split merge round values of size |lse| (2 terms)."""
+    import torch
+    q = torch.cat([q_latent, q_rope], dim=-1).float().abs()
+    magnitudes = torch.einsum("bnhd,bld->bnhl", q, torch.nan_to_num(cache).float().abs())  # every slot: a bound
+    score_magnitude = scale * float(magnitudes.max())
+    keys = int(lengths.max()) + q_latent.shape[1]
+    one_run = (precision.rounding_bound(np.float32, terms=CACHE_DIM + 4, magnitude=score_magnitude)
+               + precision.rounding_bound(np.float32, terms=keys + 4, magnitude=1.0)
+               + precision.rounding_bound(np.float32, terms=2, magnitude=float(ref_lse.abs().max())))
+    return 2 * one_run
+
+
+def error_bounds(q_latent, q_rope, cache, lengths, tree, ref_out, ref_lse) -> dict:
+    """{"rel_err": out_error_bound, "lse_err": lse_error_bound}: what `errors` of a kernel run may reach against
+    the float32 reference on these inputs (NaN-poisoned cache slots are zeroed first, as the reference reads them)."""
+    return {"rel_err": out_error_bound(q_latent, q_rope, cache, lengths, tree, ref_out, ref_lse),
+            "lse_err": lse_error_bound(q_latent, q_rope, cache, lengths, tree, ref_lse)}
 
 
 def _host64(x) -> np.ndarray:

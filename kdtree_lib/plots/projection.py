@@ -28,6 +28,7 @@ def plot_calibration(axes, used: list[dict], config, hardware, efficiency) -> No
 
 def plot_router_overlap(axes, curves: dict[int, list[dict]], correlation: dict[int, float], config) -> None:
     """Distinct experts of windows of real text against tokens, with the uniform and fitted models."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     for ax, (batch, rows) in zip(axes, curves.items()):
         tokens = np.array(sorted({r["tokens"] for r in rows}))
         mean = [np.mean([r["distinct_mean"] for r in rows if r["tokens"] == t]) for t in tokens]
@@ -36,7 +37,11 @@ def plot_router_overlap(axes, curves: dict[int, list[dict]], correlation: dict[i
                                 (correlation[batch], "C1-", f"fitted c = {correlation[batch]:.2f}")):
             ax.plot(tokens, [expected_distinct_experts(int(t), config.n_routed_experts, config.num_experts_per_tok, c)
                              for t in tokens], style, label=label)
-        ax.set_xscale("log")
+        # powers of two, labelled as plain integers and no minor labels: base-10 minor labels overlapped
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(LogLocator(base=2))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("tokens in the step (B x N)")
         ax.set_ylabel("distinct experts per layer")
         ax.set_title(f"stand-in target, batch {batch}")

@@ -53,9 +53,10 @@ def plot_achieved(ax_flops, ax_bytes, rows, **fixed):
         ax.set_xlabel("rows = N·H")
         ax.set_ylabel(unit)
         _title(ax, fixed)
-    ax_flops.axhline(ceil["matmul_tflops"], color="k", lw=0.8, label="cuBLAS bf16 ceiling")
-    ax_flops.axhline(ceil["mma_sync_tflops"], color="0.5", lw=0.8, label="mma.sync ceiling")
-    ax_bytes.axhline(ceil["copy_tbps"], color="k", lw=0.8, label="copy bandwidth")
+    # one legend serves both panels (legend_beside): every ceiling its own style
+    ax_flops.axhline(ceil["matmul_tflops"], color="k", lw=0.8, linestyle="-", label="cuBLAS bf16 ceiling")
+    ax_flops.axhline(ceil["mma_sync_tflops"], color="0.5", lw=0.8, linestyle="--", label="mma.sync ceiling")
+    ax_bytes.axhline(ceil["copy_tbps"], color="k", lw=1.2, linestyle=":", label="copy bandwidth")
 
 
 def legend_beside(fig, fontsize: int = 8):

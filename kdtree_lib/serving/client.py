@@ -268,7 +268,8 @@ async def sweep(url: str, prompts: list, *, concurrencies=(1, 2, 4, 8), endpoint
         rows, unstored = [], []
         arms = [(endpoint, concurrency) for endpoint in endpoints for concurrency in concurrencies]
         try:
-            with tqdm(total=len(arms) * len(prompts), unit="request", disable=not progress) as bar:
+            # disabled only when asked: an explicit disable=False would override the headless TQDM_DISABLE (notebooks.py)
+            with tqdm(total=len(arms) * len(prompts), unit="request", **({} if progress else {"disable": True})) as bar:
                 for endpoint, concurrency in arms:
                     flushed = await flush_cache(client, url, timeout_s) if flush else None
                     slots = asyncio.Semaphore(concurrency)
@@ -336,6 +337,39 @@ def arm_summaries(rows: list[dict]) -> list[dict]:
             "ttft_s": _median([_number(r.get("ttft_s")) for r in good]),
             "tpot_s": _median([_number(r.get("tpot_s")) for r in good])})
     return summaries
+
+
+def batching_verdict(rows: list[dict], *, budget_label, endpoint: str) -> dict | None:
+    """Whether more requests in flight raised the aggregate tokens/s of one budget and endpoint, judged against the
+    run's own noise: the relative spread (max - min over the median) of per-request tokens/s at the lowest
+    concurrency, where requests run alone. "pays" only when the highest concurrency's aggregate beats the lowest's by
+    more than that spread, "costs" when it falls short by more, else "within noise" (also with fewer than 2 requests
+    to measure the spread). None without two measured concurrencies."""
+    arms = sorted((s for s in arm_summaries(rows) if s["budget_label"] == budget_label and s["endpoint"] == endpoint
+                   and s["aggregate_tokens_per_second"]), key=lambda s: s["concurrency"])
+    if len(arms) < 2:
+        return None
+    low, high = arms[0], arms[-1]
+    alone = [_number(r.get("tokens_per_second")) for r in rows if r["budget_label"] == budget_label
+             and r["endpoint"] == endpoint and int(float(r["concurrency"])) == low["concurrency"]
+             and str(r["ok"]) == "True" and _number(r.get("tokens_per_second"))]
+    spread = (max(alone) - min(alone)) / _median(alone) if len(alone) >= 2 else None
+    ratio = high["aggregate_tokens_per_second"] / low["aggregate_tokens_per_second"]
+    verdict = ("within noise" if spread is None or abs(ratio - 1) <= spread else "pays" if ratio > 1 else "costs")
+    return {"budget_label": budget_label, "endpoint": endpoint, "concurrencies": [low["concurrency"], high["concurrency"]],
+            "aggregate_tokens_per_second": [low["aggregate_tokens_per_second"], high["aggregate_tokens_per_second"]],
+            "ratio": ratio, "requests_alone": len(alone), "spread_alone": spread, "verdict": verdict}
+
+
+def format_batching_verdict(v: dict) -> str:
+    """One sentence for batching_verdict's result."""
+    (low, high), (low_rate, high_rate) = v["concurrencies"], v["aggregate_tokens_per_second"]
+    noise = (f"per-request tok/s alone spread {v['spread_alone']:.0%} over {v['requests_alone']} requests"
+             if v["spread_alone"] is not None else f"{v['requests_alone']} request(s) alone: no spread to judge by")
+    meaning = {"pays": "batching pays here", "costs": "batching costs here",
+               "within noise": "no conclusion: the difference is within this run's noise"}[v["verdict"]]
+    return (f"budget {v['budget_label']}, {v['endpoint']}: aggregate {low_rate:.1f} tok/s at concurrency {low}, "
+            f"{high_rate:.1f} at {high} (x{v['ratio']:.2f}); {noise}: {meaning}")
 
 
 SUMMARY_COLUMNS = (  # heading, width, summary key, scale, digits

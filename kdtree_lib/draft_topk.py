@@ -140,6 +140,7 @@ class TopKLaunch(_PreparedTopK):
         rows = batch * depth
         device = cuda.device_index(logits)
         vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0  # float4 loads need aligned rows
+        self.alignment = 16 if vectorized else 4  # bytes: what launch_over needs of another buffer
         suffix = "vec4" if vectorized else "vec1"
         self.status = _device_zeros(logits, (1,))
         if k <= FAST_MAX_K and rows <= MAX_GRID_Y:
@@ -175,6 +176,24 @@ class TopKLaunch(_PreparedTopK):
         for function, grid, block, args in self._launches:
             function(grid, block, args, stream=stream)
         return self.out
+
+    def launch_over(self, logits) -> DraftTopK:
+        """Point the launches at `logits` from now on, then call: for a caller whose logits move between
+        calls (SGLang's worker hands the drop-in a new tensor each step). `logits` must fit as the
+        prepared buffer did (float32, C-contiguous, the same shape and device, its address a multiple of
+        `alignment`): a ValueError naming it otherwise (metadata only). The launch then holds `logits`
+        (not the buffer it held before) until the next launch_over."""
+        logits_shape, vocab_dtype = self._signature[0][1], self._signature[0][2]
+        if (tuple(logits.shape) != logits_shape or str(logits.dtype) != vocab_dtype or not cuda.is_contiguous(logits)
+                or cuda.device_index(logits) != cuda.device_index(self.out.logp)
+                or int(cuda.pointer(logits)) % self.alignment):
+            raise ValueError(f"logits: expected a C-contiguous {vocab_dtype} buffer of shape {logits_shape} on the "
+                             f"launch's device, {self.alignment}-byte aligned, got {tuple(logits.shape)} {logits.dtype}")
+        if self._launches:
+            function, grid, block, args = self._launches[0]
+            self._launches[0] = (function, grid, block, (cuda.pointer(logits),) + args[1:])
+        self.logits, self._signature = logits, cuda.buffer_signature(logits)
+        return self()
 
     def check_input(self) -> None:
         """Raise a ValueError naming `logits` if any call since the last check met NaN, +inf or a row

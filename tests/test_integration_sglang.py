@@ -304,8 +304,23 @@ def test_the_benchmarks_tree_stage_runs_on_the_cpu():
     parts = {"dropin_topk", "dropin_host_build"}
     assert methods == ({"dropin", "kdtree", "sglang"} if utils else {"dropin", "kdtree"}) | parts
     assert all(r["stage"] == "tree_stage" and r["time_us"] > 0 for r in rows)
+    paths = {r["method"]: r["topk_path"] for r in rows}
+    assert paths["dropin"] == paths["dropin_topk"] == "exact" and paths["dropin_host_build"] == "none"
     if utils:
         assert all(r["matches_sglang"] is True for r in rows)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+def test_the_benchmarks_drop_in_rows_name_the_top_k_it_ran(topk, monkeypatch):
+    from kdtree_lib.bench.tree_build import DROPIN_TOPK_METHODS, bench_tree_stage
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
+    rows = bench_tree_stage(None, batches=(2,), depths=(7,), budgets=(16,), vocab=5000, device="cuda")
+    paths = {r["method"]: r["topk_path"] for r in rows}
+    assert set(DROPIN_TOPK_METHODS) | {"dropin_kernel"} <= set(paths)
+    assert all(paths[name] == TOPK_PATHS[topk] for name in DROPIN_TOPK_METHODS) and paths["dropin_kernel"] == "none"
+    assert all(r["time_us"] > 0 for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------

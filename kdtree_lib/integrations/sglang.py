@@ -25,9 +25,9 @@ each other: two candidates' weights (at different depths, or exactly tied logits
 early-stop threshold. tests/test_integration_sglang.py counts such differences on peaked, Zipf-like and
 drafter-like logits. Each shape (batch, depth, budget, vocab, dtype, device, knobs) is prepared once
 (`prepared_build`): the fused top-k and its buffers, the build, the outputs' layout; a later call
-costs its launches (two for the fused top-k, one for the build) and one allocation: the caller's
-_out_* buffers are written in place (SGLang's worker passes them), the other outputs (fresh tensors, as
-SGLang returns them) are views of one torch.empty. The fused top-k's log-probabilities and ids live in
+costs its launches (two for the fused top-k, one for the build) and the allocation of what it returns
+fresh: the caller's _out_* buffers are written in place (SGLang's worker passes all four, so its call
+allocates only the sizes; the other outputs are fresh tensors, as SGLang returns them). The fused top-k's log-probabilities and ids live in
 the prepared launch's buffers, rewritten by the next call of that shape on the stream (calls of one
 shape are ordered on torch's current stream); the launch holds the last logits it read until the next
 call of that shape (one logits tensor per prepared shape). The per-request child maps are built on
@@ -56,6 +56,7 @@ in every worker process (README: "The SGLang drop-in on the box").
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import math
@@ -88,14 +89,20 @@ PREPARED_LIMIT = 64  # prepared shapes kept (a worker sees a handful: its batch 
 def policy_from_environment() -> SGLangPolicy:
     """SGLang's policy with its environment knobs applied, as its build reads them per call; a knob
     SGLang could not use (not an integer >= 1, not a finite number) is refused by name."""
-    raw_topk = os.environ.get("SGLANG_DDTREE_MAX_TOPK", str(DEFAULT_MAX_TOPK))
+    return _policy_from(os.environ.get("SGLANG_DDTREE_MAX_TOPK", str(DEFAULT_MAX_TOPK)),
+                        os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", str(DEFAULT_DEPTH_BONUS)))
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_from(raw_topk: str, raw_bonus: str) -> SGLangPolicy:
+    """The knobs' text -> the policy, parsed once per value (a worker reads the same text every call;
+    a refusal raises and is not cached)."""
     try:
         max_topk = int(raw_topk)
     except ValueError:
         max_topk = 0
     if max_topk < 1:
         raise ValueError(f"SGLANG_DDTREE_MAX_TOPK: expected an integer >= 1, got {raw_topk!r}")
-    raw_bonus = os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", str(DEFAULT_DEPTH_BONUS))
     try:
         depth_bonus = float(raw_bonus)
     except ValueError:
@@ -218,7 +225,7 @@ class PreparedBuild:
                                         ids_int64=self.fused is None, links=False)
         self.bad = torch.empty(batch, dtype=torch.int32, device=draft_logits.device)  # read only by the value check
         nodes = budget + 1
-        # the outputs a call returns, int64 first so that every view of the one allocation is aligned
+        # the outputs a call returns
         self.layout = {"node_tokens": ((batch, budget), torch.int64), "node_depths": ((batch, budget), torch.int64),
                        "parents": ((batch, nodes), torch.int64), "sizes": ((batch,), torch.int64),
                        "visibility": ((batch, nodes, nodes), torch.bool)}
@@ -239,17 +246,16 @@ class PreparedBuild:
         return out.logp, out.ids
 
     def outputs(self, device, given: dict) -> dict:
-        """The build's outputs: the caller's buffers where given (written in place), the rest views of
-        one fresh allocation (the caller may keep what it is returned), and the prepared `bad` flags."""
+        """The build's outputs: the caller's buffers where given (written in place: SGLang's worker
+        passes all four _out_* buffers, so its call allocates `sizes` alone), the rest fresh (the
+        caller may keep what it is returned, as SGLang's are), and the prepared `bad` flags. One
+        torch.empty per fresh output: carving several from one allocation costs three tensor
+        operations each (slice, dtype view, shape view), measured dearer than an empty on this host."""
         import torch
-        fresh = [name for name in self.layout if name not in given]
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in (self.layout[name] for name in fresh)]
-        memory = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        out, offset = dict(given), 0
-        for name, size in zip(fresh, sizes):
-            shape, dtype = self.layout[name]
-            out[name] = memory[offset:offset + size].view(dtype).view(shape)
-            offset += size
+        out = dict(given)
+        for name, (shape, dtype) in self.layout.items():
+            if name not in out:
+                out[name] = torch.empty(shape, dtype=dtype, device=device)
         out["bad"] = self.bad
         return out
 

@@ -648,6 +648,36 @@ def test_the_drop_in_never_synchronizes_by_default(topk, monkeypatch):
         assert name == "child_maps" or torch.equal(a, b), name
 
 
+@pytest.mark.gpu
+@cuda
+def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
+    """The worker's call (fused top-k, its four _out_* buffers), warm: the torch operations it
+    dispatches are the buffers' first rows and the sizes' allocation; the work is the three launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv(dropin.TOPK_ENV, "fused")
+    logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
+    buffers = (torch.zeros(16, 32, dtype=torch.long, device="cuda"), torch.zeros(16, 32, dtype=torch.long, device="cuda"),
+               torch.zeros(16, 33, dtype=torch.long, device="cuda"), torch.zeros(16, 33, 33, dtype=torch.bool, device="cuda"))
+    want = dropin.build_ddtree_tree(logits, 32, logits.device)
+    dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)  # prepared
+    with Recording() as recording:
+        got = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
+    print("torch operations of a warm fused call:", recording.ops)
+    assert sorted(recording.ops) == ["empty"] + ["slice"] * 4, recording.ops
+    for name, a, b in zip(OUTPUTS, got, want):
+        assert name == "child_maps" or torch.equal(a, b), name
+
+
 # ----------------------------------------------------------------------------------------------
 # the fused top-k against the exact one: where each runs, and how many trees differ
 

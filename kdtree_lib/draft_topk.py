@@ -183,11 +183,11 @@ class TopKLaunch(_PreparedTopK):
         prepared buffer did (float32, C-contiguous, the same shape and device, its address a multiple of
         `alignment`): a ValueError naming it otherwise (metadata only). The launch then holds `logits`
         (not the buffer it held before) until the next launch_over."""
-        logits_shape, vocab_dtype = self._signature[0][1], self._signature[0][2]
-        if (tuple(logits.shape) != logits_shape or str(logits.dtype) != vocab_dtype or not cuda.is_contiguous(logits)
+        logits_shape, logits_dtype = self._signature[0][1], self._signature[0][2]
+        if (tuple(logits.shape) != logits_shape or str(logits.dtype) != logits_dtype or not cuda.is_contiguous(logits)
                 or cuda.device_index(logits) != cuda.device_index(self.out.logp)
                 or int(cuda.pointer(logits)) % self.alignment):
-            raise ValueError(f"logits: expected a C-contiguous {vocab_dtype} buffer of shape {logits_shape} on the "
+            raise ValueError(f"logits: expected a C-contiguous {logits_dtype} buffer of shape {logits_shape} on the "
                              f"launch's device, {self.alignment}-byte aligned, got {tuple(logits.shape)} {logits.dtype}")
         if self._launches:
             function, grid, block, args = self._launches[0]

@@ -361,26 +361,11 @@ def test_fused_topk_flags_bad_rows_without_reading_back(value, message):
 # trees from the fused path equal the exact path's on the stand-in drafter's held-out logits
 
 @pytest.mark.gpu
-def test_fused_trees_equal_exact_trees_on_drafter_logits(monkeypatch):
-    """Decode held-out prompts with the stand-in pair, record every draft's logits, and build each
-    tree from the exact path and from the fused path: the number of trees that differ is 0."""
-    from kdtree_lib import decode
-    from kdtree_lib.pairs import pair_with_prompts
-    pair = pair_with_prompts(8, prompts_per_package=2, prompt_tokens=48, device="cuda")
-    if not pair.stand_in:
-        pytest.skip(pair.description)
-    recorded = []
-    original = decode.draft_topk
-
-    def recording(logits, k, **kwargs):
-        recorded.append(logits.detach().float().clone())
-        return original(logits, k, **kwargs)
-
-    monkeypatch.setattr(decode, "draft_topk", recording)
-    decode.generate(pair.target, pair.drafter, pair.prompts[:8], budget=64, max_new_tokens=48, backend="torch",
-                    cuda_graph=False)
-    monkeypatch.undo()
-    assert recorded
+def test_fused_trees_equal_exact_trees_on_drafter_logits(drafter_logits):
+    """Decode held-out prompts with the stand-in pair, record every draft's logits (conftest's
+    drafter_logits), and build each tree from the exact path and from the fused path: the number of
+    trees that differ is 0."""
+    recorded = drafter_logits
     compared = differing = 0
     for logits in recorded:
         for budget in (8, 32, 64, FAST_MAX_K):

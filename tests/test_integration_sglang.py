@@ -692,29 +692,6 @@ def zipf_logits(batch: int, depth: int, vocab: int, seed: int, *, exponent: floa
     return torch.where(ranks == 1, logits + lead, logits)
 
 
-def recorded_drafter_logits(monkeypatch) -> list:
-    """Every draft's logits [B, D, V] of the stand-in pair decoding held-out prompts (as
-    test_draft_topk records them); skipped where the trained pair is not here."""
-    from kdtree_lib import decode
-    from kdtree_lib.pairs import pair_with_prompts
-    pair = pair_with_prompts(8, prompts_per_package=2, prompt_tokens=48, device="cuda")
-    if not pair.stand_in:
-        pytest.skip(pair.description)
-    recorded = []
-    original = decode.draft_topk
-
-    def recording(logits, k, **kwargs):
-        recorded.append(logits.detach().float().clone())
-        return original(logits, k, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(decode, "draft_topk", recording)
-        decode.generate(pair.target, pair.drafter, pair.prompts[:8], budget=64, max_new_tokens=48, backend="torch",
-                        cuda_graph=False)
-    assert recorded
-    return recorded
-
-
 def differing_trees(logits, budget: int, monkeypatch) -> int:
     """How many requests' outputs (tree tensors and EAGLE arrays) differ between the fused and the exact top-k."""
     outputs = {}
@@ -732,14 +709,14 @@ def differing_trees(logits, budget: int, monkeypatch) -> int:
 
 @pytest.mark.gpu
 @cuda
-def test_fused_and_exact_trees_agree_on_realistic_logits(monkeypatch):
+def test_fused_and_exact_trees_agree_on_realistic_logits(drafter_logits, monkeypatch):
     """On Zipf-like, peaked and drafter-like logits, every budget, D = 7 and 15: the number of requests
     whose tree differs between KDTREE_SGLANG_TOPK=fused and =exact is 0 (a difference needs two
     compared numbers within a few ulps: the module's docstring)."""
     sets = {"zipf": [zipf_logits(16, depth, 163_840, seed=depth) for depth in (7, 15)],
             "zipf steep": [zipf_logits(16, 7, 163_840, seed=3, exponent=1.6, noise=0.2)],
             "peaked": [draft_logits("peaked", 16, depth, 163_840, seed=depth).cuda() for depth in (7, 15)],
-            "drafter": recorded_drafter_logits(monkeypatch)}
+            "drafter": drafter_logits}
     counts = {}
     for name, batches in sets.items():
         for budget in ("depth", 8, 16, 32, 64, 128, 512):  # "depth": SGLang's spine fast path (top-1 ids only)

@@ -22,7 +22,10 @@ the normaliser; <= 1.9e-6 on Kimi's vocabulary), nearly one constant shift per d
 SGLang's outputs carries a log-probability (tokens, depths, parents, child maps, visibility, sizes,
 EAGLE arrays), so a tree can differ only where the policy compares two numbers within a few ulps of
 each other: two candidates' weights (at different depths, or exactly tied logits), or a weight and the
-early-stop threshold. tests/test_integration_sglang.py counts such differences on peaked, Zipf-like and
+early-stop threshold; and of those only the comparisons that decide which nodes are taken (the last
+node taken against the first left out, a candidate against the threshold): the order in which two
+taken nodes pop changes nothing (each node's pushes are its own, and the breadth-first relabel orders
+a parent's children by rank, which is their pop order). tests/test_integration_sglang.py counts such differences on peaked, Zipf-like and
 drafter-like logits. Each shape (batch, depth, budget, vocab, dtype, device, knobs) is prepared once
 (`prepared_build`): the fused top-k and its buffers, the build, the outputs' layout; a later call
 costs its launches (two for the fused top-k, one for the build) and the allocation of what it returns

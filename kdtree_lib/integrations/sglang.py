@@ -32,8 +32,8 @@ costs its launches (two for the fused top-k, one for the build) and the allocati
 fresh: the caller's _out_* buffers are written in place (SGLang's worker passes all four, so its call
 allocates only the sizes; the other outputs are fresh tensors, as SGLang returns them). The fused top-k's log-probabilities and ids live in
 the prepared launch's buffers, rewritten by the next call of that shape on the stream (calls of one
-shape are ordered on torch's current stream); the launch holds the last logits it read until the next
-call of that shape (one logits tensor per prepared shape). The per-request child maps are built on
+shape are ordered on torch's current stream); it keeps no reference to any call's logits (a worker
+prepares a shape per batch size: each holding a logits tensor would hold gigabytes). The per-request child maps are built on
 the host only when a caller reads them. Nothing on this path reads a device value, except the value
 check below; it is capturable in a CUDA graph (the check is skipped while capturing).
 
@@ -210,7 +210,8 @@ class PreparedBuild:
     """build_ddtree_tree's launches for one shape on one CUDA device: the top-k width, the top-k (the
     fused kernel where it applies, else torch's exact formula), the build kernel (SGLangBuildLaunch),
     and the layout of the outputs a call allocates. Made on a call's logits (the fused launch is
-    prepared over them and then pointed at each call's own: TopKLaunch.launch_over)."""
+    prepared over them, then runs over each call's own through TopKLaunch.launch_over, which keeps
+    none of them)."""
 
     def __init__(self, draft_logits, budget: int, policy: SGLangPolicy, choice: str):
         import torch

@@ -9,7 +9,7 @@ left-child/right-sibling arrays), element for element:
   and `pr29907_build_ddtree_tree` ([D, V] logits, budget): SGLang PR #29907's, the paper's heap in pop
   order; `build_ddtree_tree_from_topk_batched` is its batched form on the GPU (padded tensors).
 
-On a CUDA device the path is: the draft top-k, then one kernel (tree_build.SGLangBuildLaunch) that
+On a CUDA device main's build_ddtree_tree runs: the draft top-k, then one kernel (tree_build.SGLangBuildLaunch) that
 builds the policy's tree and writes SGLang's tensors (and the EAGLE arrays) on the GPU. The top-k is
 draft_topk's fused multi-CTA kernel ("fused_v2": one read of the logits, log-softmax fused) where it
 applies (the width at most FAST_MAX_K = 128 and B * L rows on its grid; logits of another floating

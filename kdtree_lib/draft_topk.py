@@ -140,6 +140,8 @@ class TopKLaunch(_PreparedTopK):
         rows = batch * depth
         device = cuda.device_index(logits)
         vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0  # float4 loads need aligned rows
+        self.alignment = 16 if vectorized else 4  # bytes: what launch_over needs of another buffer
+        self._shape_dtype = (tuple(logits.shape), str(logits.dtype))
         suffix = "vec4" if vectorized else "vec1"
         self.status = _device_zeros(logits, (1,))
         if k <= FAST_MAX_K and rows <= MAX_GRID_Y:
@@ -170,11 +172,35 @@ class TopKLaunch(_PreparedTopK):
                  (cuda.pointer(logits), np.int32(vocab), np.int32(k), cuda.pointer(out.logp), cuda.pointer(out.ids)))]
 
     def __call__(self, logits=None) -> DraftTopK:
+        if self._signature is None:
+            raise ValueError("logits: this launch runs over the buffer each launch_over names (it keeps none)")
         self._check(logits)
+        return self._enqueue()
+
+    def _enqueue(self) -> DraftTopK:
         stream = cuda.current_stream()
         for function, grid, block, args in self._launches:
             function(grid, block, args, stream=stream)
         return self.out
+
+    def launch_over(self, logits) -> DraftTopK:
+        """Enqueue the launches over `logits`, for a caller whose logits move between calls (SGLang's
+        worker hands the drop-in a new tensor each step). `logits` must fit as the prepared buffer did
+        (float32, C-contiguous, the same shape and device, its address a multiple of `alignment`): a
+        ValueError naming it otherwise (metadata only). The launch keeps no reference to it, nor from
+        then on to the buffer it was prepared with (a prepared shape would otherwise hold a logits
+        tensor alive): every later call goes through launch_over."""
+        logits_shape, logits_dtype = self._shape_dtype
+        if (tuple(logits.shape) != logits_shape or str(logits.dtype) != logits_dtype or not cuda.is_contiguous(logits)
+                or cuda.device_index(logits) != cuda.device_index(self.out.logp)
+                or int(cuda.pointer(logits)) % self.alignment):
+            raise ValueError(f"logits: expected a C-contiguous {logits_dtype} buffer of shape {logits_shape} on the "
+                             f"launch's device, {self.alignment}-byte aligned, got {tuple(logits.shape)} {logits.dtype}")
+        if self._launches:
+            function, grid, block, args = self._launches[0]
+            self._launches[0] = (function, grid, block, (cuda.pointer(logits),) + args[1:])
+        self.logits = self._signature = None
+        return self._enqueue()
 
     def check_input(self) -> None:
         """Raise a ValueError naming `logits` if any call since the last check met NaN, +inf or a row

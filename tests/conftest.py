@@ -25,3 +25,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def drafter_logits() -> list:
+    """Every draft's logits [B, D, V] (float32, on the GPU) of the stand-in pair decoding held-out
+    prompts (8 prompts, budget 64, 48 new tokens): realistic drafts for the fused-vs-exact tree counts
+    of test_draft_topk and test_integration_sglang. Skips where the trained pair is not here."""
+    from kdtree_lib import decode
+    from kdtree_lib.pairs import pair_with_prompts
+    pair = pair_with_prompts(8, prompts_per_package=2, prompt_tokens=48, device="cuda")
+    if not pair.stand_in:
+        pytest.skip(pair.description)
+    recorded = []
+    original = decode.draft_topk
+
+    def recording(logits, k, **kwargs):
+        recorded.append(logits.detach().float().clone())
+        return original(logits, k, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "draft_topk", recording)
+        decode.generate(pair.target, pair.drafter, pair.prompts[:8], budget=64, max_new_tokens=48, backend="torch",
+                        cuda_graph=False)
+    assert recorded
+    return recorded

@@ -361,26 +361,11 @@ def test_fused_topk_flags_bad_rows_without_reading_back(value, message):
 # trees from the fused path equal the exact path's on the stand-in drafter's held-out logits
 
 @pytest.mark.gpu
-def test_fused_trees_equal_exact_trees_on_drafter_logits(monkeypatch):
-    """Decode held-out prompts with the stand-in pair, record every draft's logits, and build each
-    tree from the exact path and from the fused path: the number of trees that differ is 0."""
-    from kdtree_lib import decode
-    from kdtree_lib.pairs import pair_with_prompts
-    pair = pair_with_prompts(8, prompts_per_package=2, prompt_tokens=48, device="cuda")
-    if not pair.stand_in:
-        pytest.skip(pair.description)
-    recorded = []
-    original = decode.draft_topk
-
-    def recording(logits, k, **kwargs):
-        recorded.append(logits.detach().float().clone())
-        return original(logits, k, **kwargs)
-
-    monkeypatch.setattr(decode, "draft_topk", recording)
-    decode.generate(pair.target, pair.drafter, pair.prompts[:8], budget=64, max_new_tokens=48, backend="torch",
-                    cuda_graph=False)
-    monkeypatch.undo()
-    assert recorded
+def test_fused_trees_equal_exact_trees_on_drafter_logits(drafter_logits):
+    """Decode held-out prompts with the stand-in pair, record every draft's logits (conftest's
+    drafter_logits), and build each tree from the exact path and from the fused path: the number of
+    trees that differ is 0."""
+    recorded = drafter_logits
     compared = differing = 0
     for logits in recorded:
         for budget in (8, 32, 64, FAST_MAX_K):
@@ -392,3 +377,25 @@ def test_fused_trees_equal_exact_trees_on_drafter_logits(monkeypatch):
                 differing += not same
     print(f"{differing} of {compared} trees differ ({len(recorded)} drafts)")
     assert compared > 0 and differing == 0
+
+
+@pytest.mark.gpu
+def test_launch_over_runs_on_another_buffer_and_keeps_none():
+    """TopKLaunch.launch_over (the SGLang drop-in's logits move between calls): the same values as a
+    launch prepared on that buffer; no reference kept; a buffer that does not fit refused by name."""
+    generator = torch.Generator(device="cuda").manual_seed(21)
+    first, second = (torch.randn(2, 7, 163_840, device="cuda", generator=generator) * 3 for _ in range(2))
+    launch = prepare_draft_topk(first, 64, backend="cupy")
+    launch.out.logp.view(torch.int32).fill_(0x7FA5A5A5)
+    got = launch.launch_over(second)
+    want = prepare_draft_topk(second.clone(), 64, backend="cupy")()
+    torch.cuda.synchronize()
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.logp, want.logp)
+    assert launch.logits is None
+    with pytest.raises(ValueError, match="^logits: this launch runs over the buffer each launch_over names"):
+        launch()
+    misaligned = torch.cat([second.flatten(), second.flatten()[:1]])[1:].view(2, 7, 163_840)  # 4 bytes past 16
+    strided = torch.randn(2, 163_840, 7, device="cuda").transpose(1, 2)
+    for bad in (second[:1], second.double(), strided, misaligned):
+        with pytest.raises(ValueError, match="^logits: expected a C-contiguous"):
+            launch.launch_over(bad)

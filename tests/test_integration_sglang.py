@@ -28,6 +28,7 @@ PR_FILE = os.environ.get("KDTREE_SGLANG_PR29907_DDTREE_UTILS")
 needs_pr = pytest.mark.skipif(not PR_FILE, reason="KDTREE_SGLANG_PR29907_DDTREE_UTILS (a local copy of SGLang PR "
                                                   "#29907's ddtree_utils.py) not set")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOPK_PATHS = {"fused": "fused_v2", "exact": "exact"}  # the knob's value -> the path that runs (width <= 128)
 OUTPUTS = ("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "actual_tree_sizes")
 
 
@@ -98,9 +99,12 @@ def test_reused_output_buffers_equal_sglangs(sglang_utils):
 @needs_sglang
 @pytest.mark.gpu
 @cuda
-def test_build_ddtree_tree_equals_sglangs_on_the_gpu(sglang_utils):
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+def test_build_ddtree_tree_equals_sglangs_on_the_gpu(topk, sglang_utils, monkeypatch):
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
     logits = draft_logits("peaked", 8, 7, 163_840, seed=1).cuda()
     for budget in (7, 16, 64):
+        assert dropin.prepared_build(logits, budget).topk_path == TOPK_PATHS[topk]
         ours = dropin.build_ddtree_tree(logits, budget, logits.device)
         theirs = sglang_utils.build_ddtree_tree(logits, budget, logits.device)
         assert_same_outputs(ours, theirs, f"cuda budget={budget}")
@@ -300,8 +304,23 @@ def test_the_benchmarks_tree_stage_runs_on_the_cpu():
     parts = {"dropin_topk", "dropin_host_build"}
     assert methods == ({"dropin", "kdtree", "sglang"} if utils else {"dropin", "kdtree"}) | parts
     assert all(r["stage"] == "tree_stage" and r["time_us"] > 0 for r in rows)
+    paths = {r["method"]: r["topk_path"] for r in rows}
+    assert paths["dropin"] == paths["dropin_topk"] == "exact" and paths["dropin_host_build"] == "none"
     if utils:
         assert all(r["matches_sglang"] is True for r in rows)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+def test_the_benchmarks_drop_in_rows_name_the_top_k_it_ran(topk, monkeypatch):
+    from kdtree_lib.bench.tree_build import DROPIN_TOPK_METHODS, bench_tree_stage
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
+    rows = bench_tree_stage(None, batches=(2,), depths=(7,), budgets=(16,), vocab=5000, device="cuda")
+    paths = {r["method"]: r["topk_path"] for r in rows}
+    assert set(DROPIN_TOPK_METHODS) | {"dropin_kernel"} <= set(paths)
+    assert all(paths[name] == TOPK_PATHS[topk] for name in DROPIN_TOPK_METHODS) and paths["dropin_kernel"] == "none"
+    assert all(r["time_us"] > 0 for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +329,8 @@ def test_the_benchmarks_tree_stage_runs_on_the_cpu():
 @pytest.mark.parametrize("knob, value", [("SGLANG_DDTREE_MAX_TOPK", "abc"), ("SGLANG_DDTREE_MAX_TOPK", "0"),
                                          ("SGLANG_DDTREE_MAX_TOPK", "-2"), ("SGLANG_DDTREE_DEPTH_BONUS", "abc"),
                                          ("SGLANG_DDTREE_DEPTH_BONUS", "nan"), ("SGLANG_DDTREE_DEPTH_BONUS", "inf"),
-                                         ("KDTREE_SGLANG_CHECK_VALUES", "yes")])
+                                         ("KDTREE_SGLANG_CHECK_VALUES", "yes"), ("KDTREE_SGLANG_TOPK", "fast"),
+                                         ("KDTREE_SGLANG_TOPK", "")])
 def test_unusable_knobs_are_refused_by_name(knob, value, monkeypatch):
     monkeypatch.setenv(knob, value)
     with pytest.raises(ValueError, match=f"^{knob}: expected"):
@@ -465,13 +485,19 @@ KERNEL_CASES = [(3, 7, 3000, 8), (3, 7, 3000, 7), (2, 7, 3000, 3), (4, 7, 3000, 
                 (2, 15, 2000, 128), (1, 7, 50, 128), (2, 3, 5, 16), (2, 2, 40, 1024), (64, 7, 3000, 32)]
 
 
+# the fused top-k on "repeated" logits: every depth holds the same values, so candidates at different
+# depths tie exactly and the last-bit rounding of their weights decides (the module's docstring)
+STYLE_TOPK = [("peaked", "exact"), ("repeated", "exact"), ("flat", "exact"), ("peaked", "fused"), ("flat", "fused")]
+
+
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("style", ["peaked", "repeated", "flat"])
+@pytest.mark.parametrize("style, topk", STYLE_TOPK)
 @pytest.mark.parametrize("batch, depth, vocab, budget", KERNEL_CASES)
 @pytest.mark.parametrize("knobs", [{}, {"SGLANG_DDTREE_MAX_TOPK": "3"},
                                    {"SGLANG_DDTREE_DEPTH_BONUS": "-0.5", "SGLANG_DDTREE_MAX_TOPK": "16"}])
-def test_kernel_path_equals_the_host_reference(style, batch, depth, vocab, budget, knobs, monkeypatch):
+def test_kernel_path_equals_the_host_reference(style, topk, batch, depth, vocab, budget, knobs, monkeypatch):
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
     for name, value in knobs.items():
         monkeypatch.setenv(name, value)
     logits = draft_logits(style, batch, depth, vocab, seed=batch * budget + depth)
@@ -537,9 +563,18 @@ def test_batched_from_topk_equals_each_request(depth, k, budget):
 
 @pytest.mark.gpu
 @cuda
-def test_non_finite_logits_raise_or_give_the_root_alone(monkeypatch):
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf row"])
+def test_non_finite_logits_raise_or_give_the_root_alone(topk, bad, monkeypatch):
+    """A request whose logits hold NaN or +inf, or a position entirely -inf: flagged by the fused
+    top-k (its row written as NaN) or NaN by torch's arithmetic, then rooted alone by the build."""
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
     logits = draft_logits("peaked", 3, 7, 3000, seed=6).cuda()
-    logits[1, 4, 17] = float("nan")
+    if bad == "-inf row":
+        logits[1, 4] = float("-inf")
+    else:
+        logits[1, 4, 17] = float(bad)
+    assert dropin.prepared_build(logits, 32).topk_path == TOPK_PATHS[topk]
     monkeypatch.setenv(dropin.CHECK_ENV, "1")
     with pytest.raises(ValueError, match=r"draft_logits: request\(s\) \[1\] hold NaN"):
         dropin.build_ddtree_tree(logits, 32, logits.device)
@@ -547,14 +582,16 @@ def test_non_finite_logits_raise_or_give_the_root_alone(monkeypatch):
     tokens, depths, parents, _, visibility, sizes = dropin.build_ddtree_tree(logits, 32, logits.device)
     want = dropin.build_ddtree_tree(logits[[0, 2]].cpu(), 32, "cpu")
     assert sizes.tolist()[1] == 1 and (tokens[1] == 0).all() and (parents[1] == -1).all()
-    assert visibility[1].sum() == 1 and bool(visibility[1, 0, 0])
+    assert (depths[1] == 0).all() and visibility[1].sum() == 1 and bool(visibility[1, 0, 0])
     assert torch.equal(tokens[[0, 2]].cpu(), want[0]) and torch.equal(sizes[[0, 2]].cpu(), want[5])
 
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
 @pytest.mark.parametrize("budget", [7, 32])
-def test_the_drop_in_captures_in_a_cuda_graph(budget):
+def test_the_drop_in_captures_in_a_cuda_graph(budget, topk, monkeypatch):
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
     logits = draft_logits("peaked", 4, 7, 5000, seed=7).cuda()
 
     def step():
@@ -585,17 +622,138 @@ def test_the_drop_in_captures_in_a_cuda_graph(budget):
 
 @pytest.mark.gpu
 @cuda
-def test_the_drop_in_never_synchronizes_by_default(monkeypatch):
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+def test_the_drop_in_never_synchronizes_by_default(topk, monkeypatch):
     monkeypatch.delenv(dropin.CHECK_ENV, raising=False)
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
     logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
     dropin.build_ddtree_tree(logits, 32, logits.device)  # prepared and compiled
+    assert dropin.prepared_build(logits, 32).topk_path == TOPK_PATHS[topk]
+    buffers = dict(_out_node_token_ids=torch.zeros(16, 32, dtype=torch.long, device=logits.device),
+                   _out_node_depths=torch.zeros(16, 32, dtype=torch.long, device=logits.device),
+                   _out_parents=torch.zeros(16, 33, dtype=torch.long, device=logits.device),
+                   _out_visibility=torch.zeros(16, 33, 33, dtype=torch.bool, device=logits.device))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tree = dropin.build_ddtree_tree(logits, 32, logits.device)
+        new_logits = logits * 0.5  # another tensor, as the worker's next step hands over
+        tree = dropin.build_ddtree_tree(new_logits, 32, logits.device, **buffers)
         dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert tree[0].data_ptr() == buffers["_out_node_token_ids"].data_ptr()  # written in place, as SGLang does
+    assert tree[4].data_ptr() == buffers["_out_visibility"].data_ptr() and tuple(tree[4].shape) == (8, 33, 33)
+    again = dropin.build_ddtree_tree(new_logits, 32, logits.device)  # fresh outputs
+    for name, a, b in zip(OUTPUTS, tree, again):
+        assert name == "child_maps" or torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
+    """The worker's call (fused top-k, its four _out_* buffers), warm: the torch operations it
+    dispatches are the buffers' first rows and the sizes' allocation; the work is the three launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv(dropin.TOPK_ENV, "fused")
+    logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
+    buffers = (torch.zeros(16, 32, dtype=torch.long, device="cuda"), torch.zeros(16, 32, dtype=torch.long, device="cuda"),
+               torch.zeros(16, 33, dtype=torch.long, device="cuda"), torch.zeros(16, 33, 33, dtype=torch.bool, device="cuda"))
+    want = dropin.build_ddtree_tree(logits, 32, logits.device)
+    dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)  # prepared
+    with Recording() as recording:
+        got = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
+    print("torch operations of a warm fused call:", recording.ops)
+    assert sorted(recording.ops) == ["empty"] + ["slice"] * 4, recording.ops
+    for name, a, b in zip(OUTPUTS, got, want):
+        assert name == "child_maps" or torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused top-k against the exact one: where each runs, and how many trees differ
+
+def zipf_logits(batch: int, depth: int, vocab: int, seed: int, *, exponent: float = 1.1, noise: float = 0.5):
+    """Zipf-like draft logits on the GPU: log-probability about -exponent * log(rank) (plus noise), each
+    position's ranks over a random permutation of the vocabulary, its top token some nats ahead."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    ranks = torch.argsort(torch.rand(batch, depth, vocab, device="cuda", generator=generator), dim=-1) + 1
+    logits = -exponent * torch.log(ranks.float())
+    logits += noise * torch.randn(batch, depth, vocab, device="cuda", generator=generator)
+    lead = 4 * torch.rand(batch, depth, 1, device="cuda", generator=generator)
+    return torch.where(ranks == 1, logits + lead, logits)
+
+
+def differing_trees(logits, budget: int, monkeypatch) -> int:
+    """How many requests' outputs (tree tensors and EAGLE arrays) differ between the fused and the exact top-k."""
+    outputs = {}
+    for topk in ("fused", "exact"):
+        monkeypatch.setenv(dropin.TOPK_ENV, topk)
+        assert dropin.prepared_build(logits, budget).topk_path == TOPK_PATHS[topk], (topk, budget)
+        tree = dropin.build_ddtree_tree(logits, budget, logits.device)
+        eagle = dropin.build_eagle_tree_format(tree[2], tree[5], budget + 1, logits.device)
+        outputs[topk] = [tree[0], tree[1], tree[2], tree[4], tree[5][:, None], eagle[1], eagle[2]]
+    same = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    for a, b in zip(outputs["fused"], outputs["exact"]):
+        same &= (a == b).flatten(1).all(dim=1)
+    return int((~same).sum())
+
+
+@pytest.mark.gpu
+@cuda
+def test_fused_and_exact_trees_agree_on_realistic_logits(drafter_logits, monkeypatch):
+    """On Zipf-like, peaked and drafter-like logits, every budget, D = 7 and 15: the number of requests
+    whose tree differs between KDTREE_SGLANG_TOPK=fused and =exact is 0 (a difference needs two
+    compared numbers within a few ulps: the module's docstring)."""
+    sets = {"zipf": [zipf_logits(16, depth, 163_840, seed=depth) for depth in (7, 15)],
+            "zipf steep": [zipf_logits(16, 7, 163_840, seed=3, exponent=1.6, noise=0.2)],
+            "peaked": [draft_logits("peaked", 16, depth, 163_840, seed=depth).cuda() for depth in (7, 15)],
+            "drafter": drafter_logits}
+    counts = {}
+    for name, batches in sets.items():
+        for budget in ("depth", 8, 16, 32, 64, 128, 512):  # "depth": SGLang's spine fast path (top-1 ids only)
+            compared = differing = 0
+            for logits in batches:
+                differing += differing_trees(logits, logits.shape[1] if budget == "depth" else budget, monkeypatch)
+                compared += logits.shape[0]
+            counts[f"{name} budget={budget}"] = (differing, compared)
+    print("trees differing (fused vs exact), (differing, compared):", counts)
+    assert all(compared > 0 for _, compared in counts.values())
+    assert sum(differing for differing, _ in counts.values()) == 0, counts
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_exact_top_k_runs_where_the_fused_one_does_not_apply(monkeypatch):
+    """Widths above 128 (SGLANG_DDTREE_MAX_TOPK raised) take torch's exact top-k; bf16 logits take
+    the fused one on their float32 values (SGLang's `.float()`), non-contiguous ones on a copy."""
+    logits = draft_logits("peaked", 2, 2, 3000, seed=11).cuda()
+    monkeypatch.setenv("SGLANG_DDTREE_MAX_TOPK", "200")
+    prepared = dropin.prepared_build(logits, 512)
+    assert prepared.topk == 200 and prepared.topk_path == "exact"
+    assert_same_outputs(dropin.build_ddtree_tree(logits, 512, "cpu"), dropin.build_ddtree_tree(logits.cpu(), 512, "cpu"),
+                        "width 200")
+    monkeypatch.delenv("SGLANG_DDTREE_MAX_TOPK")
+    half = draft_logits("peaked", 4, 7, 5000, seed=12).cuda().bfloat16()
+    assert dropin.prepared_build(half, 32).topk_path == "fused_v2"
+    assert_same_outputs(dropin.build_ddtree_tree(half, 32, "cpu"), dropin.build_ddtree_tree(half.float(), 32, "cpu"),
+                        "bf16")
+    wide = draft_logits("peaked", 4, 7, 5001, seed=13).cuda()
+    strided = wide[..., 1:]  # 5000 logits a row, rows 5001 apart: not contiguous
+    assert_same_outputs(dropin.build_ddtree_tree(strided, 32, "cpu"),
+                        dropin.build_ddtree_tree(strided.contiguous(), 32, "cpu"), "non-contiguous")
+    misaligned = wide.flatten()[1:1 + 4 * 7 * 5000].view(4, 7, 5000)  # contiguous, 4 bytes past 16-byte alignment
+    assert misaligned.is_contiguous() and misaligned.data_ptr() % 16
+    assert_same_outputs(dropin.build_ddtree_tree(misaligned, 32, "cpu"),
+                        dropin.build_ddtree_tree(misaligned.clone(), 32, "cpu"), "misaligned")
 
 
 def test_launch_passes_sglangs_own_options_on(monkeypatch):

@@ -35,9 +35,13 @@ source (--sglang-utils, never committed), "dropin" the same two calls of kdtree_
 (`matches_sglang`: its outputs equal SGLang's), "kdtree" the project's own stage, draft_topk then
 build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed in a CUDA graph,
 "kdtree_graph_fused" the same with the fused top-k; and the drop-in's parts: "dropin_topk" (its top-k on
-the device), "dropin_kernel" (its build kernel, in a CUDA graph), "dropin_graph" (its two calls in a CUDA
-graph); on a CPU "dropin_host_build" (the host build). Each path is called once before it is timed
-(compilation, prepared shapes).
+the device: the prepared build's own, the fused kernel or torch's exact formula), "dropin_kernel" (its
+build kernel, in a CUDA graph), "dropin_call" (the host time per eager call of its two calls: what the
+worker's Python pays, launches enqueued, not waited for), "dropin_graph" (its two calls in a CUDA graph);
+on a CPU "dropin_host_build" (the host build). The drop-in's rows ("dropin", "dropin_topk",
+"dropin_call", "dropin_graph") carry the top-k path its prepared build ran (`topk_path`: fused_v2, or
+exact with KDTREE_SGLANG_TOPK=exact, above width 128, or on a CPU). Each path is called once before it
+is timed (compilation, prepared shapes).
 
     python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk,stage] [--sglang-utils PATH]
                                           [--results-dir DIR]
@@ -67,6 +71,9 @@ FIELDS = ("parents", "tokens", "log_weights")
 # the exact prepared launch are torch's ops; SGLang's path its own; "kdtree_graph_fused" the fused kernels
 STAGE_TOPK_PATHS = {"sglang": "sglang", "dropin_copy": "none", "dropin_host_build": "none", "dropin_kernel": "none",
                     "kdtree_graph_fused": "fused_v2"}
+# the tree_stage methods that run the drop-in's own top-k: labelled by the path its prepared build ran
+# (fused_v2, or exact: KDTREE_SGLANG_TOPK=exact, a width above 128, or the host path on a CPU)
+DROPIN_TOPK_METHODS = ("dropin", "dropin_topk", "dropin_call", "dropin_graph")
 
 
 def serving_worker_build(logp, ids, budget: int, root):
@@ -196,8 +203,10 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                     path()
                 finish()
                 timings = {name: (wall_seconds(lambda: (path(), finish())), "wall") for name, path in paths.items()}
-                timings.update(_dropin_parts(logits, budget, finish))
+                dropin_parts, dropin_topk_path = _dropin_parts(logits, budget, finish)
+                timings.update(dropin_parts)
                 topk_paths = dict(STAGE_TOPK_PATHS)
+                topk_paths.update({name: dropin_topk_path for name in DROPIN_TOPK_METHODS})
                 if device == "cuda":
                     exact = prepare_draft_topk(logits, budget, backend="torch")
                     build = prepare_build_launch(exact(), budget)
@@ -226,34 +235,38 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
     return rows
 
 
-def _dropin_parts(logits, budget: int, finish) -> dict:
-    """Where the drop-in's time goes. On a GPU: its top-k on the device ("dropin_topk", wall,
-    synchronised), its build kernel alone ("dropin_kernel", in a CUDA graph), and its two calls
-    (build_ddtree_tree, build_eagle_tree_format) replayed in a CUDA graph ("dropin_graph": what a
-    captured worker step pays). On the CPU: the top-k and the host build of the sglang policy."""
+def _dropin_parts(logits, budget: int, finish) -> tuple[dict, str]:
+    """Where the drop-in's time goes, and the top-k path it runs. On a GPU: its top-k on the device
+    ("dropin_topk": the prepared build's own, fused or exact; wall, synchronised), its build kernel
+    alone ("dropin_kernel", in a CUDA graph), the host cost of its two eager calls (build_ddtree_tree,
+    build_eagle_tree_format: "dropin_call", host time per call, back to back) and the same two calls
+    replayed in a CUDA graph ("dropin_graph": what a captured worker step pays). On the CPU: torch's
+    exact top-k and the host build of the sglang policy."""
     import torch
     from ..draft_topk import torch_topk_logprobs
     from ..integrations import sglang as dropin
     batch, depth, vocab = (int(n) for n in logits.shape)
-    policy = dropin.policy_from_environment()
-    width = dropin.topk_width(policy, budget, depth, vocab)
-    logp, ids = torch_topk_logprobs(logits, width)
-    parts = {"dropin_topk": (wall_seconds(lambda: (torch_topk_logprobs(logits, width), finish())), "wall")}
     if logits.device.type != "cuda":
+        policy = dropin.policy_from_environment()
+        width = dropin.topk_width(policy, budget, depth, vocab)
+        logp, ids = torch_topk_logprobs(logits, width)
         host = DraftTopK(logp.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
-        parts["dropin_host_build"] = (wall_seconds(lambda: build_tree(host, budget, policy=policy, backend="numpy")),
-                                      "wall")
-        return parts
-    launch = dropin.prepared_build(logits, budget).launch
-    out = launch.allocate(logits)
-    parts["dropin_kernel"] = graph_seconds(lambda: launch(logp, ids, out))
+        return {"dropin_topk": (wall_seconds(lambda: (torch_topk_logprobs(logits, width), finish())), "wall"),
+                "dropin_host_build": (wall_seconds(lambda: build_tree(host, budget, policy=policy, backend="numpy")),
+                                      "wall")}, "exact"
+    prepared = dropin.prepared_build(logits, budget)
+    parts = {"dropin_topk": (wall_seconds(lambda: (prepared.draft(logits), finish())), "wall")}
+    logp, ids = prepared.draft(logits)
+    out = prepared.launch.allocate(logits)
+    parts["dropin_kernel"] = graph_seconds(lambda: prepared.launch(logp, ids, out))
 
     def both_calls():
         tree = dropin.build_ddtree_tree(logits, budget, logits.device)
         return dropin.build_eagle_tree_format(tree[2], tree[5], budget + 1, logits.device)
 
+    parts["dropin_call"] = (host_seconds(both_calls), "host")
     parts["dropin_graph"] = graph_seconds(both_calls)
-    return parts
+    return parts, prepared.topk_path
 
 
 # ----------------------------------------------------------------------------------------------

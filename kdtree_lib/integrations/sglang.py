@@ -9,25 +9,47 @@ left-child/right-sibling arrays), element for element:
   and `pr29907_build_ddtree_tree` ([D, V] logits, budget): SGLang PR #29907's, the paper's heap in pop
   order; `build_ddtree_tree_from_topk_batched` is its batched form on the GPU (padded tensors).
 
-On a CUDA device the path is: the draft top-k by the official formula in one batched torch call
-(draft_topk.torch_topk_logprobs, what SGLang computes), then one kernel (tree_build.SGLangBuildLaunch)
-that builds the policy's tree and writes SGLang's tensors (and the EAGLE arrays) on the GPU. Each shape
-(batch, depth, budget, vocab, dtype, device, knobs) is prepared once (`prepared_build`): a later call
-costs its launches. The per-request child maps are built on the host only when a caller reads them.
-Nothing on this path reads a device value, except the value check below; it is capturable in a CUDA
-graph (the check is skipped while capturing).
+On a CUDA device main's build_ddtree_tree runs: the draft top-k, then one kernel (tree_build.SGLangBuildLaunch) that
+builds the policy's tree and writes SGLang's tensors (and the EAGLE arrays) on the GPU. The top-k is
+draft_topk's fused multi-CTA kernel ("fused_v2": one read of the logits, log-softmax fused) where it
+applies (the width at most FAST_MAX_K = 128 and B * L rows on its grid; logits of another floating
+dtype, non-contiguous or misaligned, are first made float32 as SGLang's own `.float()` does), else
+torch's exact formula (draft_topk.torch_topk_logprobs, SGLang's own ops). KDTREE_SGLANG_TOPK=exact
+selects the exact formula always (SGLang's log-probabilities to the bit). What the fused path changes:
+the ids and their order are the same (ties in the logits by ascending id; torch's order among exactly
+equal logits is its own), the log-probabilities within a few ulps of torch's (its own float32 sum for
+the normaliser; <= 1.9e-6 on Kimi's vocabulary), nearly one constant shift per draft position. None of
+SGLang's outputs carries a log-probability (tokens, depths, parents, child maps, visibility, sizes,
+EAGLE arrays), so a tree can differ only where the policy compares two numbers within a few ulps of
+each other: two candidates' weights (at different depths, or exactly tied logits), or a weight and the
+early-stop threshold; and of those only the comparisons that decide which nodes are taken (the last
+node taken against the first left out, a candidate against the threshold): the order in which two
+taken nodes pop changes nothing (each node's pushes are its own, and the breadth-first relabel orders
+a parent's children by rank, which is their pop order). tests/test_integration_sglang.py counts such differences on peaked, Zipf-like and
+drafter-like logits. Each shape (batch, depth, budget, vocab, dtype, device, knobs) is prepared once
+(`prepared_build`): the fused top-k and its buffers, the build, the outputs' layout; a later call
+costs its launches (two for the fused top-k, one for the build) and the allocation of what it returns
+fresh: the caller's _out_* buffers are written in place (SGLang's worker passes all four, so its call
+allocates only the sizes; the other outputs are fresh tensors, as SGLang returns them). The fused top-k's log-probabilities and ids live in
+the prepared launch's buffers, rewritten by the next call of that shape on the stream (calls of one
+shape are ordered on torch's current stream); it keeps no reference to any call's logits (a worker
+prepares a shape per batch size: each holding a logits tensor would hold gigabytes). The per-request child maps are built on
+the host only when a caller reads them. Nothing on this path reads a device value, except the value
+check below; it is capturable in a CUDA graph (the check is skipped while capturing).
 
 Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes,
 devices, the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
-SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1): a ValueError naming
-the argument or knob. Values: NaN or +inf logits, or a row entirely -inf, make NaN log-probabilities
-(SGLang would build from NaN weights). The kernel flags such a request and builds its root alone:
-by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step keeps no host
-synchronisation, and a flagged request gets a root-only tree (no speculation for it; verification
-still commits the target's own token, so the output stays exact). With KDTREE_SGLANG_CHECK_VALUES=1
-the call reads that flag after the launches (one host synchronisation) and raises a ValueError naming
-draft_logits: for debugging a worker, not for serving. On the CPU
-the build is kdtree's host reference (tree_build.build_tree, policy "sglang"), values checked first.
+SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1, KDTREE_SGLANG_TOPK fused
+or exact): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a row entirely
+-inf, make NaN log-probabilities on both top-k paths (torch's formula by arithmetic; the fused kernel
+flags the row on the device and writes it as NaN). The build kernel flags such a request and builds
+its root alone: by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step
+keeps no host synchronisation, and a flagged request gets a root-only tree (no speculation for it;
+verification still commits the target's own token, so the output stays exact). With
+KDTREE_SGLANG_CHECK_VALUES=1 the call reads that flag after the launches (one host synchronisation)
+and raises a ValueError naming draft_logits: for debugging a worker, not for serving. On the CPU
+the build is kdtree's host reference (tree_build.build_tree, policy "sglang") on torch's exact
+top-k, values checked first.
 
 `install()` patches SGLang's module (and every loaded module that imported these functions by name);
 `python -m kdtree_lib.integrations.sglang install|uninstall|status --site-packages DIR` makes every
@@ -37,6 +59,7 @@ in every worker process (README: "The SGLang drop-in on the box").
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import math
@@ -50,7 +73,7 @@ import numpy as np
 
 from ..checks import check_positive_int
 from ..contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, DraftTopK, unpack_mask
-from ..draft_topk import LOGIT_DTYPES, torch_topk_logprobs
+from ..draft_topk import FAST_MAX_K, LOGIT_DTYPES, MAX_GRID_Y, prepare_draft_topk, torch_topk_logprobs
 from ..tree_build import (PaperPolicy, SGLangBuildLaunch, EagleFormatLaunch, SGLangPolicy, best_first_pops,
                           build_tree)
 
@@ -59,6 +82,8 @@ MAIN_NAMES = ("build_ddtree_tree", "build_eagle_tree_format")  # SGLang main's d
 PR_NAMES = ("build_ddtree_tree", "build_ddtree_tree_from_topk")  # PR #29907's ddtree_utils
 INSTALL_ENV = "KDTREE_SGLANG_PATCH"  # "1": every process importing this module patches SGLang's build
 CHECK_ENV = "KDTREE_SGLANG_CHECK_VALUES"
+TOPK_ENV = "KDTREE_SGLANG_TOPK"  # "fused" (default): draft_topk's fused kernel; "exact": torch's formula, SGLang's bits
+TOPK_CHOICES = ("fused", "exact")
 DEFAULT_MAX_TOPK = 6
 DEFAULT_DEPTH_BONUS = 0.2
 PREPARED_LIMIT = 64  # prepared shapes kept (a worker sees a handful: its batch sizes x one budget)
@@ -67,14 +92,20 @@ PREPARED_LIMIT = 64  # prepared shapes kept (a worker sees a handful: its batch 
 def policy_from_environment() -> SGLangPolicy:
     """SGLang's policy with its environment knobs applied, as its build reads them per call; a knob
     SGLang could not use (not an integer >= 1, not a finite number) is refused by name."""
-    raw_topk = os.environ.get("SGLANG_DDTREE_MAX_TOPK", str(DEFAULT_MAX_TOPK))
+    return _policy_from(os.environ.get("SGLANG_DDTREE_MAX_TOPK", str(DEFAULT_MAX_TOPK)),
+                        os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", str(DEFAULT_DEPTH_BONUS)))
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_from(raw_topk: str, raw_bonus: str) -> SGLangPolicy:
+    """The knobs' text -> the policy, parsed once per value (a worker reads the same text every call;
+    a refusal raises and is not cached)."""
     try:
         max_topk = int(raw_topk)
     except ValueError:
         max_topk = 0
     if max_topk < 1:
         raise ValueError(f"SGLANG_DDTREE_MAX_TOPK: expected an integer >= 1, got {raw_topk!r}")
-    raw_bonus = os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", str(DEFAULT_DEPTH_BONUS))
     try:
         depth_bonus = float(raw_bonus)
     except ValueError:
@@ -90,6 +121,14 @@ def check_values_from_environment() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{CHECK_ENV}: expected 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def topk_choice_from_environment() -> str:
+    """KDTREE_SGLANG_TOPK: "fused" (the default) or "exact" (the module's docstring says what each gives)."""
+    raw = os.environ.get(TOPK_ENV, "fused")
+    if raw not in TOPK_CHOICES:
+        raise ValueError(f"{TOPK_ENV}: expected {' or '.join(TOPK_CHOICES)}, got {raw!r}")
+    return raw
 
 
 class ChildMaps(Sequence):
@@ -168,19 +207,65 @@ INTEGER_DTYPES = ("int64", "int32")
 # SGLang main: build_ddtree_tree, build_eagle_tree_format
 
 class PreparedBuild:
-    """build_ddtree_tree's launches for one shape on one CUDA device: the top-k width, the kernel
-    prepared (SGLangBuildLaunch). A call: the top-k (torch), one kernel, outputs allocated fresh
-    (SGLang returns new tensors) or written into the caller's buffers."""
+    """build_ddtree_tree's launches for one shape on one CUDA device: the top-k width, the top-k (the
+    fused kernel where it applies, else torch's exact formula), the build kernel (SGLangBuildLaunch),
+    and the layout of the outputs a call allocates. Made on a call's logits (the fused launch is
+    prepared over them, then runs over each call's own through TopKLaunch.launch_over, which keeps
+    none of them)."""
 
-    def __init__(self, batch: int, depth: int, vocab: int, budget: int, device_index: int, policy: SGLangPolicy):
-        self.budget = budget
+    def __init__(self, draft_logits, budget: int, policy: SGLangPolicy, choice: str):
+        import torch
+        batch, depth, vocab = (int(n) for n in draft_logits.shape)
+        self.batch, self.budget = batch, budget
         self.topk = topk_width(policy, budget, depth, vocab)
-        self.launch = SGLangBuildLaunch(batch, depth, self.topk, budget, device_index, policy=policy, ids_int64=True,
-                                        links=False)
+        self.fused = None
+        # the fused v2 kernel: k <= FAST_MAX_K and rows on its grid (v1, above, flags no bad rows)
+        if choice == "fused" and self.topk <= FAST_MAX_K and batch * depth <= MAX_GRID_Y:
+            self.fused = prepare_draft_topk(self._float32(draft_logits, 16), self.topk, backend="cupy")
+            if self.fused.path != "fused_v2":
+                self.fused = None
+        self.topk_path = self.fused.path if self.fused is not None else "exact"
+        self.launch = SGLangBuildLaunch(batch, depth, self.topk, budget, draft_logits.device.index, policy=policy,
+                                        ids_int64=self.fused is None, links=False)
+        self.bad = torch.empty(batch, dtype=torch.int32, device=draft_logits.device)  # read only by the value check
+        nodes = budget + 1
+        # the outputs a call returns
+        self.layout = {"node_tokens": ((batch, budget), torch.int64), "node_depths": ((batch, budget), torch.int64),
+                       "parents": ((batch, nodes), torch.int64), "sizes": ((batch,), torch.int64),
+                       "visibility": ((batch, nodes, nodes), torch.bool)}
 
-    def __call__(self, draft_logits):
-        logp, ids = torch_topk_logprobs(draft_logits, self.topk)
-        return self.launch(logp, ids, self.launch.allocate(draft_logits))
+    @staticmethod
+    def _float32(draft_logits, alignment: int):
+        """The logits as the fused kernel reads them: float32 (SGLang's own `.float()`), C-contiguous,
+        aligned; the caller's tensor itself when it is (the worker's draft logits are float32)."""
+        x = draft_logits.float().contiguous()
+        return x.clone() if x.data_ptr() % alignment else x
+
+    def draft(self, draft_logits):
+        """The top-k log-probabilities and ids [B, D, topk] (fused: the launch's buffers, rewritten by
+        the next call of this shape; ids int32 there, int64 from torch)."""
+        if self.fused is None:
+            return torch_topk_logprobs(draft_logits, self.topk)
+        out = self.fused.launch_over(self._float32(draft_logits, self.fused.alignment))
+        return out.logp, out.ids
+
+    def outputs(self, device, given: dict) -> dict:
+        """The build's outputs: the caller's buffers where given (written in place: SGLang's worker
+        passes all four _out_* buffers, so its call allocates `sizes` alone), the rest fresh (the
+        caller may keep what it is returned, as SGLang's are), and the prepared `bad` flags. One
+        torch.empty per fresh output: carving several from one allocation costs three tensor
+        operations each (slice, dtype view, shape view), measured dearer than an empty on this host."""
+        import torch
+        out = dict(given)
+        for name, (shape, dtype) in self.layout.items():
+            if name not in out:
+                out[name] = torch.empty(shape, dtype=dtype, device=device)
+        out["bad"] = self.bad
+        return out
+
+    def __call__(self, draft_logits, given: dict) -> dict:
+        logp, ids = self.draft(draft_logits)
+        return self.launch(logp, ids, self.outputs(draft_logits.device, given))
 
 
 _PREPARED: dict[tuple, object] = {}
@@ -196,16 +281,16 @@ def _prepared(key: tuple, make):
 
 
 def _check_build_args(draft_logits, tree_budget):
-    """build_ddtree_tree's checks (metadata and knobs): (batch, depth, vocab, budget, policy)."""
+    """build_ddtree_tree's checks (metadata and knobs): (batch, depth, vocab, budget, policy, check
+    values, top-k choice)."""
     _check_tensor("draft_logits", draft_logits, ndim=3, dtypes=LOGIT_DTYPES)
     budget = _check_budget("tree_budget", tree_budget)
     batch, depth, vocab = (int(n) for n in draft_logits.shape)
     _check_depth("draft_logits", depth)
     if vocab < 1:
         raise ValueError(f"draft_logits: expected a vocabulary of at least 1 token, got shape {tuple(draft_logits.shape)}")
-    policy = policy_from_environment()
-    check_values_from_environment()
-    return batch, depth, vocab, budget, policy
+    return (batch, depth, vocab, budget, policy_from_environment(), check_values_from_environment(),
+            topk_choice_from_environment())
 
 
 def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int:
@@ -215,11 +300,14 @@ def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int
 
 def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
     """The prepared build for these logits' shape, budget and the knobs now (checked), made once."""
-    batch, depth, vocab, budget, policy = _check_build_args(draft_logits, tree_budget)
+    return _prepared_build(draft_logits, *_check_build_args(draft_logits, tree_budget))[0]
+
+
+def _prepared_build(draft_logits, batch, depth, vocab, budget, policy, check_values, choice):
     if draft_logits.device.type != "cuda":
         raise ValueError(f"draft_logits: the kernel build needs a CUDA tensor, got device {draft_logits.device}")
-    key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, policy)
-    return _prepared(key, lambda: PreparedBuild(batch, depth, vocab, budget, draft_logits.device.index, policy))
+    key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, policy, choice)
+    return _prepared(key, lambda: PreparedBuild(draft_logits, budget, policy, choice)), check_values
 
 
 def _raise_if_flagged(bad, name: str) -> None:
@@ -249,36 +337,59 @@ def _into(given, fresh, fill, name: str):
     return out
 
 
+OUT_NAMES = ("node_tokens", "node_depths", "parents", "visibility")  # build_ddtree_tree's _out_* buffers, in order
+OUT_FILLS = (0, 0, -1, False)  # what SGLang fills their padding with
+
+
+def _in_place(given, shape, dtype, device):
+    """`given`'s first rows, when the kernel can write them directly (SGLang's own reuse of a caller's
+    buffer, whose padding the kernel writes too): same trailing shape, dtype and device, contiguous."""
+    if given is None or given.shape[0] < shape[0] or tuple(given.shape[1:]) != tuple(shape[1:]):
+        return None
+    rows = given[:shape[0]]
+    if rows.dtype != dtype or rows.device != device or not rows.is_contiguous():
+        return None
+    return rows
+
+
 def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_ids=None, _out_node_depths=None,
                       _out_parents=None, _out_visibility=None):
     """SGLang's build_ddtree_tree: draft logits [bs, L, V] -> (node_token_ids [bs, budget] int64,
     node_depths [bs, budget] int64, parents [bs, budget + 1] int64 (-1 root and padding), child_maps,
     visibility [bs, budget + 1, budget + 1] bool, actual_tree_sizes [bs] int64), on `device`;
-    the _out_* buffers are used when they hold at least bs rows, as SGLang's are. Checks: the module's
-    docstring (the value check reads one flag per call on a GPU, KDTREE_SGLANG_CHECK_VALUES)."""
+    the _out_* buffers are used when they hold at least bs rows, as SGLang's are (the kernel writes
+    their first bs rows directly when their trailing shape, dtype and device are the outputs'; the
+    other outputs are fresh tensors). Checks: the module's docstring."""
     device = _torch_device(device)
+    buffers = (_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility)
     if getattr(draft_logits, "device", None) is not None and getattr(draft_logits.device, "type", None) == "cuda":
-        prepared = prepared_build(draft_logits, tree_budget)
-        out = prepared(draft_logits)
-        if check_values_from_environment():
+        prepared, check_values = _prepared_build(draft_logits, *_check_build_args(draft_logits, tree_budget))
+        given = {}
+        if _same_device(draft_logits, device):
+            for name, buffer in zip(OUT_NAMES, buffers):
+                rows = buffer if buffer is None else _in_place(buffer, *prepared.layout[name], draft_logits.device)
+                if rows is not None:
+                    given[name] = rows
+        out = prepared(draft_logits, given)
+        if check_values:
             _raise_if_flagged(out["bad"], "draft_logits")
-        fresh = [out["node_tokens"], out["node_depths"], out["parents"], out["visibility"]]
+        fresh = [out[name] for name in OUT_NAMES]
         sizes = out["sizes"]
         if not _same_device(sizes, device):
             fresh, sizes = [t.to(device) for t in fresh], sizes.to(device)
+        buffers = [None if name in given else buffer for name, buffer in zip(OUT_NAMES, buffers)]
     else:
         fresh, sizes = _host_build(draft_logits, tree_budget, device)
     names = ("_out_node_token_ids", "_out_node_depths", "_out_parents", "_out_visibility")
     tokens, depths, parents, visibility = (_into(given, t, fill, name) for given, t, fill, name in
-                                           zip((_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility),
-                                               fresh, (0, 0, -1, False), names))
+                                           zip(buffers, fresh, OUT_FILLS, names))
     return tokens, depths, parents, ChildMaps(tokens, parents, sizes), visibility, sizes
 
 
 def _host_build(draft_logits, tree_budget, device):
     """kdtree's host reference of the policy, in SGLang's layout (logits on the CPU; values checked)."""
     import torch
-    batch, depth, vocab, budget, policy = _check_build_args(draft_logits, tree_budget)
+    batch, depth, vocab, budget, policy, _, _ = _check_build_args(draft_logits, tree_budget)
     logp, ids = torch_topk_logprobs(draft_logits, topk_width(policy, budget, depth, vocab))
     draft = DraftTopK(logp=logp.cpu().numpy(), ids=ids.to(torch.int32).cpu().numpy())
     if not np.isfinite(draft.logp[..., 0]).all():

@@ -8,6 +8,29 @@
 //       tile): a verify step gives each expert 1-30 tokens, so "swap AB" fills the MMA's M with
 //       weight rows instead of padding 16 token rows. Codes are dequantized in registers.
 //
+// Napkin math per call, at K2.6's shapes: hidden H = 7168, 384 experts, top-8, expert width W = 2048
+// at TP=1 and 256 in the TP=8 slice; M tokens route 8M (token, expert) pairs to U distinct experts
+// (uniform routing expects U = 384·(1 − (376/384)^M): 8 at M = 1, ~60 at 8, ~284 at 64, 384 by 512).
+// kdtree_lib.moe.touched_bytes counts the same bytes for the benchmark's roofline.
+//   weights     4-bit codes + one bf16 scale per 32 = 9/16 byte a weight, each read once per token
+//               pass (8·TOKEN_TILES tokens of an expert): gate_up [2W, H] 2.06 MB (W = 256) or 16.5 MB
+//               (W = 2048) an expert, down [H, W] 1.03 or 8.26 MB; 3.10 or 24.8 MB an expert hit,
+//               1.19 or 9.51 GB the whole layer.
+//   activations x in and the output, M·H·2 bytes each (14.3 KB a token). Between the launches h
+//               [8M, W] and y [8M, H] (bf16) are written and read back, 8M·(2W + 2H)·2 bytes: 0.24 MB
+//               at M = 1 and 15 MB at M = 64 (TP=8 slice), from L2, but 122 MB at M = 512, past the
+//               H200's 50 MB L2.
+//   FLOPs       gate_up 2·8M·2W·H + down 2·8M·H·W = 48·M·W·H: 88 MFLOP (W = 256) or 705 MFLOP
+//               (W = 2048) a token.
+//   bound       FLOP/byte ≈ 28.4·M/U: 3.6 at M = 1, 6.4 at M = 64, 38 at M = 512, against an H200
+//               ridge near 150 (mma.sync ~640 TFLOP/s over ~4.25 TB/s copy, bench.ceilings' H200 rows):
+//               every verify-sized call is bound by its experts' bytes. TP=8 slice at 4.22 TB/s: M = 1
+//               24.8 MB = 5.9 µs, M = 8 184 MB = 44 µs, M = 64 880 MB = 209 µs (TP=1: 8× the bytes).
+//               The dequantization (shift, lop3 and two bf16x2 FMAs per pair of weights: 1/16 warp
+//               instruction a weight) of one expert pass at W = 256 is ~0.34 M warp instructions,
+//               ~0.33 µs of a whole H200's issue slots (132 SMs × 4 schedulers × 1.98 GHz) against
+//               0.73 µs for its bytes: it has to overlap the loads, and each further pass adds it again.
+//
 // One call:
 //   moe_route    one CTA: per local expert the count of routed (token, slot) pairs, their offsets, the
 //                list of experts hit; each pair's position in expert order (inverse) and its token.

@@ -16,6 +16,19 @@
 // rows [0, len + N) (576-wide keys, their first 512 columns are the values). Row (node i) may see
 // every key < len and tree key len + j iff bit j of mask[b, i] is set.
 //
+// Napkin math per call and layer (K2.6: 64 heads, H = 8 a rank at TP=8; keys = L + N; rows = N·H;
+// kdtree_lib.bench.verify_attn's traffic_bytes and flops count the same for its roofline):
+//   bytes   the latent cache read once, 576 bf16 = 1152 bytes a key for all heads: 37.7 MB a request
+//           at L = 32k (4.7 MB at 4k, 151 MB at 128k); Q in and O + LSE out, 1152 + 1024 + 4 bytes a
+//           row (1.1 MB at N = 64, H = 8). With several key splits, each split also writes its
+//           16-bit partial rows and LSEs (1028 bytes a row) and the merge reads them back.
+//   FLOPs   S = Q·Kᵀ 2·rows·keys·576, O = P·V 2·rows·keys·512: 2176·rows·keys a request
+//           (36.6 GFLOP at N = 64, H = 8, L = 32k).
+//   bound   FLOP/byte ≈ 1.9·rows; an H200's ridge is near 150 (mma.sync ~640 TFLOP/s over ~4.25 TB/s
+//           copy, bench.ceilings' rows), so from ~80 rows a call is compute-bound. B = 1, H = 8,
+//           L = 32k, bytes at 4.22 TB/s against MMAs at 640 TFLOP/s: N = 1 (decode) 8.9 against
+//           0.9 µs, N = 16 9.0 against 14.3 µs, N = 64 9.2 against 57 µs.
+//
 // Kernel (one CTA = ROWS query rows × one split of the key range):
 //   * Q (ROWS × 576) is loaded once into shared memory; warps of 16 rows then hold their Q
 //     fragments in registers, so their Q needs no tile of its own (it lands in the ring's last

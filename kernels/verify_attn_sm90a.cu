@@ -1,7 +1,8 @@
 // Tree-verify attention for absorbed MLA on Hopper's warpgroup MMA (wgmma), sm_90a only. The
-// portable mma.sync kernel (verify_attn.cu) states the problem and stays the one for sm_120 and
-// every other device; kdtree_lib/verify_attn.py picks this one on compute capability 9.0. Both
-// share verify_attn_common.cuh (key range, mask, epilogue, split merge).
+// portable mma.sync kernel (verify_attn.cu) states the problem and its napkin math (bytes and
+// FLOPs per call) and stays the one for sm_120 and every other device; kdtree_lib/verify_attn.py
+// picks this one on compute capability 9.0. Both share verify_attn_common.cuh (key range, mask,
+// epilogue, split merge).
 //
 // Versions (docs/kernel-notes.md: what each one measured, and the trials not kept):
 //   v1: 64 rows × 64-key tiles, two warpgroups splitting S = Q·Kᵀ by keys and owning the two halves

@@ -17,8 +17,10 @@ typedef unsigned int u32;       // a packed pair of 16-bit values, a shared-wind
 typedef unsigned long long u64;
 typedef long long i64;          // element offsets into tensors past 2^31 elements
 
-constexpr float kd_log2e = 1.4426950408889634f;
-constexpr float kd_ln2 = 0.6931471805599453f;
+// Functions, not constexpr variables: NVRTC builds (CuPy's --device-as-default-execution-space)
+// would emit a namespace-scope constant as a __device__ global into every module.
+__host__ __device__ __forceinline__ constexpr float kd_log2e() { return 1.4426950408889634f; }
+__host__ __device__ __forceinline__ constexpr float kd_ln2() { return 0.6931471805599453f; }
 
 __host__ __device__ __forceinline__ constexpr int kd_ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -87,6 +89,9 @@ __device__ __forceinline__ u32 kd_dynamic_smem_bytes() {
 }
 
 // The shared-window address of a generic pointer into shared memory (cp.async, ldmatrix, mbarrier).
+// PTX rather than __cvta_generic_to_shared: the two are not interchangeable for code generation
+// (either one in place of the other moves the verify-attention and tree-build kernels' registers by
+// up to 8), and the verify-attention kernels were tuned with this one.
 __device__ __forceinline__ u32 kd_smem_address(const void* pointer) {
     u32 address;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));

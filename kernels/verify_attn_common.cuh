@@ -112,7 +112,7 @@ __device__ __forceinline__ RowDestination row_destination(u16* out, float* lse, 
 
 // A row's LSE (natural log) from its log2-domain maximum and its sum; −inf for a row with no key.
 __device__ __forceinline__ float row_lse(float max_log2, float sum) {
-  return sum > 0.f ? (max_log2 + fast_log2(sum)) * kd_ln2 : kd_neg_inf_f();
+  return sum > 0.f ? (max_log2 + fast_log2(sum)) * kd_ln2() : kd_neg_inf_f();
 }
 
 // Rows staged in shared memory as 16-bit values go out in 16-byte pieces, a warp writing 512
@@ -170,7 +170,7 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
   const float base = m == kd_neg_inf_f() ? 0.f : m;  // every split empty: O = 0, lse = -inf
   float total = 0.f;
   for (int s = tid; s < splits; s += kMergeThreads) {
-    weight[s] = fast_exp2((weight[s] - base) * kd_log2e);
+    weight[s] = fast_exp2((weight[s] - base) * kd_log2e());
     total += weight[s];
   }
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`

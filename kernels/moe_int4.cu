@@ -8,6 +8,29 @@
 //       tile): a verify step gives each expert 1-30 tokens, so "swap AB" fills the MMA's M with
 //       weight rows instead of padding 16 token rows. Codes are dequantized in registers.
 //
+// Napkin math per call, at K2.6's shapes: hidden H = 7168, 384 experts, top-8, expert width W = 2048
+// at TP=1 and 256 in the TP=8 slice; M tokens route 8M (token, expert) pairs to U distinct experts
+// (uniform routing expects U = 384·(1 − (376/384)^M): 8 at M = 1, ~60 at 8, ~284 at 64, 384 by 512).
+// kdtree_lib.moe.touched_bytes counts the same bytes for the benchmark's roofline.
+//   weights     4-bit codes + one bf16 scale per 32 = 9/16 byte a weight, each read once per token
+//               pass (8·TOKEN_TILES tokens of an expert): gate_up [2W, H] 2.06 MB (W = 256) or 16.5 MB
+//               (W = 2048) an expert, down [H, W] 1.03 or 8.26 MB; 3.10 or 24.8 MB an expert hit,
+//               1.19 or 9.51 GB the whole layer.
+//   activations x in and the output, M·H·2 bytes each (14.3 KB a token). Between the launches h
+//               [8M, W] and y [8M, H] (bf16) are written and read back, 8M·(2W + 2H)·2 bytes: 0.24 MB
+//               at M = 1 and 15 MB at M = 64 (TP=8 slice), from L2, but 122 MB at M = 512, past the
+//               H200's 50 MB L2.
+//   FLOPs       gate_up 2·8M·2W·H + down 2·8M·H·W = 48·M·W·H: 88 MFLOP (W = 256) or 705 MFLOP
+//               (W = 2048) a token.
+//   bound       FLOP/byte ≈ 28.4·M/U: 3.6 at M = 1, 6.4 at M = 64, 38 at M = 512, against an H200
+//               ridge near 150 (mma.sync ~640 TFLOP/s over ~4.25 TB/s copy, bench.ceilings' H200 rows):
+//               every verify-sized call is bound by its experts' bytes. TP=8 slice at 4.22 TB/s: M = 1
+//               24.8 MB = 5.9 µs, M = 8 184 MB = 44 µs, M = 64 880 MB = 209 µs (TP=1: 8× the bytes).
+//               The dequantization (shift, lop3 and two bf16x2 FMAs per pair of weights: 1/16 warp
+//               instruction a weight) of one expert pass at W = 256 is ~0.34 M warp instructions,
+//               ~0.33 µs of a whole H200's issue slots (132 SMs × 4 schedulers × 1.98 GHz) against
+//               0.73 µs for its bytes: it has to overlap the loads, and each further pass adds it again.
+//
 // One call:
 //   moe_route    one CTA: per local expert the count of routed (token, slot) pairs, their offsets, the
 //                list of experts hit; each pair's position in expert order (inverse) and its token.
@@ -32,10 +55,6 @@
 // so (word >> 4i) & 0x000f000f holds A register i's two codes.
 
 #include "common.cuh"
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
 
 namespace moe {
 
@@ -79,13 +98,6 @@ __device__ __forceinline__ void dequantize(u32 word, u32 scale_lo, u32 scale_hi,
   }
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Weights are read once per call: no L1 allocation (the activations, re-read by every CTA of an
 // expert, keep the default path).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -101,18 +113,7 @@ __device__ __forceinline__ u32 load_stream(const u32* p) {
   return v;
 }
 
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-  u32 packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
-}
-__device__ __forceinline__ u16 to_bf16(float x) { return (u16)(pack_bf16x2(x, 0.f) & 0xffffu); }
-
-__device__ __forceinline__ u32 dynamic_smem_bytes() {
-  u32 bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
-  return bytes;
-}
+__device__ __forceinline__ u16 to_bf16(float x) { return (u16)(kd_pack2<false>(x, 0.f) & 0xffffu); }
 
 // Routing metadata written by moe_route, read by every later kernel: offsets [experts + 1], the
 // number of experts hit, then their ids in increasing order.
@@ -150,7 +151,7 @@ __device__ __forceinline__ void gemm_cta(const uint4* __restrict__ codes, const 
   static_assert(kWarps % kSplit == 0, "the warps split evenly");
   static_assert(!kGateUp || kTiles % 2 == 0, "gate and up tiles pair up");
   if constexpr (kSplit > 1) {
-    if (dynamic_smem_bytes() < (u32)reduce_bytes<kTiles, kSplit, kTokenTiles>()) __trap();  // launcher disagrees
+    if (kd_dynamic_smem_bytes() < (u32)reduce_bytes<kTiles, kSplit, kTokenTiles>()) __trap();  // launcher disagrees
   }
   if ((int)blockIdx.y >= meta.hit()) return;
   const int expert = meta.hit_expert(blockIdx.y);
@@ -158,7 +159,7 @@ __device__ __forceinline__ void gemm_cta(const uint4* __restrict__ codes, const 
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int part = warp % kSplit, group = warp / kSplit;
-  const int chunks = inputs / kChunk, per_part = (chunks + kSplit - 1) / kSplit;
+  const int chunks = inputs / kChunk, per_part = kd_ceil_div(chunks, kSplit);
   const int first_chunk = part * per_part;
   const int n_chunks = max(0, min(chunks - first_chunk, per_part));
   const int out_stride = kGateUp ? rows / 2 : rows;  // h is [capacity, width], y [capacity, hidden]
@@ -228,7 +229,7 @@ __device__ __forceinline__ void gemm_cta(const uint4* __restrict__ codes, const 
 #pragma unroll
             for (int tt = 0; tt < kTokenTiles; ++tt) {
               const uint4 v = s.act[tt][b >> 1];
-              mma_bf16(acc[i][tt], a, (b & 1) ? v.z : v.x, (b & 1) ? v.w : v.y);
+              kd_mma_m16n8k16<false>(acc[i][tt], a, (b & 1) ? v.z : v.x, (b & 1) ? v.w : v.y);
             }
           }
         }
@@ -294,12 +295,12 @@ __device__ __forceinline__ void combine_token(const u16* __restrict__ y, const i
       const u32 pairs[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        sum[2 * q] += w * __uint_as_float(pairs[q] << 16);
-        sum[2 * q + 1] += w * __uint_as_float(pairs[q] & 0xffff0000u);
+        sum[2 * q] += w * kd_unpack2<false>(pairs[q]).x;
+        sum[2 * q + 1] += w * kd_unpack2<false>(pairs[q]).y;
       }
     }
-    const uint4 packed = uint4{pack_bf16x2(sum[0], sum[1]), pack_bf16x2(sum[2], sum[3]), pack_bf16x2(sum[4], sum[5]),
-                               pack_bf16x2(sum[6], sum[7])};
+    const uint4 packed = uint4{kd_pack2<false>(sum[0], sum[1]), kd_pack2<false>(sum[2], sum[3]),
+                               kd_pack2<false>(sum[4], sum[5]), kd_pack2<false>(sum[6], sum[7])};
     *reinterpret_cast<uint4*>(out + (i64)token * hidden + column) = packed;
   }
 }

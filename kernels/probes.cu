@@ -3,14 +3,15 @@
 // way the benchmarks time every call (kdtree_lib/bench/timing.py: CUDA events, L2 flushed first).
 //
 // Kernels:
-//   mma_sync_ceiling: the rate of the portable verify-attention kernel's MMA (mma.sync m16n8k16,
-//                     bf16 in, fp32 accumulators) with no memory traffic: 8 independent chains a
-//                     warp on register operands, enough to keep the tensor pipe full.
+//   mma_sync_ceiling: the rate of the MMA of the portable verify-attention and MoE kernels
+//                     (common.cuh's kd_mma_m16n8k16: bf16 in, fp32 accumulators) with no memory
+//                     traffic: 8 independent chains a warp on register operands, enough to keep the
+//                     tensor pipe full.
 //   launch_floor:     an empty kernel: what one launch costs under the benchmarks' timing, a floor
 //                     under every call's time however little work it does.
 // The copy-bandwidth ceiling is torch's device-to-device copy (bench/ceilings.copy_bandwidth).
 
-#include "verify_attn_common.cuh"
+#include "common.cuh"
 
 // FLOPs = blocks · warps · iters · 8 chains · 4096 (one m16n8k16).
 extern "C" __global__ void __launch_bounds__(256) mma_sync_ceiling(float* sink, int iters) {
@@ -19,7 +20,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_sync_ceiling(float* sink, 
   float acc[8][4] = {};
   for (int i = 0; i < iters; ++i) {
 #pragma unroll
-    for (int c = 0; c < 8; ++c) va::mma16816<false>(acc[c], a, x, x ^ 0x00040004u);
+    for (int c = 0; c < 8; ++c) kd_mma_m16n8k16<false>(acc[c], a, x, x ^ 0x00040004u);
   }
   float total = 0.f;
 #pragma unroll

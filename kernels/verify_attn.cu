@@ -16,6 +16,19 @@
 // rows [0, len + N) (576-wide keys, their first 512 columns are the values). Row (node i) may see
 // every key < len and tree key len + j iff bit j of mask[b, i] is set.
 //
+// Napkin math per call and layer (K2.6: 64 heads, H = 8 a rank at TP=8; keys = L + N; rows = N·H;
+// kdtree_lib.bench.verify_attn's traffic_bytes and flops count the same for its roofline):
+//   bytes   the latent cache read once, 576 bf16 = 1152 bytes a key for all heads: 37.7 MB a request
+//           at L = 32k (4.7 MB at 4k, 151 MB at 128k); Q in and O + LSE out, 1152 + 1024 + 4 bytes a
+//           row (1.1 MB at N = 64, H = 8). With several key splits, each split also writes its
+//           16-bit partial rows and LSEs (1028 bytes a row) and the merge reads them back.
+//   FLOPs   S = Q·Kᵀ 2·rows·keys·576, O = P·V 2·rows·keys·512: 2176·rows·keys a request
+//           (36.6 GFLOP at N = 64, H = 8, L = 32k).
+//   bound   FLOP/byte ≈ 1.9·rows; an H200's ridge is near 150 (mma.sync ~640 TFLOP/s over ~4.25 TB/s
+//           copy, bench.ceilings' rows), so from ~80 rows a call is compute-bound. B = 1, H = 8,
+//           L = 32k, bytes at 4.22 TB/s against MMAs at 640 TFLOP/s: N = 1 (decode) 8.9 against
+//           0.9 µs, N = 16 9.0 against 14.3 µs, N = 64 9.2 against 57 µs.
+//
 // Kernel (one CTA = ROWS query rows × one split of the key range):
 //   * Q (ROWS × 576) is loaded once into shared memory; warps of 16 rows then hold their Q
 //     fragments in registers, so their Q needs no tile of its own (it lands in the ring's last
@@ -105,10 +118,10 @@ __device__ __forceinline__ void verify_attn_cta(
     float* __restrict__ partial_lse,    // [splits, B, rows]        (several splits)
     int nodes, int heads, int l_max, int words, int chunk, float scale_log2) {
   using S = Shape<kRowTiles, kRowGroups, kKeys, kStages, kScoring>;
-  if (dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
+  if (kd_dynamic_smem_bytes() < S::kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem[];  // 16-byte aligned is all cp.async and ldmatrix need
-  const u32 kv_smem = smem_address(smem) + S::kQBytes;
-  const u32 q_smem = S::kQInRegisters ? kv_smem + (kStages - 1) * S::kStageBytes : smem_address(smem);
+  const u32 kv_smem = kd_smem_address(smem) + S::kQBytes;
+  const u32 q_smem = S::kQInRegisters ? kv_smem + (kStages - 1) * S::kStageBytes : kd_smem_address(smem);
   const u32 p_smem = kv_smem + kStages * S::kStageBytes;
   unsigned char* p_bytes = smem + S::kQBytes + kStages * S::kStageBytes;
   float* exchange = reinterpret_cast<float*>(p_bytes + S::kPBytes);  // [4][ROWS]: row max, then row sum
@@ -142,7 +155,7 @@ __device__ __forceinline__ void verify_attn_cta(
       const u16* src = cache_b + (i64)(valid ? tile_start + r : 0) * kWidth + load_sub * 8;
       const u32 dst = kv_smem + stage * S::kStageBytes + r * kRowBytes + load_swizzle;
 #pragma unroll
-      for (int q = 0; q < kRowChunks / 8; ++q) cp_async16(dst + q * 128, src + q * 64, valid);
+      for (int q = 0; q < kRowChunks / 8; ++q) kd_cp_async16(dst + q * 128, src + q * 64, valid);
     }
   };
 
@@ -155,13 +168,13 @@ __device__ __forceinline__ void verify_attn_cta(
     const u16* latent = q_latent + q_row * kLatent + load_sub * 8;
     const u32 dst = q_smem + r * kRowBytes + load_swizzle;
 #pragma unroll
-    for (int q = 0; q < kLatent / 64; ++q) cp_async16(dst + q * 128, latent + q * 64, valid);
-    cp_async16(dst + (kLatent / 64) * 128, q_rope + q_row * kRope + load_sub * 8, valid);
+    for (int q = 0; q < kLatent / 64; ++q) kd_cp_async16(dst + q * 128, latent + q * 64, valid);
+    kd_cp_async16(dst + (kLatent / 64) * 128, q_rope + q_row * kRope + load_sub * 8, valid);
   }
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
     if (stage < n_tiles) load_tile(stage, stage);
-    cp_async_commit();
+    kd_cp_async_commit();
   }
 
   float o[kRowTiles][16][4];  // O for rows (group, tile, quad_row [+8]) × this warp's 128 columns
@@ -170,7 +183,7 @@ __device__ __forceinline__ void verify_attn_cta(
   for (int mt = 0; mt < kRowTiles; ++mt) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
-    row_max[mt][0] = row_max[mt][1] = neg_inf();
+    row_max[mt][0] = row_max[mt][1] = kd_neg_inf_f();
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
   const int warp_row0 = group * S::kWarpRows;  // first CTA row of this warp's group
@@ -202,19 +215,19 @@ __device__ __forceinline__ void verify_attn_cta(
   constexpr bool kQInRegisters = S::kQInRegisters;
   u32 q_frag[kQInRegisters ? kWidth / 16 : 1][4];
   if constexpr (kQInRegisters) {
-    cp_async_wait<kStages - 2>();  // Q (and tile 0)
+    kd_cp_async_wait<kStages - 2>();  // Q (and tile 0)
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kWidth / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lane[kk & 3] + (kk >> 2) * 128);
   }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
+    kd_cp_async_wait<kStages - 2>();
     __syncthreads();  // tile visible to all; everyone is done with tile - 1 (its stage and P)
     {
       const int next = tile + kStages - 1;
       if (next < n_tiles) load_tile(next, next % kStages);
-      cp_async_commit();
+      kd_cp_async_commit();
     }
     const u32 stage = kv_smem + (tile % kStages) * S::kStageBytes;
     const int tile_start = key_begin + tile * kKeys;
@@ -260,7 +273,7 @@ __device__ __forceinline__ void verify_attn_cta(
         for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
           for (int nt = 0; nt < S::kKeyTiles; ++nt)
-            mma16816<kHalf>(chains[kk % S::kChains][mt][nt], a[mt], bk[nt][0], bk[nt][1]);
+            kd_mma_m16n8k16<kHalf>(chains[kk % S::kChains][mt][nt], a[mt], bk[nt][0], bk[nt][1]);
       }
 #pragma unroll
       for (int c = 1; c < S::kChains; ++c)
@@ -285,7 +298,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int key = tile_start + slice * S::kWarpKeys + nt * 8 + 2 * quad_col + e;
-                if (!key_visible(key, range, real_row, mask_row)) s[mt][nt][2 * h + e] = neg_inf();
+                if (!key_visible(key, range, real_row, mask_row)) s[mt][nt][2 * h + e] = kd_neg_inf_f();
               }
           }
       }
@@ -295,7 +308,7 @@ __device__ __forceinline__ void verify_attn_cta(
       for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float m = neg_inf();
+          float m = kd_neg_inf_f();
 #pragma unroll
           for (int nt = 0; nt < S::kKeyTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
           quad_reduce_store<true>(m, exchange + slice * S::kRows + warp_row0 + mt * 16 + quad_row + 8 * h, quad_col);
@@ -313,7 +326,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
         for (int w = 1; w < S::kScoringWarps; ++w) tile_max = fmaxf(tile_max, exchange[w * S::kRows + r]);
         const float new_max = fmaxf(row_max[mt][h], tile_max * scale_log2);
-        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
+        const float base = new_max == kd_neg_inf_f() ? 0.f : new_max;  // a row with no key yet
         const float alpha = fast_exp2(row_max[mt][h] - base);
         row_max[mt][h] = new_max;
         float sum = 0.f;
@@ -328,11 +341,11 @@ __device__ __forceinline__ void verify_attn_cta(
             }
             const int key = slice * S::kWarpKeys + nt * 8 + 2 * quad_col;
             *reinterpret_cast<u32*>(p_bytes + r * S::kPStride + key * 2) =
-                pack2<kHalf>(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+                kd_pack2<kHalf>(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
           }
         }
         row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
+        if (__any_sync(KD_FULL_MASK, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             o[mt][j][2 * h] *= alpha;
@@ -355,13 +368,13 @@ __device__ __forceinline__ void verify_attn_cta(
         ldmatrix_x4_trans(v, stage + v_lane[j & 3] + kk * 16 * kRowBytes + (j >> 2) * 128);
 #pragma unroll
         for (int mt = 0; mt < kRowTiles; ++mt) {
-          mma16816<kHalf>(o[mt][2 * j], a[mt], v[0], v[1]);
-          mma16816<kHalf>(o[mt][2 * j + 1], a[mt], v[2], v[3]);
+          kd_mma_m16n8k16<kHalf>(o[mt][2 * j], a[mt], v[0], v[1]);
+          kd_mma_m16n8k16<kHalf>(o[mt][2 * j + 1], a[mt], v[2], v[3]);
         }
       }
     }
   }
-  cp_async_wait<0>();
+  kd_cp_async_wait<0>();
 
   // Row sums: over the quad, then over the group's four warps (the exchange buffer is free: every
   // warp of the group passed the last tile's second barrier, after its last read of the maxima).
@@ -392,7 +405,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<u32*>(staged_row(r) + (column * 128 + 8 * j + 2 * quad_col) * 2) =
-            pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
+            kd_pack2<kHalf>(o[mt][j][2 * h] * inv, o[mt][j][2 * h + 1] * inv);
     }
   group_barrier(barrier_id, group_threads);
   store_staged_rows(dst.o + (i64)warp_row0 * kLatent, min(S::kWarpRows, rows - row0 - warp_row0), kLatent * 2,

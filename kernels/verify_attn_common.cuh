@@ -1,10 +1,10 @@
 // verify_attn_common.cuh — what the two verify-attention kernels share: the portable mma.sync one
 // (verify_attn.cu, sm_90 and sm_120) and the wgmma one (verify_attn_sm90a.cu, sm_90a only).
 //
-// Problem constants, PTX wrappers (cp.async, shared addresses, conversions, fast exp2/log2, the
-// mma.sync m16n8k16 that kernels/probes.cu also times), the key range one CTA covers, the tree-mask
-// test, the epilogue's row destination and staged row store, and the kernel that merges split
-// partials by LSE.
+// Problem constants, the PTX wrappers only these kernels use (named barriers, fast exp2/log2), quad
+// reductions, the key range one CTA covers, the tree-mask test, the epilogue's row destination and
+// staged row store, and the kernel that merges split partials by LSE. The wrappers other kernels
+// also use (cp.async, shared addresses, 16-bit pairs, the mma.sync m16n8k16) are common.cuh's.
 //
 // Versions of the merge (docs/kernel-notes.md: the trials not kept):
 //   v1: a block per (output row, quarter of its columns), 8 warps each summing every 8th split after
@@ -12,9 +12,7 @@
 //   v2: like v1, the partials in the output's 16-bit type (added in fp32)
 #pragma once
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
+#include "common.cuh"
 
 namespace va {
 
@@ -23,69 +21,17 @@ constexpr int kRope = 64;             // rope part of the key
 constexpr int kWidth = 576;           // key width = cache row
 constexpr int kRowChunks = kWidth / 8;  // 16-byte chunks in a row (72)
 constexpr int kRowBytes = kWidth * 2;   // 1152
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ u32 smem_address(const void* pointer) {
-  u32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
-  return address;
-}
-
-// 16-byte async copy global -> shared; when !valid the destination is zero-filled and src unread.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ u32 dynamic_smem_bytes() {
-  u32 bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
-  return bytes;
-}
 
 // Named barrier for the `threads` threads of one warp group (id 0 is __syncthreads').
 __device__ __forceinline__ void group_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Two floats -> packed 16-bit pair (lo in the low half), round to nearest even.
-template <bool kHalf>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-  u32 packed;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
-  }
-  return packed;
-}
-
-// A packed 16-bit pair back to two floats (lo from the low half).
-template <bool kHalf>
-__device__ __forceinline__ float2 unpack2(u32 packed) {
-  if constexpr (kHalf) {
-    float lo, hi;
-    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
-        : "=f"(lo), "=f"(hi) : "r"(packed));
-    return float2{lo, hi};
-  } else {
-    return float2{__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u)};
-  }
-}
-
 // Four consecutive 16-bit partial values as floats.
 template <bool kHalf>
 __device__ __forceinline__ float4 load4(const u16* src) {
   const uint2 packed = *reinterpret_cast<const uint2*>(src);
-  const float2 lo = unpack2<kHalf>(packed.x), hi = unpack2<kHalf>(packed.y);
+  const float2 lo = kd_unpack2<kHalf>(packed.x), hi = kd_unpack2<kHalf>(packed.y);
   return float4{lo.x, lo.y, hi.x, hi.y};
 }
 
@@ -100,30 +46,12 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-// d += a·b for one m16n8k16 tile, fp32 accumulators; kHalf selects f16 inputs instead of bf16.
-template <bool kHalf>
-__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (kHalf) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
 // Max (kMax) or sum of one value over the quad of lanes that hold a row of an mma accumulator.
 template <bool kMax>
 __device__ __forceinline__ float quad_reduce(float value) {
 #pragma unroll
   for (int offset = 1; offset <= 2; offset <<= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+    const float other = __shfl_xor_sync(KD_FULL_MASK, value, offset);
     value = kMax ? fmaxf(value, other) : value + other;
   }
   return value;
@@ -154,7 +82,7 @@ __device__ __forceinline__ KeyRange key_range(const int* lengths, int b, int l_m
   r.kv_len = r.length + nodes;
   r.begin = split * chunk;
   r.end = min(r.begin + chunk, r.kv_len);
-  r.tiles = r.end > r.begin ? (r.end - r.begin + kKeys - 1) / kKeys : 0;
+  r.tiles = r.end > r.begin ? kd_ceil_div(r.end - r.begin, kKeys) : 0;
   r.unmasked_end = min(r.length, r.end);
   return r;
 }
@@ -184,7 +112,7 @@ __device__ __forceinline__ RowDestination row_destination(u16* out, float* lse, 
 
 // A row's LSE (natural log) from its log2-domain maximum and its sum; −inf for a row with no key.
 __device__ __forceinline__ float row_lse(float max_log2, float sum) {
-  return sum > 0.f ? (max_log2 + fast_log2(sum)) * kLn2 : neg_inf();
+  return sum > 0.f ? (max_log2 + fast_log2(sum)) * kd_ln2() : kd_neg_inf_f();
 }
 
 // Rows staged in shared memory as 16-bit values go out in 16-byte pieces, a warp writing 512
@@ -211,7 +139,7 @@ constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 __device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+    const float y = __shfl_xor_sync(KD_FULL_MASK, x, offset);
     x = take_max ? fmaxf(x, y) : x + y;
   }
   __syncthreads();  // scratch may still be read from a previous reduction
@@ -233,16 +161,16 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
   const i64 row = blockIdx.x;  // b * rows + row
   const int quarter = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  float m = neg_inf();
+  float m = kd_neg_inf_f();
   for (int s = tid; s < splits; s += kMergeThreads) {
     weight[s] = partial_lse[(i64)s * total_rows + row];
     m = fmaxf(m, weight[s]);
   }
   m = block_reduce(m, true, scratch);
-  const float base = m == neg_inf() ? 0.f : m;  // every split empty: O = 0, lse = -inf
+  const float base = m == kd_neg_inf_f() ? 0.f : m;  // every split empty: O = 0, lse = -inf
   float total = 0.f;
   for (int s = tid; s < splits; s += kMergeThreads) {
-    weight[s] = fast_exp2((weight[s] - base) * kLog2e);
+    weight[s] = fast_exp2((weight[s] - base) * kd_log2e());
     total += weight[s];
   }
   total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
@@ -267,9 +195,9 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
       x += sums[w * 128 + 2 * tid];
       y += sums[w * 128 + 2 * tid + 1];
     }
-    *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = pack2<kHalf>(x * scale, y * scale);
+    *reinterpret_cast<u32*>(out + row * kLatent + quarter * 128 + 2 * tid) = kd_pack2<kHalf>(x * scale, y * scale);
   }
-  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : neg_inf();
+  if (quarter == 0 && tid == 0) lse[row] = total > 0.f ? base + logf(total) : kd_neg_inf_f();
 }
 
 }  // namespace va

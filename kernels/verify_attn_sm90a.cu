@@ -1,7 +1,8 @@
 // Tree-verify attention for absorbed MLA on Hopper's warpgroup MMA (wgmma), sm_90a only. The
-// portable mma.sync kernel (verify_attn.cu) states the problem and stays the one for sm_120 and
-// every other device; kdtree_lib/verify_attn.py picks this one on compute capability 9.0. Both
-// share verify_attn_common.cuh (key range, mask, epilogue, split merge).
+// portable mma.sync kernel (verify_attn.cu) states the problem and its napkin math (bytes and
+// FLOPs per call) and stays the one for sm_120 and every other device; kdtree_lib/verify_attn.py
+// picks this one on compute capability 9.0. Both share verify_attn_common.cuh (key range, mask,
+// epilogue, split merge).
 //
 // Versions (docs/kernel-notes.md: what each one measured, and the trials not kept):
 //   v1: 64 rows × 64-key tiles, two warpgroups splitting S = Q·Kᵀ by keys and owning the two halves
@@ -35,8 +36,6 @@
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "verify_attn_sm90a.cu needs sm_90a (wgmma); build verify_attn.cu for other targets"
 #endif
-
-typedef unsigned long long u64;
 
 namespace va {
 namespace wg {
@@ -188,15 +187,15 @@ __device__ __forceinline__ void verify_attn_cta(
     const int* __restrict__ lengths, const u32* __restrict__ mask, u16* __restrict__ out, float* __restrict__ lse,
     u16* __restrict__ partial_out, float* __restrict__ partial_lse, int nodes, int heads, int l_max, int words,
     int chunk, float scale_log2) {
-  if (dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
+  if (kd_dynamic_smem_bytes() < kSmemBytes) __trap();  // the launcher's KernelConfig.smem_bytes disagrees
   extern __shared__ unsigned char smem_raw[];
-  const u32 raw_address = smem_address(smem_raw);
+  const u32 raw_address = kd_smem_address(smem_raw);
   const u32 q_smem = (raw_address + kAlign - 1) & ~(kAlign - 1);
   const u32 kv_smem = q_smem + kTileBytes;  // two stages
   unsigned char* stage_bytes = smem_raw + (kv_smem - raw_address);
   float* rescale = reinterpret_cast<float*>(stage_bytes + 2 * kTileBytes);  // [2][64] by tile parity
   float* sums = rescale + 2 * kRows;                                        // [64] group 0's row sums
-  const u32 tile_landed = smem_address(sums + kRows);                       // 2 mbarriers, one per stage
+  const u32 tile_landed = kd_smem_address(sums + kRows);                    // 2 mbarriers, one per stage
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2;  // owns O columns [256g, 256g + 256); group 0 also scores
@@ -223,7 +222,7 @@ __device__ __forceinline__ void verify_attn_cta(
   };
   auto kv_source = [&](u32 dst, int key, int block) {
     const bool valid = key < range.kv_len;
-    cp_async16(dst, cache_b + (i64)(valid ? key : 0) * kWidth + block * 64 + load_sub * 8, valid);
+    kd_cp_async16(dst, cache_b + (i64)(valid ? key : 0) * kWidth + block * 64 + load_sub * 8, valid);
   };
   auto load_tile_and_signal = [&](int tile) {  // group 1
     load_rows(kv_smem + (tile & 1) * kTileBytes, range.begin + tile * kKeys, kThreads / 2, (tid - kThreads / 2) >> 3,
@@ -240,12 +239,12 @@ __device__ __forceinline__ void verify_attn_cta(
     const bool valid = row < rows;
     const i64 q_row = (i64)b * rows + (valid ? row : 0);
     const u16* src = block < 8 ? q_latent + q_row * kLatent + block * 64 : q_rope + q_row * kRope;
-    cp_async16(dst, src + load_sub * 8, valid);
+    kd_cp_async16(dst, src + load_sub * 8, valid);
   });
-  cp_async_commit();
+  kd_cp_async_commit();
   if (group == 1 && range.tiles > 0) load_tile_and_signal(0);
-  cp_async_commit();
-  cp_async_wait<1>();  // Q (tiles are waited for on their mbarriers)
+  kd_cp_async_commit();
+  kd_cp_async_wait<1>();  // Q (tiles are waited for on their mbarriers)
   fence_async_shared();
   __syncthreads();
   // Tile 1 only once Q is in: at the start every CTA loads at once, and the first S waits for
@@ -258,10 +257,11 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
   for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   auto& o_tile = *reinterpret_cast<float(*)[128]>(&o[0][0]);
-  float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};  // group 0: log2-domain max, partial sums
+  // group 0: log2-domain max, partial sums
+  float row_max[2] = {kd_neg_inf_f(), kd_neg_inf_f()}, row_sum[2] = {0.f, 0.f};
   const u64 q_desc = smem_descriptor(q_smem, 16, 1024);
   auto rescale_rows = [&](int h, float alpha) {  // O rows of half h times alpha
-    if (__any_sync(0xffffffffu, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
+    if (__any_sync(KD_FULL_MASK, alpha != 1.f)) {  // most tiles leave every row maximum unchanged
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         o[j][2 * h] *= alpha;
@@ -302,7 +302,8 @@ __device__ __forceinline__ void verify_attn_cta(
           for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              if (!key_visible(tile_start + 8 * j + 2 * quad_col + e, range, real_row, mask_row)) s[j][2 * h + e] = neg_inf();
+              if (!key_visible(tile_start + 8 * j + 2 * quad_col + e, range, real_row, mask_row))
+                s[j][2 * h + e] = kd_neg_inf_f();
         }
       }
       // P = exp2(S·scale − max), row sums, O rescaled; P packed as A fragments (k step kk: key
@@ -311,11 +312,11 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + quad_row + 8 * h;
-        float m = neg_inf();
+        float m = kd_neg_inf_f();
 #pragma unroll
         for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
         const float new_max = fmaxf(row_max[h], quad_reduce<true>(m) * scale_log2);
-        const float base = new_max == neg_inf() ? 0.f : new_max;  // a row with no key yet
+        const float base = new_max == kd_neg_inf_f() ? 0.f : new_max;  // a row with no key yet
         const float alpha = fast_exp2(row_max[h] - base);
         row_max[h] = new_max;
         float sum = 0.f;
@@ -324,7 +325,7 @@ __device__ __forceinline__ void verify_attn_cta(
           s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], scale_log2, -base));
           s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], scale_log2, -base));
           sum += s[j][2 * h] + s[j][2 * h + 1];
-          p_own[j >> 1][h + 2 * (j & 1)] = pack2<kHalf>(s[j][2 * h], s[j][2 * h + 1]);
+          p_own[j >> 1][h + 2 * (j & 1)] = kd_pack2<kHalf>(s[j][2 * h], s[j][2 * h + 1]);
           *reinterpret_cast<u32*>(p_bytes + r * 128 + ((j ^ (r & 7)) << 4) + quad_col * 4) =
               p_own[j >> 1][h + 2 * (j & 1)];
         }
@@ -379,7 +380,7 @@ __device__ __forceinline__ void verify_attn_cta(
 #pragma unroll
     for (int j = 0; j < 32; ++j)
       *reinterpret_cast<u32*>(staging + r * kStagedRowBytes + (8 * j + 2 * quad_col) * 2) =
-          pack2<kHalf>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+          kd_pack2<kHalf>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
   }
   group_barrier(kStaged + group, kThreads / 2);
   store_staged_rows(dst.o + group * 256, min(kRows, rows - row0), 256 * 2, tid & 127, kThreads / 2,

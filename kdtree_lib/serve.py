@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import cli
 from .contracts import MAX_BUDGET
 from .backend import BACKENDS
 from .decode import METHODS
@@ -117,16 +118,10 @@ def device(text: str) -> str:
     return text
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A refused argument is one line on stderr (argparse would print its usage first), exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
+@cli.command
 def main(argv=None) -> int:
     target, drafter = stand_in_paths()
-    parser = OneLineParser(prog="python -m kdtree_lib.serve", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=Path, default=target, help="target checkpoint folder (default: the stand-in)")
     parser.add_argument("--drafter", type=Path, default=drafter, help="DFlash drafter folder (default: the stand-in's)")
     parser.add_argument("--random-pair", action="store_true", help="serve the tiny random pair instead (no files)")
@@ -159,10 +154,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        service = build_service(args)
-    except (ValueError, OSError) as err:  # a pair or a setting that cannot be served: one line, no traceback
-        parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    service = build_service(args)  # a pair or a setting that cannot be served: cli.command's one line
     print(json.dumps({key: value for key, value in service.server_info().items() if key != "internal_states"}),
           flush=True)
     try:

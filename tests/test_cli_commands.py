@@ -154,7 +154,7 @@ def test_decode_refuses_a_config_the_absorbed_attention_cannot_run(capsys, tmp_p
 
 
 # serve and the SGLang drop-in's installer are routed by their own work (issue 28's serve and drop-in points)
-NOT_YET_ROUTED = {"kdtree_lib.serve", "kdtree_lib.integrations.sglang"}
+NOT_YET_ROUTED: set[str] = set()
 
 
 def test_every_command_goes_through_the_one_refusal():

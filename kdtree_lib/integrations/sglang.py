@@ -58,7 +58,6 @@ in every worker process (README: "The SGLang drop-in on the box").
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import importlib.util
@@ -71,6 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import cli
 from ..checks import check_positive_int
 from ..contracts import MAX_BUDGET, MAX_DEPTH, MAX_TOPK, DraftTopK, unpack_mask
 from ..draft_topk import FAST_MAX_K, LOGIT_DTYPES, MAX_GRID_Y, prepare_draft_topk, torch_topk_logprobs
@@ -804,10 +804,12 @@ def pth_status(site_packages) -> tuple[bool, str]:
                      "'kdtree: SGLang's DDTree build is kdtree_lib's in process <pid>'")
 
 
+@cli.command
 def main(argv=None) -> int:
     """python -m kdtree_lib.integrations.sglang install|uninstall|status --site-packages DIR, or
     launch SGLANG_ARGS... (sglang.launch_server with the patch in this process and every worker)."""
-    parser = argparse.ArgumentParser(description="SGLang's DDTree tree build replaced by kdtree_lib's")
+    parser = cli.ArgumentParser(prog="python -m kdtree_lib.integrations.sglang",
+                                description="SGLang's DDTree tree build replaced by kdtree_lib's")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("install", "patch every process of the environment (a .pth file)"),
                             ("uninstall", "remove that .pth file"), ("status", "say whether it is installed")):
@@ -822,18 +824,14 @@ def main(argv=None) -> int:
         runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
         return 0
     args = parser.parse_args(argv)
-    try:
-        if args.command == "install":
-            print(install_pth(args.site_packages))
-        elif args.command == "uninstall":
-            print(uninstall_pth(args.site_packages))
-        else:
-            installed, line = pth_status(args.site_packages)
-            print(line)
-            return 0 if installed else 3
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.command == "install":  # refusals (ValueError, path errors): cli.command's one line, status 2
+        print(install_pth(args.site_packages))
+    elif args.command == "uninstall":
+        print(uninstall_pth(args.site_packages))
+    else:
+        installed, line = pth_status(args.site_packages)
+        print(line)
+        return 0 if installed else 3
     return 0
 
 

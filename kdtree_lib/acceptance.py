@@ -147,9 +147,9 @@ def record_oracle(target, drafter, prompt_ids, n_tokens: int, k_max: int, *, bac
     logp, ids = [], []
     for position in range(n_tokens + depth):
         draft = decoder.step().draft
-        if position < n_tokens:
-            logp.append(draft.logp)
-            ids.append(draft.ids)
+        if position < n_tokens:  # copies: a prepared step's outputs are its buffers, refilled next round
+            logp.append(draft.logp.clone() if framework(draft.logp) == "torch" else draft.logp.copy())
+            ids.append(draft.ids.clone() if framework(draft.ids) == "torch" else draft.ids.copy())
     logp, ids = to_numpy(_stack(logp)), to_numpy(_stack(ids))                               # (B, T, D, K)
     tokens = decoder.out[:, :n_tokens + depth].cpu().numpy()
     return [OracleRecord(DraftTopK(np.ascontiguousarray(logp[b]), np.ascontiguousarray(ids[b])),

@@ -269,10 +269,10 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
 
 
 def memory_plan(settings: KitSettings, tp: int, *, gpu_bytes: int):
-    """model.memory.plan for the kit's largest batch, context + tree and budget, with its drafter placement."""
+    """memory.plan for the kit's largest batch, context + tree and budget, with its drafter placement."""
     from .dflash import DFlashConfig
     from .model import load_config
-    from .model.memory import plan
+    from .memory import plan
     context = max(settings.contexts) + max(settings.nodes)
     if "acceptance" in settings.steps:
         context = max(context, settings.prompt_tokens + settings.new_tokens)

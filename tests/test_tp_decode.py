@@ -12,11 +12,13 @@ import pytest
 import numpy as np
 import torch
 
-from kdtree_lib.decode import checkpoint_pair, generate, generate_tp, main
+from kdtree_lib.decode import generate, main
+from kdtree_lib.decode_tp import generate_tp
+from kdtree_lib.pairs import checkpoint_pair
 from kdtree_lib.dflash import load_drafter
 from kdtree_lib.model import launch, load_target
-from kdtree_lib.model.memory import MemoryPlanError
-from kdtree_lib.model.reference import save_kimi_pair
+from kdtree_lib.memory import MemoryPlanError
+from kdtree_lib.pair_reference import save_kimi_pair
 from kdtree_lib.paths import REPO_ROOT
 
 PROMPTS = [[257, 32, 102, 40, 120, 41, 58, 10, 258, 262, 114], [101, 414, 420, 557, 473]]
@@ -154,8 +156,9 @@ def test_real_shapes_decode_on_one_gpu(tmp_path):
     with KDTREE_APPEND_RESULTS=1)."""
     from kdtree_lib import results
     from kdtree_lib.model import load_config
-    from kdtree_lib.model.memory import GIB, plan
-    from kdtree_lib.model.reference import kimi_dflash_config, save_random_drafter, save_random_kimi_checkpoint
+    from kdtree_lib.memory import GIB, plan
+    from kdtree_lib.model.reference import save_random_kimi_checkpoint
+    from kdtree_lib.pair_reference import kimi_dflash_config, save_random_drafter
     layers = int(os.environ.get("KDTREE_REAL_LAYERS", "3"))
     text = json.loads((REPO_ROOT / "data" / "configs" / "kimi-k2.6.json").read_text())["text_config"]
     text = {key: value for key, value in text.items() if key != "quantization_config"} | {"num_hidden_layers": layers}

@@ -279,7 +279,7 @@ def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: Ben
     bonus = torch.zeros(batch, dtype=torch.long, device=weight.device)
 
     def forward(static: bool = False):
-        cache.lengths = committed  # draft() rebinds lengths; every run starts from the same buffer
+        cache.lengths.copy_(committed)  # draft() advances lengths in place; every run starts from `context`
         drafter.draft(cache, features, bonus, static=static)
 
     def median_seconds(run) -> float:

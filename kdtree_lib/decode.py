@@ -169,16 +169,7 @@ def step_shape(method: str, budget: int, depth: int) -> tuple[int, int]:
 def resolve_backend(backend: str, target) -> str:
     """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU;
     "torch": the references, which are the tree ops' torch path)."""
-    if backend not in _backend.BACKENDS:
-        raise ValueError(f"backend: expected one of {_backend.BACKENDS}, got {backend!r}")
-    on_gpu = target.device.type == "cuda"
-    if backend == "auto":
-        return "cupy" if on_gpu and _backend.cuda_available() else "numpy"
-    if backend == "torch":
-        return "numpy"
-    if backend == "cupy" and not (on_gpu and _backend.cuda_available()):
-        raise ValueError("backend: 'cupy' needs the target on a CUDA device and CuPy")
-    return backend
+    return _backend.resolve(backend, ("numpy", "cupy"), target.embed_tokens.weight)
 
 
 def _resolve_graph(cuda_graph, backend: str, target) -> bool:
@@ -555,11 +546,14 @@ class Decoder:
         self.graph = graph
         return _now(self.device) - start
 
-    def _result(self, rounds, cuda_graph, **times) -> DecodeResult:
-        # copies: on a CPU, .cpu() returns the decoder's own buffers, which the next call overwrites
+    def acceptance(self, rounds: int) -> list[np.ndarray]:
+        """Per request, the tokens committed in each of its first `rounds` rounds (a read of the log)."""
+        # a copy: on a CPU, .cpu() returns the decoder's own buffer, which the next batch overwrites
         per_round = self.accepted[:, :min(rounds, self.accepted.shape[1])].cpu().numpy().copy()
-        acceptance = [row[row > 0] for row in per_round]
-        return DecodeResult(tokens=self.emitted(), acceptance=acceptance, method=self.method, budget=self.budget,
+        return [row[row > 0] for row in per_round]
+
+    def _result(self, rounds, cuda_graph, **times) -> DecodeResult:
+        return DecodeResult(tokens=self.emitted(), acceptance=self.acceptance(rounds), method=self.method, budget=self.budget,
                             batch=self.batch, backend=self.backend, cuda_graph=cuda_graph, rounds=rounds, **times)
 
 

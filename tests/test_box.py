@@ -88,6 +88,6 @@ def test_made_to_format_pair_dry_run_at_tp2_over_gloo(tmp_path):
     assert written == {"box_verify_step": len(rows["box_verify_step"]), "box_expert_union": len(rows["box_expert_union"])}
     assert projection.select_rows(rows["box_verify_step"], "draft"), "the sharded drafter's forward is timed"
     assert {int(r["tp"]) for r in rows["box_verify_step"]} == {2}
-    assert {r["drafter_placement"] for r in rows["box_verify_step"]} == {"sharded"}  # decode.generate_tp's default
+    assert {r["drafter_placement"] for r in rows["box_verify_step"]} == {"sharded"}  # decode_tp.generate_tp's default
     assert any(float(r["allreduce_seconds"]) > 0 for r in projection.select_rows(rows["box_verify_step"], "layer"))
     assert Path(settings.results_dir, "box_steps.csv").is_file()

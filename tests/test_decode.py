@@ -548,15 +548,20 @@ def test_gpu_eager_steps_do_not_synchronise(gpu_pair, method):
                       backend="cupy")
     assert decoder.prepared is not None
     decoder.reset(prompts, max_new_tokens=16)
-    decoder.step()  # compiles the kernels
+    steps_under_the_sync_detector(decoder, 4)
+    assert all(len(t) > 0 for t in decoder.emitted())
+
+
+def steps_under_the_sync_detector(decoder, steps: int) -> None:
+    """One step (compiles the kernels), then `steps` eager steps with torch raising on any sync."""
+    decoder.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(4):
+        for _ in range(steps):
             decoder.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(len(t) > 0 for t in decoder.emitted())
 
 
 @gpu
@@ -589,14 +594,7 @@ def test_gpu_int4_moe_layers_run_prepared_launches_without_synchronising():
     moe_layers = [i for i, launch in enumerate(decoder.prepared.verify.moe) if launch is not None]
     assert moe_layers == [1, 2]
     decoder.reset([np.array([5, 9, 2]), np.array([17])], max_new_tokens=8)
-    decoder.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            decoder.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_under_the_sync_detector(decoder, 3)
     x = torch.randn(2, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[0, 3], [7, 1]], device="cuda")
     weights = torch.rand(2, 2, device="cuda")

@@ -19,9 +19,9 @@ Shapes: B requests, T new tokens, L cache slots, D hidden, H heads on this rank,
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -430,18 +430,9 @@ class MoE(nn.Module):
                                   tp, "moe_intermediate_size * n_shared_experts")
 
     def forward(self, x, launch: "PreparedMoe | None" = None):          # x (B, T, D)
-        return self.timed(x, launch, _no_mark)
-
-    def timed(self, x, launch, mark):
-        """forward with mark(component, part) after the router, the routed and the shared experts."""
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        mark("moe", "router")
-        routed = self.experts(flat, ids, weights, launch)
-        mark("moe", "experts")
-        out = (routed + self.shared_experts(flat)).view_as(x)
-        mark("moe", "shared")
-        return out
+        return (self.experts(flat, ids, weights, launch) + self.shared_experts(flat)).view_as(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,35 +448,53 @@ class Block(nn.Module):
         self.mlp = (MoE(config, tp, moe_parallel) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size, tp, "intermediate_size"))
 
-    def forward(self, x, step: Step, kv, *, path: str, backend: str, layer: int | None = None, mark=None):
-        """mark(component, part) (optional): called after each piece of the layer, in order (a
-        benchmark records a CUDA event there: bench.tp_step's segments); nothing else changes."""
-        mark = mark or _no_mark
-        h = self.input_layernorm(x)
-        mark("rest", "norm")
-        a = self.self_attn(h, step, kv, path=path, backend=backend, layer=layer)
-        mark("attention", "attention")
-        if self.tp.size > 1:
-            a = self.tp.all_reduce(a)
-            mark("allreduce", "allreduce")
-        x = x + a
-        h = self.post_attention_layernorm(x)
-        mark("rest", "residual")
+    def pieces(self, step: Step, kv, *, path: str, backend: str, layer: int | None = None, given: str = "x",
+               out: str = "x") -> list[tuple[str, str, "Callable[[dict], None]"]]:
+        """The layer as (component, part, run(state)) pieces over a state dict, reading the residual
+        stream from state[given] and writing it to state[out]: forward runs them in order; a
+        benchmark times them one by one (bench.tp_step: marks between them, one graph each)."""
+        tp, launch = self.tp, None if step.prepared is None else step.prepared.moe[layer]
+
+        def norm_in(state):
+            state["h"] = self.input_layernorm(state[given])
+
+        def attend(state):
+            state["a"] = self.self_attn(state["h"], step, kv, path=path, backend=backend, layer=layer)
+
+        def add_attention(state):
+            state["r"] = state[given] + state["a"]
+            state["h"] = self.post_attention_layernorm(state["r"])
+
+        def add_mlp(state):
+            state[out] = state["r"] + state["m"].view_as(state["r"])
+
         if isinstance(self.mlp, MoE):
-            m = self.mlp.timed(h, None if step.prepared is None else step.prepared.moe[layer], mark)
+            moe = self.mlp
+
+            def route(state):
+                state["flat"] = state["h"].flatten(0, 1)
+                state["weights"], state["ids"] = moe.gate(state["flat"])
+
+            def experts(state):
+                state["m"] = moe.experts(state["flat"], state["ids"], state["weights"], launch)
+
+            def shared(state):
+                state["m"] = state["m"] + moe.shared_experts(state["flat"])
+            mlp = [("moe", "router", route), ("moe", "experts", experts), ("moe", "shared", shared)]
         else:
-            m = self.mlp(h)
-            mark("moe", "dense_mlp")
-        if self.tp.size > 1:
-            m = self.tp.all_reduce(m)
-            mark("allreduce", "allreduce")
-        x = x + m
-        mark("rest", "residual")
-        return x
+            def dense(state):
+                state["m"] = self.mlp(state["h"])
+            mlp = [("moe", "dense_mlp", dense)]
+        reduce_attention = [("allreduce", "allreduce", lambda state: tp.all_reduce(state["a"]))] if tp.size > 1 else []
+        reduce_mlp = [("allreduce", "allreduce", lambda state: tp.all_reduce(state["m"]))] if tp.size > 1 else []
+        return [("rest", "norm", norm_in), ("attention", "attention", attend), *reduce_attention,
+                ("rest", "residual", add_attention), *mlp, *reduce_mlp, ("rest", "residual", add_mlp)]
 
-
-def _no_mark(component: str, part: str) -> None:
-    pass
+    def forward(self, x, step: Step, kv, *, path: str, backend: str, layer: int | None = None):
+        state = {"x": x}
+        for _, _, run in self.pieces(step, kv, path=path, backend=backend, layer=layer):
+            run(state)
+        return state["x"]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -605,9 +614,8 @@ class Transformer(nn.Module):
         return self.tp.all_gather_last(self.lm_head(self.norm(hidden))).float()
 
     def hidden_states(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False,
-                      prepared: "PreparedVerify | None" = None, mark=None):
-        """The tree's nodes through every layer: ([B, T, D] before the final norm, features or None).
-        mark(layer, component, part): see Block.forward (a benchmark's timed segments)."""
+                      prepared: "PreparedVerify | None" = None):
+        """The tree's nodes through every layer: ([B, T, D] before the final norm, features or None)."""
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {self.attention!r}")
         tree = tree.to_torch(self.device)
@@ -618,8 +626,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
         outputs = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend, layer=i,
-                      mark=None if mark is None else functools.partial(mark, i))
+            x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend, layer=i)
             if i in feature_layers:
                 outputs[i] = x
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None

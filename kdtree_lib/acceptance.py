@@ -147,9 +147,9 @@ def record_oracle(target, drafter, prompt_ids, n_tokens: int, k_max: int, *, bac
     logp, ids = [], []
     for position in range(n_tokens + depth):
         draft = decoder.step().draft
-        if position < n_tokens:
-            logp.append(draft.logp)
-            ids.append(draft.ids)
+        if position < n_tokens:  # copies: a prepared step's outputs are its buffers, refilled next round
+            logp.append(draft.logp.clone() if framework(draft.logp) == "torch" else draft.logp.copy())
+            ids.append(draft.ids.clone() if framework(draft.ids) == "torch" else draft.ids.copy())
     logp, ids = to_numpy(_stack(logp)), to_numpy(_stack(ids))                               # (B, T, D, K)
     tokens = decoder.out[:, :n_tokens + depth].cpu().numpy()
     return [OracleRecord(DraftTopK(np.ascontiguousarray(logp[b]), np.ascontiguousarray(ids[b])),
@@ -161,7 +161,7 @@ def record_oracle_tp(target_path, drafter_path, prompt_ids, n_tokens: int, k_max
                      device: str = "cpu", dtype: torch.dtype = torch.float32, yarn_attention: str = "transformers",
                      drafter_placement: str = "sharded") -> list[OracleRecord]:
     """record_oracle over the checkpoint pair by path, the target sharded on `tp` spawned ranks (gloo on
-    CPUs; "cuda": rank r on cuda:r, NCCL) and the drafter placed as decode.generate_tp places it. Every
+    CPUs; "cuda": rank r on cuda:r, NCCL) and the drafter placed as decode_tp.generate_tp places it. Every
     rank records in lockstep (the collectives hand every rank the same logits, so the same greedy tokens
     and drafts); the ranks' tokens are compared once at the end, and rank 0's records are returned."""
     from .decode import _check_paths

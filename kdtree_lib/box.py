@@ -40,7 +40,7 @@ from .bench.inputs import random_cache, synthetic_tree
 from .bench.timing import Clock
 from .bench.tp_step import BenchSettings, time_drafter, time_tree_kernels, time_verify_step
 from .corpus import PROMPTS_PATH
-from .dflash import DRAFTER_PLACEMENTS
+from .dflash import DEFAULT_DRAFTER_PLACEMENT, DRAFTER_PLACEMENTS
 from .draft_topk import draft_topk
 from .model import TensorParallel, launch
 from .model.tp import one_cpu_thread
@@ -62,7 +62,7 @@ class KitSettings:
     tokenizer: str | None = None               # default: the target's folder
     device: str = "cuda"                       # "cuda": rank r on cuda:r (NCCL); "cpu": gloo
     dtype: str = "bfloat16"
-    drafter_placement: str = "sharded"         # as decode.generate_tp places it at TP > 1; or "replicated"
+    drafter_placement: str = DEFAULT_DRAFTER_PLACEMENT  # as decode_tp.generate_tp places it; or "replicated"
     steps: tuple[str, ...] = STEPS
     budgets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     live_budgets: tuple[int, ...] = (8, 32, 128)
@@ -272,10 +272,10 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
 
 
 def memory_plan(settings: KitSettings, tp: int, *, gpu_bytes: int):
-    """model.memory.plan for the kit's largest batch, context + tree and budget, with its drafter placement."""
+    """memory.plan for the kit's largest batch, context + tree and budget, with its drafter placement."""
     from .dflash import DFlashConfig
     from .model import load_config
-    from .model.memory import plan
+    from .memory import plan
     context = max(settings.contexts) + max(settings.nodes)
     if "acceptance" in settings.steps:
         context = max(context, settings.prompt_tokens + settings.new_tokens)

@@ -30,6 +30,22 @@ MAX_TOPK = 1024    # candidates K per position
 TREE_MODES = ("tree", "chain")
 
 
+CAPACITY_ROUND = 64  # cache capacities are rounded up so prompts of similar length share a decoder (and its graph)
+
+
+def capacity_margin(nodes: int, depth: int) -> int:
+    """Cache slots a decode step may write past the committed tokens: one tree of `nodes` and the
+    drafter's D + 1 context rows."""
+    return nodes + depth + 1
+
+
+def cache_capacity(tokens: int, nodes: int, depth: int) -> int:
+    """The caches' capacity for `tokens` committed tokens (prompt and new tokens) and a step's
+    margin, rounded up to CAPACITY_ROUND: the one owner of a decode's cache size (the Decoder, the
+    server's decoders and the memory plan all size with it)."""
+    return -(-(tokens + capacity_margin(nodes, depth)) // CAPACITY_ROUND) * CAPACITY_ROUND
+
+
 def tree_nodes(budget: int, *, mode: str = "tree", depth: int | None = None) -> int:
     """Capacity N of a tree: budget + 1 (the root) for DDTree, min(budget, D) + 1 for the chain."""
     if mode == "tree":

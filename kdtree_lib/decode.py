@@ -30,15 +30,18 @@ The verify attention is the target's own: `load_target(..., attention="absorbed"
 attention_backend="auto")` runs the verify kernel for a bf16 or fp16 target on a GPU and the torch
 attention for fp32 (the kernel takes 16-bit inputs only) or on a CPU.
 
-CUDA graphs: a Decoder preallocates everything a step touches (both caches at a fixed capacity,
-roots, features, output and acceptance buffers) and updates it in place, so the whole step, from
-the drafter forward to the compaction, is captured once per (batch, budget, capacity) and replayed;
-the host only reads `active.any()` every `sync_every` steps. The eager path runs the very same step
-function. Finished requests keep running in lockstep and change nothing.
+The step: a Decoder makes everything a step touches once, for its (batch, budget, capacity): both
+caches at a fixed capacity, roots, features, posterior, output and acceptance buffers, and on the
+kernels every launch (PreparedStep: draft top-k, tree build, per layer the verify attention and the
+INT4 MoE, accept, compaction). A step only enqueues work and updates those buffers in place (the
+caches' lengths too), with no host synchronisation, eagerly or captured once in a CUDA graph and
+replayed. The loop (Decoder.rounds, what generate, the server and the benches drive) reads
+`active` back every `sync_every` steps. Finished requests keep running in lockstep and change
+nothing. docs/DESIGN.md "The step as built" lists what is prepared when and where the host is touched.
 
-Tensor parallel (the end of this file): generate_tp spawns the ranks of a sharded target, each runs
-generate in lockstep with the others (no per-step broadcast); `python -m kdtree_lib.decode` is the
-launcher, alone or under torchrun; checkpoint_pair gives the notebooks a pair by path.
+Tensor parallel: decode_tp.generate_tp spawns the ranks of a sharded target, each runs generate in
+lockstep with the others (no per-step broadcast); `python -m kdtree_lib.decode` is the launcher,
+alone or under torchrun. pairs.checkpoint_pair gives the notebooks a pair by path.
 """
 from __future__ import annotations
 
@@ -53,20 +56,19 @@ import torch
 
 from . import backend as _backend, cli
 from .checks import check_positive_int, check_temperature, dtype_name, to_numpy
-from .dflash import DFlashDrafter
-from .tree_accept import accept, compact_cache
+from .dflash import DEFAULT_DRAFTER_PLACEMENT, DRAFTER_PLACEMENTS, DFlashDrafter
+from .tree_accept import accept, compact_cache, prepare_accept_launch, prepare_compact_launch
 from .verify_attn import KERNEL_DTYPES
-from .contracts import MAX_BUDGET, DraftTopK, Tree, tree_from_parents, tree_nodes
-from .draft_topk import draft_topk
+from .contracts import MAX_BUDGET, DraftTopK, Tree, cache_capacity, capacity_margin, tree_from_parents, tree_nodes
+from .draft_topk import draft_topk, prepare_draft_topk
 from .model.model import PREFILL_CHUNK
-from .model.tp import TensorParallel, launch
-from .tree_build import build_tree
+from .model.tp import TensorParallel
+from .tree_build import build_tree, prepare_build_launch
 
 METHODS = ("ar", "chain", "ddtree")
 STAGES = ("draft", "tree", "verify", "accept")
 TREE_MODES = {"ar": "root", "chain": "chain", "ddtree": "tree"}
 MAX_STOP_TOKENS = 16
-CAPACITY_ROUND = 64     # cache capacities are rounded up so prompts of similar length share a graph
 WARMUP_STEPS = 2        # eager steps before a capture (kernel compilation, lazy library init)
 CACHED_DECODERS = 4     # decoders (and their graphs) kept for reuse across generate calls
 
@@ -167,16 +169,7 @@ def step_shape(method: str, budget: int, depth: int) -> tuple[int, int]:
 def resolve_backend(backend: str, target) -> str:
     """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU;
     "torch": the references, which are the tree ops' torch path)."""
-    if backend not in _backend.BACKENDS:
-        raise ValueError(f"backend: expected one of {_backend.BACKENDS}, got {backend!r}")
-    on_gpu = target.device.type == "cuda"
-    if backend == "auto":
-        return "cupy" if on_gpu and _backend.cuda_available() else "numpy"
-    if backend == "torch":
-        return "numpy"
-    if backend == "cupy" and not (on_gpu and _backend.cuda_available()):
-        raise ValueError("backend: 'cupy' needs the target on a CUDA device and CuPy")
-    return backend
+    return _backend.resolve(backend, ("numpy", "cupy"), target.embed_tokens.weight)
 
 
 def _resolve_graph(cuda_graph, backend: str, target) -> bool:
@@ -235,22 +228,9 @@ def prompt_list(prompt_ids, vocab: int) -> list[np.ndarray]:
 
 
 def decoder_capacity(prompts, max_new_tokens: int, nodes: int, depth: int) -> int:
-    """Cache slots for the longest prompt, the new tokens, one tree of `nodes` and the drafter's
-    D + 1 context rows, rounded up to CAPACITY_ROUND."""
-    needed = max(len(p) for p in prompts) - 1 + max_new_tokens + nodes + depth + 1
-    return -(-needed // CAPACITY_ROUND) * CAPACITY_ROUND
-
-
-def committed_tokens(out: np.ndarray, out_len: np.ndarray, max_new_tokens: int, stop_tokens) -> list[np.ndarray]:
-    """Each request's new tokens as generate returns them, from a Decoder's `out` [B, W] and `out_len`
-    [B] on the host: at most max_new_tokens, through the first stop token (a round commits its whole
-    accepted run, which may go on past a stop; the serving engine cuts its streamed rounds here too)."""
-    tokens = []
-    for row, length in zip(out, out_len):
-        new = row[:min(int(length), max_new_tokens)]
-        hits = np.flatnonzero(np.isin(new, stop_tokens)) if len(stop_tokens) else []
-        tokens.append(new[:hits[0] + 1] if len(hits) else new)
-    return tokens
+    """Cache slots for the longest prompt's committed tokens and the new tokens, and a step's margin
+    (contracts.cache_capacity)."""
+    return cache_capacity(max(len(p) for p in prompts) - 1 + max_new_tokens, nodes, depth)
 
 
 def _check_positions(prompts: list[np.ndarray], max_new_tokens: int, limit: int) -> None:
@@ -308,12 +288,18 @@ def clear_decoders() -> None:
 
 
 class Decoder:
-    """Everything one (target, drafter, method, budget, batch, capacity) step touches, preallocated.
+    """Everything one (target, drafter, method, budget, batch, capacity) step touches, made once.
 
     method "ar" | "chain" | "ddtree" as in generate; `topk` overrides K (the oracle recorder keeps
     a wider top-k than the tree needs); walk=False commits only the root each round (the root's
     posterior is the bonus), which is how the oracle records a plain autoregressive trajectory
     while drafting at every position. prefill_chunk: prompt tokens per prefill forward.
+
+    On the kernels (backend "cupy") the constructor also prepares every launch of a step over these
+    buffers (PreparedStep: draft top-k, tree build, per layer the verify attention and the INT4 MoE,
+    accept, compaction), so `step` only enqueues work: no argument checks, no allocation of its own
+    buffers, no host synchronisation. Its outputs (StepOutputs) are views of those buffers, valid
+    until the next step.
     """
 
     def __init__(self, target, drafter, *, method: str, budget: int, batch: int, capacity: int,
@@ -350,9 +336,21 @@ class Decoder:
         self.columns = torch.arange(width, **long)                             # (D+1,)
         self.root_path = torch.full((batch, width), -1, **long)
         self.root_path[:, 0] = 0
+        self.posterior = torch.zeros(batch, self.nodes, **long)                # the target's token at each node
         self.generator = torch.Generator(device=device)
         self.root_tree = self._root_tree() if self.tree_mode == "root" else None
         self.graph = None
+        self.capture_seconds = 0.0                                             # the last capture's
+        self.max_new_tokens, self.stop_tokens = 0, ()
+        self.prepared = PreparedStep(self) if backend == "cupy" else None
+
+    def check_shape(self, *, batch: int, budget: int | None = None, capacity: int | None = None) -> None:
+        """Refuse a step shape this decoder was not built for, naming the argument (a decoder never
+        re-prepares itself: make another one for another shape)."""
+        for name, given, mine in (("batch", batch, self.batch), ("budget", budget, self.budget),
+                                  ("capacity", capacity, self.capacity)):
+            if given is not None and given != mine:
+                raise ValueError(f"{name}: this decoder was built for {name} {mine}, got {given}")
 
     # ------------------------------------------------------------------------------------------
     # the step (fixed shapes; no host synchronisation on the "cupy" backend)
@@ -360,16 +358,18 @@ class Decoder:
     def step(self, timer=None) -> StepOutputs:
         """One round for every request; finished requests run too and change nothing."""
         timer = timer or _no_timer
+        if self.prepared is not None:
+            return self.prepared.step(timer)
         with timer("draft"):
             draft = self._draft() if self.drafting else None
         with timer("tree"):
             tree = self._tree(draft)
         with timer("verify"):
             out = self.target.verify(tree, self.cache, feature_layers=self.feature_layers, static=True)
-            posterior = sample_posterior(out.logits, self.temperature, self.generator)   # (B, N)
+            posterior = sample_posterior(out.logits, self.temperature, self.generator, out=self.posterior)  # (B, N)
         with timer("accept"):
             if self.walk and self.tree_mode != "root":
-                result = accept(tree, self._tree_input(posterior), backend=self.backend)
+                result = accept(tree, to_numpy(posterior), backend=self.backend)
                 new_lengths = compact_cache(self.cache.kv, self.cache.lengths, result, backend=self.backend)
                 path, n_accepted, bonus = (self._on_device(x) for x in (result.path, result.n_accepted, result.bonus))
             else:  # the root alone: its entry is already in place
@@ -379,29 +379,19 @@ class Decoder:
         return StepOutputs(draft=draft, tree=tree, logits=out.logits, posterior=posterior)
 
     def _draft(self) -> DraftTopK:
-        lengths = self.draft_cache.lengths  # draft() rebinds lengths; a replayed graph needs the same buffer
         logits = self.drafter.draft(self.draft_cache, self.features, self.root, self.n_features, static=True)
-        lengths.copy_(self.draft_cache.lengths)
-        self.draft_cache.lengths = lengths
         return draft_topk(logits, self.topk, backend=self.backend)                     # (B, D, K)
 
     def _tree(self, draft: DraftTopK | None) -> Tree:
         if self.tree_mode == "root":
-            if self.backend == "cupy":
-                self.root_tree.tokens.copy_(self.root[:, None])
-            else:
-                self.root_tree.tokens[:, 0] = to_numpy(self.root)
+            self.root_tree.tokens.copy_(self.root[:, None])
             return self.root_tree
-        root = self._tree_input(self.root)
-        return build_tree(draft, self.budget, root=root, mode=self.tree_mode, backend=self.backend)
+        return build_tree(draft, self.budget, root=to_numpy(self.root), mode=self.tree_mode, backend=self.backend)
 
     def _root_tree(self) -> Tree:
+        """The one-node tree of AR rounds, on the target's device (its token refilled each round)."""
         tree = tree_from_parents(np.full((self.batch, 1), -1, np.int32), np.zeros((self.batch, 1), np.int32))
-        return tree.to_torch(self.device) if self.backend == "cupy" else tree
-
-    def _tree_input(self, x):
-        """Tensors the tree ops read: on the device for the kernels, on the host for the reference."""
-        return x if self.backend == "cupy" else to_numpy(x)
+        return tree.to_torch(self.device)
 
     def _on_device(self, x) -> torch.Tensor:
         return torch.as_tensor(x, device=self.device).long()
@@ -439,8 +429,9 @@ class Decoder:
             raise ValueError(f"prompts: this decoder holds {self.batch} requests, got {len(prompts)}")
         device = self.device
         committed = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        if int(committed.max()) + max_new_tokens + self.capacity_margin > self.capacity:
-            raise ValueError(f"prompts: {int(committed.max())} prompt tokens + {max_new_tokens} new tokens do not "
+        longest = max(len(p) for p in prompts) - 1
+        if longest + max_new_tokens + self.capacity_margin > self.capacity:
+            raise ValueError(f"prompts: {longest} prompt tokens + {max_new_tokens} new tokens do not "
                              f"fit this decoder's capacity {self.capacity}")
         self._prefill(prompts, committed)
         self.root.copy_(torch.tensor([int(p[-1]) for p in prompts], device=device))
@@ -457,16 +448,16 @@ class Decoder:
         self.accepted.zero_()
         self.round.zero_()
         self.generator.manual_seed(seed)
+        self.max_new_tokens, self.stop_tokens = max_new_tokens, tuple(stop_tokens)
 
     def _prefill(self, prompts: list[np.ndarray], committed: torch.Tensor) -> None:
         """Commit prompt[:-1] to the target's cache in chunks (no logits: the last prompt token is
-        the first root) and each chunk's features to the drafter's context; both caches' length
-        buffers stay the decoder's own (a captured graph reads them)."""
-        lengths = self.cache.lengths
-        lengths.zero_()
-        draft_lengths = self.draft_cache.lengths if self.drafting else None
+        the first root) and each chunk's features to the drafter's context. Both caches update their
+        length buffers in place, so they stay the decoder's own (the prepared launches and a
+        captured graph read them)."""
+        self.cache.lengths.zero_()
         if self.drafting:
-            draft_lengths.zero_()
+            self.draft_cache.lengths.zero_()
         width = int(committed.max())
         tokens = torch.zeros(self.batch, width, dtype=torch.long)
         for b, prompt in enumerate(prompts):
@@ -475,42 +466,77 @@ class Decoder:
                                                 feature_layers=self.feature_layers, chunk=self.prefill_chunk):
             if self.drafting:
                 self.drafter.extend(self.draft_cache, chunk.features, chunk.committed)
-        lengths.copy_(self.cache.lengths)
-        self.cache.lengths = lengths
-        if self.drafting:
-            draft_lengths.copy_(self.draft_cache.lengths)
-            self.draft_cache.lengths = draft_lengths
 
     @property
     def capacity_margin(self) -> int:
-        """Slots past committed + new tokens a step may write: the tree, and the drafter's D + 1 rows."""
-        return self.nodes + self.depth + 1
+        """Slots past committed + new tokens a step may write (contracts.capacity_margin)."""
+        return capacity_margin(self.nodes, self.depth)
 
     @torch.no_grad()
-    def run(self, prompts, *, max_new_tokens: int, stop_tokens=(), seed: int = 0, cuda_graph: bool = False,
-            profile_stages: bool = False, sync_every: int = 4) -> DecodeResult:
-        start = _now(self.device)
-        self.reset(prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, seed=seed)
-        prefill_end = _now(self.device)
-        timer = StageTimer(self.device) if profile_stages else None
-        rounds, capture_seconds, limit = 0, 0.0, max_new_tokens + sync_every
+    def rounds(self, *, cuda_graph: bool = False, timer=None, sync_every: int = 4, max_rounds: int | None = None,
+               stream: bool = False):
+        """The decode loop, after reset: run rounds (eager steps, or replays of the step's CUDA graph,
+        captured on first use) and every `sync_every` rounds yield a RoundsUpdate; stop when no
+        request is active or after max_rounds (default max_new_tokens + sync_every) rounds.
+
+        Between yields nothing is read back; at a yield the host reads `active` (the loop's one
+        synchronisation) and, with stream=True, each request's tokens so far (one more copy), handing
+        out only the new ones, cut as generate cuts them (emitted_tokens). A consumer that stops
+        early (cancelled requests) just stops iterating.
+        """
+        sync_every = check_positive_int("sync_every", sync_every)
+        limit = self.max_new_tokens + sync_every if max_rounds is None else check_positive_int("max_rounds", max_rounds)
+        done, sent = 0, [0] * self.batch
+        self.capture_seconds = 0.0
         if cuda_graph and self.graph is None:
-            rounds += self._warm_up()
-            capture_seconds = self._capture()
-        while rounds < limit:
+            done += WARMUP_STEPS
+            self.capture()
+        while done < limit:
             for _ in range(sync_every):
                 if cuda_graph:
                     self.graph.replay()
                 else:
                     self.step(timer)
-            rounds += sync_every
-            if not bool(self.active.any()):  # the loop's one synchronisation
+            done += sync_every
+            active = self.active.cpu().numpy()  # the loop's one synchronisation
+            new = None
+            if stream:
+                tokens = self.emitted()
+                new = [t[s:] for t, s in zip(tokens, sent)]
+                sent = [len(t) for t in tokens]
+            yield RoundsUpdate(rounds=done, active=active, new_tokens=new)
+            if not active.any():
                 break
+
+    def emitted(self) -> list[np.ndarray]:
+        """Each request's new tokens so far, as generate returns them (a read of the output buffer)."""
+        out, out_len = self.out.cpu().numpy(), self.out_len.cpu().numpy()
+        return [emitted_tokens(row, length, self.max_new_tokens, self.stop_tokens) for row, length in zip(out, out_len)]
+
+    @torch.no_grad()
+    def run(self, prompts, *, max_new_tokens: int, stop_tokens=(), seed: int = 0, cuda_graph: bool = False,
+            profile_stages: bool = False, sync_every: int = 4) -> DecodeResult:
+        """reset, then the rounds to the end: a DecodeResult."""
+        start = _now(self.device)
+        self.reset(prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, seed=seed)
+        prefill_end = _now(self.device)
+        timer = StageTimer(self.device) if profile_stages else None
+        rounds = 0
+        for update in self.rounds(cuda_graph=cuda_graph, timer=timer, sync_every=sync_every):
+            rounds = update.rounds
         end = _now(self.device)
-        return self._result(prompts, stop_tokens, max_new_tokens, rounds, cuda_graph,
-                            prefill_seconds=prefill_end - start,
-                            decode_seconds=end - prefill_end - capture_seconds, capture_seconds=capture_seconds,
-                            stage_seconds=timer.totals() if timer else {})
+        return self._result(rounds, cuda_graph, prefill_seconds=prefill_end - start,
+                            decode_seconds=end - prefill_end - self.capture_seconds,
+                            capture_seconds=self.capture_seconds, stage_seconds=timer.totals() if timer else {})
+
+    def capture(self) -> float:
+        """Capture the step into this decoder's CUDA graph (after WARMUP_STEPS eager steps on a side
+        stream, which are real rounds); returns and keeps the capture's seconds. Once per decoder:
+        the graph replays on the same buffers for every later batch."""
+        if self.graph is None:
+            self._warm_up()
+            self.capture_seconds = self._capture()
+        return self.capture_seconds
 
     def _warm_up(self) -> int:
         """Eager steps on a side stream before the first capture (they are real rounds)."""
@@ -531,34 +557,106 @@ class Decoder:
                 raise ValueError("cuda_graph: sampling (temperature > 0) in a graph needs torch >= 2.5; "
                                  "pass cuda_graph=False")
             graph.register_generator_state(self.generator)
-        # "relaxed": the verify kernel's launcher views torch tensors through CuPy (a pointer
-        # query) inside the step; tests/test_decode.py checks graph == eager, token for token
+        # "relaxed": kept from when the verify launcher viewed torch tensors through CuPy inside the
+        # step (the prepared step no longer does); tests/test_decode.py checks graph == eager
         with torch.cuda.graph(graph, capture_error_mode="relaxed"):
             self.step()
         self.graph = graph
         return _now(self.device) - start
 
-    def _result(self, prompts, stop_tokens, max_new_tokens, rounds, cuda_graph, **times) -> DecodeResult:
-        # copies: on a CPU, .cpu() returns the decoder's own buffers, which the next call overwrites
-        out, out_len = self.out.cpu().numpy().copy(), self.out_len.cpu().numpy().copy()
+    def acceptance(self, rounds: int) -> list[np.ndarray]:
+        """Per request, the tokens committed in each of its first `rounds` rounds (a read of the log)."""
+        # a copy: on a CPU, .cpu() returns the decoder's own buffer, which the next batch overwrites
         per_round = self.accepted[:, :min(rounds, self.accepted.shape[1])].cpu().numpy().copy()
-        tokens = committed_tokens(out, out_len, max_new_tokens, stop_tokens)
-        acceptance = [rounds_of[rounds_of > 0] for rounds_of in per_round]
-        return DecodeResult(tokens=tokens, acceptance=acceptance, method=self.method, budget=self.budget,
+        return [row[row > 0] for row in per_round]
+
+    def _result(self, rounds, cuda_graph, **times) -> DecodeResult:
+        return DecodeResult(tokens=self.emitted(), acceptance=self.acceptance(rounds), method=self.method, budget=self.budget,
                             batch=self.batch, backend=self.backend, cuda_graph=cuda_graph, rounds=rounds, **times)
 
 
-def sample_posterior(logits, temperature: float, generator=None) -> torch.Tensor:
-    """The target's token at every node, int64 [B, N]: argmax at T = 0; at T > 0 a sample of
-    softmax(logits / T) by the exponential race argmax(p / E), E ~ Exp(1) (no host synchronisation,
-    unlike torch.multinomial)."""
+@dataclass
+class RoundsUpdate:
+    """What Decoder.rounds yields every sync_every rounds."""
+    rounds: int                            # rounds run since reset (warm-up rounds of a first capture included)
+    active: np.ndarray                     # bool [B]: requests still decoding
+    new_tokens: list[np.ndarray] | None    # per request, tokens emitted since the previous update (stream=True)
+
+
+def emitted_tokens(row: np.ndarray, length: int, max_new_tokens: int, stop_tokens) -> np.ndarray:
+    """A request's output row cut as generate returns it: at most max_new_tokens, through the first
+    stop token (a round may commit tokens past either; they are dropped). The one owner of the cut."""
+    new = row[:min(int(length), max_new_tokens)]
+    hits = np.flatnonzero(np.isin(new, stop_tokens)) if len(stop_tokens) else []
+    return (new[:hits[0] + 1] if len(hits) else new).copy()
+
+
+class PreparedStep:
+    """A Decoder's step on the kernels, every launch made once over the decoder's buffers: the
+    drafter's logits buffer and the fused top-k over it, the tree build over the top-k and the
+    decoder's roots, the target's verify launches (Transformer.prepare_verify: verify attention and
+    INT4 MoE per layer) over that tree and cache, the accept walk over the tree and the posterior
+    buffer, the compaction of every layer into the decoder's new-lengths buffer. `step` enqueues
+    them in order; nothing in it reads the device back."""
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = d = decoder
+        self.draft_logits = self.topk = self.build = self.accept = self.compact = None
+        if d.drafting:
+            vocab = d.drafter.config.vocab_size
+            self.draft_logits = torch.zeros(d.batch, d.depth, vocab, dtype=torch.float32, device=d.device)
+            self.topk = prepare_draft_topk(self.draft_logits, d.topk, backend="cupy")
+        if d.tree_mode == "root":
+            self.tree = d.root_tree
+        else:
+            self.build = prepare_build_launch(self.topk.out, d.budget, root=d.root, mode=d.tree_mode)
+            self.tree = self.build.out
+        self.verify = d.target.prepare_verify(self.tree, d.cache)
+        if d.walk and d.tree_mode != "root":
+            self.new_lengths = torch.zeros_like(d.cache.lengths)
+            self.accept = prepare_accept_launch(self.tree, d.posterior)
+            self.compact = prepare_compact_launch(d.cache.kv, d.cache.lengths, self.accept.out,
+                                                  new_lengths=self.new_lengths)
+
+    def step(self, timer) -> StepOutputs:
+        d = self.decoder
+        draft = None
+        with timer("draft"):
+            if d.drafting:
+                d.drafter.draft(d.draft_cache, d.features, d.root, d.n_features, static=True, out=self.draft_logits)
+                draft = self.topk()
+        with timer("tree"):
+            if self.build is None:
+                d.root_tree.tokens.copy_(d.root[:, None])
+            else:
+                self.build()
+        with timer("verify"):
+            out = d.target.verify(self.tree, d.cache, feature_layers=d.feature_layers, static=True,
+                                  prepared=self.verify)
+            sample_posterior(out.logits, d.temperature, d.generator, out=d.posterior)
+        with timer("accept"):
+            if self.accept is not None:
+                result = self.accept()
+                new_lengths = self.compact()
+                path, n_accepted, bonus = result.path.long(), result.n_accepted.long(), result.bonus.long()
+            else:  # the root alone: its entry is already in place
+                new_lengths = d.cache.lengths + 1
+                path, n_accepted, bonus = d.root_path, torch.ones_like(d.root), d.posterior[:, 0]
+            d._commit(self.tree.tokens.long(), out.features, path, n_accepted, bonus, new_lengths)
+        return StepOutputs(draft=draft, tree=self.tree, logits=out.logits, posterior=d.posterior)
+
+
+def sample_posterior(logits, temperature: float, generator=None, *, out=None) -> torch.Tensor:
+    """The target's token at every node, int64 [B, N] (into `out` when given): argmax at T = 0; at
+    T > 0 a sample of softmax(logits / T) by the exponential race argmax(p / E), E ~ Exp(1) (no host
+    synchronisation, unlike torch.multinomial)."""
     if logits.device.type == "cpu" and bool(torch.isnan(logits).any()):  # host values: no synchronisation
         raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index as a token)")
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return torch.argmax(logits, dim=-1, out=out)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(dim=-1)
+    return torch.argmax(probs / race, dim=-1, out=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,139 +704,6 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
-# ----------------------------------------------------------------------------------------------
-# tensor-parallel decode: every rank runs generate over its shard, in lockstep (DESIGN.md §9)
-#
-# The target's layers end in all-reduces and its LM head in an all-gather, so every rank holds the
-# same hidden states, features and logits (bitwise: a collective hands every rank the same
-# result). The drafter is replicated and its inputs are those, so the draft, the tree, the accept
-# and the commit are computed identically on every rank without a broadcast; at T > 0 each rank's
-# sampler is seeded alike. check_lockstep compares the ranks' tokens once, at the end.
-
-def generate_tp(target_path, drafter_path, prompt_ids, *, tp: int = 2, device: str = "cpu",
-                dtype: torch.dtype = torch.float32, runs=None, yarn_attention: str = "transformers",
-                drafter_placement: str = "sharded", gpu_bytes: int | None = None, **options):
-    """generate over the checkpoint at target_path sharded on `tp` spawned ranks (gloo on CPUs;
-    device "cuda": rank r on cuda:r over NCCL), the drafter at drafter_path on each:
-    whole ("replicated") or its layers split over the ranks ("sharded").
-
-    options: generate's keywords; runs: a list of such dicts, all decoded by the same ranks (one
-    load), returning a list of DecodeResults (else one DecodeResult). tp=1 runs in this process.
-    Before loading, every rank plans its memory (model.memory.plan, printed by rank 0) and on a GPU
-    refuses to load what does not fit in gpu_bytes (default: the GPU's free memory).
-    """
-    tp = check_positive_int("tp", tp)
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-    args = (str(target_path), None if drafter_path is None else str(drafter_path), prompt_ids,
-            [options] if runs is None else list(runs), device, dtype, yarn_attention, drafter_placement, gpu_bytes)
-    _check_paths(*args[:2])
-    results = (decode_rank(TensorParallel(), *args) if tp == 1 else
-               launch(decode_rank, tp, *args, backend="nccl" if device == "cuda" else "gloo"))
-    return results[0] if runs is None else results
-
-
-def decode_rank(tp: TensorParallel, target_path: str, drafter_path: str | None, prompt_ids, runs: list[dict],
-                device: str, dtype: torch.dtype, yarn_attention: str, drafter_placement: str,
-                gpu_bytes: int | None) -> list[DecodeResult]:
-    """One rank's work: plan memory, load its shard of the target and the drafter (whole or its
-    shard), run each of `runs` through generate, check the ranks stayed in lockstep."""
-    from .dflash import DFlashConfig, load_drafter
-    from .model import load_config, load_target
-    from .model.memory import plan
-    _check_paths(target_path, drafter_path)
-    on_gpu = device == "cuda"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    config = load_config(target_path)
-    drafter_config = DFlashConfig.load(drafter_path, yarn_attention=yarn_attention) if drafter_path else None
-    prompts = prompt_list(prompt_ids, config.vocab_size)
-    defaults = generate.__kwdefaults__
-    longest = max(len(p) for p in prompts) + max(run.get("max_new_tokens", defaults["max_new_tokens"]) for run in runs)
-    budget = max(run.get("budget", defaults["budget"]) for run in runs)
-    free = torch.cuda.mem_get_info(device)[0] if on_gpu else None
-    memory = plan(config, tp.size, len(prompts), longest, budget, drafter_config, drafter_placement=drafter_placement,
-                  **({"gpu_bytes": gpu_bytes or free} if on_gpu or gpu_bytes else {}))
-    if tp.rank == 0:
-        print(memory.table(), flush=True)
-    if on_gpu or gpu_bytes:
-        memory.check()
-    if not on_gpu:  # gloo ranks share the host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
-    target = load_target(target_path, device=device, dtype=dtype, tp_group=tp.group)
-    drafter = (load_drafter(drafter_path, target, yarn_attention=yarn_attention, placement=drafter_placement)
-               if drafter_path else None)
-    results = [generate(target, drafter, prompts, **run) for run in runs]
-    for result in results:
-        check_lockstep(tp, result)
-    clear_decoders()  # they hold this rank's shard, and through it the process group
-    return results
-
-
-def check_lockstep(tp: TensorParallel, result: DecodeResult) -> None:
-    """Every rank emitted the same tokens and acceptance lengths (one all-gather, after the run)."""
-    if tp.size == 1:
-        return
-    import torch.distributed as dist
-    mine = [[t.tolist() for t in result.tokens], [a.tolist() for a in result.acceptance]]
-    everyone = [None] * tp.size
-    dist.all_gather_object(everyone, mine, group=tp.group)
-    parted = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if parted:
-        raise RuntimeError(f"ranks {parted} decoded other tokens than rank 0: the ranks left lockstep")
-
-
-def checkpoint_pair(target_path, drafter_path, *, tokenizer_path=None, tp: int = 1, prompts_per_package: int = 1,
-                    prompt_tokens: int = 32, device=None, dtype=None, yarn_attention: str = "transformers"):
-    """The real pair (or any pair in its formats) by path, for the notebooks: (PairWithPrompts with
-    the committed held-out prompts encoded by its tokenizer, the generate to call on it).
-
-    tp == 1: both models in this process (a GPU in bf16 when there is one, else the CPU in float32);
-    the returned generate is generate. tp > 1: `target` and `drafter` hold only their configs and
-    the returned generate(target, drafter, prompts, **options) decodes on tp spawned ranks
-    (generate_tp; the ranks load the pair on each call). A path without a checkpoint, or a
-    tokenizer folder without a tokenizer, is a ValueError: there is no fallback to another pair.
-    """
-    import json
-    from types import SimpleNamespace
-    from .corpus import PROMPTS_PATH
-    from .dflash import DFlashConfig, load_drafter
-    from .model import load_config, load_target
-    from .pairs import PairWithPrompts
-    from .tokenizer import load_text_tokenizer
-    tp = check_positive_int("tp", tp)
-    _check_paths(target_path, drafter_path)
-    tokenizer = load_text_tokenizer(tokenizer_path or target_path)
-    gpu = torch.cuda.is_available()
-    device = device or ("cuda" if gpu else "cpu")
-    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    packages: dict[str, list[np.ndarray]] = {}
-    for line in Path(PROMPTS_PATH).read_text().splitlines():
-        document = json.loads(line)
-        chosen = packages.setdefault(document["package"], [])
-        if len(chosen) < prompts_per_package:
-            chosen.append(np.asarray(tokenizer.encode(document["text"])[:prompt_tokens], np.int64))
-    if tp == 1:
-        target = load_target(target_path, device=device, dtype=dtype)
-        drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention)
-        run = generate
-    else:
-        target = SimpleNamespace(config=load_config(target_path))
-        drafter = SimpleNamespace(config=DFlashConfig.load(drafter_path, yarn_attention=yarn_attention))
-
-        def run(_target, _drafter, prompts, **options):
-            return generate_tp(target_path, drafter_path, prompts, tp=tp, device=device, dtype=dtype,
-                               yarn_attention=yarn_attention, **options)
-    name = f"{Path(target_path).name}+{Path(drafter_path).name}"
-    description = f"checkpoint pair {target_path} + {drafter_path} (TP={tp}, {device}, {str(dtype).removeprefix('torch.')})"
-    return PairWithPrompts(target, drafter, description, name, True, packages), run
-
-
-def _check_paths(target_path, drafter_path, names=("target_path", "drafter_path")) -> None:
-    for name, path in zip(names, (target_path, drafter_path)):
-        if path is not None and not (Path(path) / "config.json").is_file():
-            raise ValueError(f"{name}: no checkpoint at {path} (its config.json is missing)")
-
-
 @cli.command
 def main(argv=None) -> int:
     """python -m kdtree_lib.decode: decode prompts with a checkpoint pair, under torchrun or alone.
@@ -765,7 +730,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--yarn-attention", choices=("transformers", "legacy"), default="transformers")
-    parser.add_argument("--drafter-placement", choices=("replicated", "sharded"), default="sharded",
+    parser.add_argument("--drafter-placement", choices=DRAFTER_PLACEMENTS, default=DEFAULT_DRAFTER_PLACEMENT,
                         help="the drafter whole on every rank, or its layers split over the ranks")
     parser.add_argument("--stop-at-eos", action="store_true", help="stop a request at the tokenizer's eos")
     args = parser.parse_args(argv)
@@ -784,7 +749,8 @@ def main(argv=None) -> int:
     # the configs are read here, before any rank spawns: a bad checkpoint is refused in one line
     from .dflash import DFlashConfig
     from .model import load_config
-    _check_paths(args.target, args.drafter if args.method != "ar" else None, names=("--target", "--drafter"))
+    from .decode_tp import check_paths, decode_rank, generate_tp
+    check_paths(args.target, args.drafter if args.method != "ar" else None, names=("--target", "--drafter"))
     config = load_config(args.target)
     config.check_absorbable(str(args.target / "config.json"))  # decode_rank loads the absorbed attention
     vocab = config.vocab_size

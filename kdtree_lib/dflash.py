@@ -570,16 +570,17 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.key_value(context, cos, sin)                # (B, G, T, d)
             cache.keys[i].scatter_(2, index, k)
             cache.values[i].scatter_(2, index, v)
-        cache.lengths = cache.lengths + n_new.long()
+        cache.lengths += n_new.long()  # in place: a prepared step or a captured graph reads this buffer
 
     @torch.no_grad()
-    def draft(self, cache: DFlashCache, features, bonus, n_new=None, *, static: bool = False):
+    def draft(self, cache: DFlashCache, features, bonus, n_new=None, *, static: bool = False, out=None):
         """Append the newly committed tokens' features (extend), then draft the block after `bonus`.
 
         features, n_new, static: as extend; bonus int [B]: the token at position lengths[b] +
         n_new[b], not yet run by the target. static=True: fixed shapes and no host synchronisation
         (what a CUDA graph captures): the block attends over the whole cache storage.
-        Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus.
+        Returns float32 logits (B, D, V) for the D = block_size - 1 positions after the bonus (into
+        `out` when given: a decode step's prepared top-k reads that buffer).
         """
         c = self.config
         head = self._head()
@@ -599,7 +600,8 @@ class DFlashDrafter(nn.Module):
             x, block_pos,
             lambda layer, i: (cache.keys[i][:, :, :visible_slots], cache.values[i][:, :, :visible_slots]),
             key_pos, visible)
-        return head.lm_head(hidden[:, 1:]).float()                                         # (B, D, V)
+        logits = head.lm_head(hidden[:, 1:])                                               # (B, D, V)
+        return logits.float() if out is None else out.copy_(logits)
 
     # ------------------------------------------------------------------------------------------
     # training: many blocks per sequence, each seeing only the context before its anchor
@@ -724,10 +726,14 @@ def read_drafter_weights(path: Path, drafter: DFlashDrafter) -> dict:
 
 
 DRAFTER_PLACEMENTS = ("replicated", "sharded")
+# The one default of every entry point that places the drafter (load_drafter, decode_tp.generate_tp,
+# `python -m kdtree_lib.decode`, the memory plan): its layers split over the target's TP ranks, so its
+# weights and its forward's time fall by 1/tp (docs/tp-decode.md). At TP = 1 both placements are one.
+DEFAULT_DRAFTER_PLACEMENT = "sharded"
 
 
 def load_drafter(path, target, *, device=None, dtype=None, yarn_attention: str = "transformers",
-                 placement: str = "replicated") -> DFlashDrafter:
+                 placement: str = DEFAULT_DRAFTER_PLACEMENT) -> DFlashDrafter:
     """A DFlash checkpoint (z-lab format), bound to `target`, on the target's device and dtype.
     yarn_attention: YaRN's attention-factor convention (module docstring). placement "sharded":
     the layers split over the target's tensor-parallel group (this rank's slices only)."""

@@ -31,6 +31,7 @@ CHUNK = 64             # the kernel layout's input chunk (four MMA k steps)
 LANES = 32
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 ROUTE_DTYPES = ("int32", "int64")
+INT4_FIELDS = ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,11 +246,16 @@ def random_experts(n_experts: int, hidden: int, width: int, *, seed: int = 0, de
 # ----------------------------------------------------------------------------------------------
 # the entry point and the reference
 
-def moe_forward(x, routes, weights, experts, *, backend: str = "auto", capacity: int | None = None):
+def moe_forward(x, routes, weights, experts, *, backend: str = "auto", capacity: int | None = None,
+                routed: bool = False):
     """The weighted sum of each token's routed experts held here: [M, H] in x's dtype and framework.
 
     x [M, H]; routes int [M, k] (expert ids); weights float [M, k]; experts Int4Experts or
     DenseExperts; capacity (kernel only): routed pairs the work buffers hold, >= M·k (default M·k).
+    routed=True: routes and weights come from a router (ids in range and finite weights by
+    construction), so their values are not read back (on a GPU that read is a host synchronisation
+    per layer); shapes and dtypes are still checked. A decode step does not call this per layer at
+    all: it runs a prepared launch per layer (MoeLaunch.with_experts).
     """
     _check_args(x, routes, weights, experts, capacity)
     chosen = _backend.resolve(backend, ("torch", "numpy", "cupy") if isinstance(experts, Int4Experts)
@@ -257,8 +263,9 @@ def moe_forward(x, routes, weights, experts, *, backend: str = "auto", capacity:
     if backend == "auto" and chosen == "cupy" and dtype_name(x) != "bfloat16":
         chosen = "torch"
     if chosen == "cupy":
-        return prepare_moe_launch(x, routes, weights, experts, capacity=capacity)()
-    _check_values(routes, weights, experts)
+        return prepare_moe_launch(x, routes, weights, experts, capacity=capacity, routed=routed)()
+    if not routed:
+        _check_values(routes, weights, experts)
     return _moe_reference(x, routes, weights, experts)
 
 
@@ -412,11 +419,31 @@ class MoeLaunch:
             function(grid, block, args, shared_mem=shared_mem, stream=stream)
         return self.out
 
+    def with_experts(self, experts: "Int4Experts") -> "MoeLaunch":
+        """The same call over another layer's experts of the same shapes: the tokens, routes, weights,
+        output and work buffers are this launch's (a model's MoE layers run one after another on one
+        stream, so they share them), only the expert pointers change. Checks metadata only."""
+        mine = self._keep["experts"]
+        if not isinstance(experts, Int4Experts):
+            raise ValueError(f"experts: expected Int4Experts, got {type(experts).__name__}")
+        for name in INT4_FIELDS:
+            theirs, ours = getattr(experts, name), getattr(mine, name)
+            if tuple(theirs.shape) != tuple(ours.shape) or theirs.dtype != ours.dtype or theirs.device != ours.device:
+                raise ValueError(f"experts.{name}: {tuple(theirs.shape)} {theirs.dtype} on {theirs.device}, but this "
+                                 f"launch was prepared for {tuple(ours.shape)} {ours.dtype} on {ours.device}")
+            if not theirs.is_contiguous():
+                raise ValueError(f"experts.{name}: the kernel reads it as one contiguous block")
+        if (experts.first_expert, experts.hidden, experts.width) != (mine.first_expert, mine.hidden, mine.width):
+            raise ValueError("experts: another first expert, hidden size or width than the prepared launch's")
+        keep = {**self._keep, "experts": experts}
+        return MoeLaunch(self.plan, _moe_calls(keep, self.plan), self.out, keep)
+
 
 def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: int | None = None, out=None,
-                       plan: MoePlan | None = None) -> MoeLaunch:
-    """Check (shapes, dtypes, values, capacity), convert and allocate for the kernels; `out` may be
-    given (tests poison it), `plan` forces configurations (benchmark variants)."""
+                       plan: MoePlan | None = None, routed: bool = False) -> MoeLaunch:
+    """Check (shapes, dtypes, values unless `routed` (see moe_forward), capacity), convert and allocate
+    for the kernels; `out` may be given (tests poison it), `plan` forces configurations (benchmark
+    variants)."""
     from . import cuda
     torch = _torch()
     _check_args(x, routes, weights, experts, capacity)
@@ -431,10 +458,11 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
         raise ValueError(f"experts: at most {ROUTE_THREADS} local experts per rank, got {experts.n_experts}")
     if experts.device != x.device:
         raise ValueError(f"experts: on {experts.device}, x on {x.device}")
-    for name in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales"):
+    for name in INT4_FIELDS:
         if not getattr(experts, name).is_contiguous():
             raise ValueError(f"experts.{name}: the kernel reads it as one contiguous block")
-    _check_values(routes, weights, experts)
+    if not routed:
+        _check_values(routes, weights, experts)
     hidden, width, n_experts = experts.hidden, experts.width, experts.n_experts
     plan = plan or plan_moe(tokens, hidden, width, smem_per_block=_device_smem_per_block())
     if out is None:
@@ -449,28 +477,37 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
             "h": torch.empty(capacity, width, dtype=torch.bfloat16, device=x.device),
             "y": torch.empty(capacity, hidden, dtype=torch.bfloat16, device=x.device),
             "experts": experts}
-    calls = []
-    if tokens:
-        p = {name: cuda.pointer(t) for name, t in keep.items() if name != "experts"}
-        hit_slots = min(n_experts, capacity)  # experts a call can hit: the grids' static height
-        device = cuda.device_index(x)
-        gate_up, down = GEMM_CONFIGS[plan.gate_up], GEMM_CONFIGS[plan.down]
-        i32 = np.int32
-        calls = [
-            (_function("moe_route", device), (1,), (ROUTE_THREADS,),
-             (p["routes"], i32(tokens * top_k), i32(top_k), i32(experts.first_expert), i32(n_experts), p["meta"],
-              p["sorted_token"], p["inverse"]), 0),
-            (_function(gate_up.name, device, gate_up.smem_bytes), (width // gate_up.rows_per_cta, hit_slots),
-             (32 * WARPS,), (cuda.pointer(experts.gate_up_codes), cuda.pointer(experts.gate_up_scales), p["x"],
-                             p["h"], p["meta"], i32(n_experts), p["sorted_token"], i32(hidden), i32(2 * width)),
-             gate_up.smem_bytes),
-            (_function(down.name, device, down.smem_bytes), (hidden // down.rows_per_cta, hit_slots), (32 * WARPS,),
-             (cuda.pointer(experts.down_codes), cuda.pointer(experts.down_scales), p["h"], p["y"], p["meta"],
-              i32(n_experts), p["sorted_token"], i32(width), i32(hidden)), down.smem_bytes),
-            (_function("moe_combine", device), (tokens,), (COMBINE_THREADS,),
-             (p["y"], p["inverse"], p["weights"], p["out"], i32(hidden), i32(top_k)), 0),
-        ]
-    return MoeLaunch(plan, calls, out, keep)
+    return MoeLaunch(plan, _moe_calls(keep, plan), out, keep)
+
+
+def _moe_calls(keep: dict, plan: MoePlan) -> list:
+    """The four launches (route, gate_up, down, combine) over the buffers in `keep`."""
+    from . import cuda
+    experts, x = keep["experts"], keep["x"]
+    tokens, top_k = (int(s) for s in keep["routes"].shape)
+    capacity = int(keep["sorted_token"].shape[0])
+    hidden, width, n_experts = experts.hidden, experts.width, experts.n_experts
+    if not tokens:
+        return []
+    p = {name: cuda.pointer(t) for name, t in keep.items() if name != "experts"}
+    hit_slots = min(n_experts, capacity)  # experts a call can hit: the grids' static height
+    device = cuda.device_index(x)
+    gate_up, down = GEMM_CONFIGS[plan.gate_up], GEMM_CONFIGS[plan.down]
+    i32 = np.int32
+    return [
+        (_function("moe_route", device), (1,), (ROUTE_THREADS,),
+         (p["routes"], i32(tokens * top_k), i32(top_k), i32(experts.first_expert), i32(n_experts), p["meta"],
+          p["sorted_token"], p["inverse"]), 0),
+        (_function(gate_up.name, device, gate_up.smem_bytes), (width // gate_up.rows_per_cta, hit_slots),
+         (32 * WARPS,), (cuda.pointer(experts.gate_up_codes), cuda.pointer(experts.gate_up_scales), p["x"],
+                         p["h"], p["meta"], i32(n_experts), p["sorted_token"], i32(hidden), i32(2 * width)),
+         gate_up.smem_bytes),
+        (_function(down.name, device, down.smem_bytes), (hidden // down.rows_per_cta, hit_slots), (32 * WARPS,),
+         (cuda.pointer(experts.down_codes), cuda.pointer(experts.down_scales), p["h"], p["y"], p["meta"],
+          i32(n_experts), p["sorted_token"], i32(width), i32(hidden)), down.smem_bytes),
+        (_function("moe_combine", device), (tokens,), (COMBINE_THREADS,),
+         (p["y"], p["inverse"], p["weights"], p["out"], i32(hidden), i32(top_k)), 0),
+    ]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,8 +1,10 @@
-"""The pairs a notebook, test or benchmark runs: the trained stand-in pair, a tiny random pair, the one
-tiny config both the model tests and the random pair are built from, and the held-out prompts.
+"""The pairs a notebook, test or benchmark runs: the trained stand-in pair, a tiny random pair (built
+from model.config.tiny_config, the one tiny config the model tests use too), a checkpoint pair by
+path, and the held-out prompts.
 
 Pairs live here, apart from the decode loop, so training, sweeps and benchmarks get a pair without
-importing the loop.
+importing the loop (checkpoint_pair, which hands the notebooks the loop to call too, imports it when
+called). pair_name is the rows' `pair` column for a pair loaded by path.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from .checks import check_positive_int
 from .dflash import DFlashConfig, DFlashDrafter, load_drafter
 from .model import ModelConfig, Transformer, load_config, load_target
+from .model.config import tiny_config, transformers_kwargs  # noqa: F401  (the pairs' tiny config, owned by the model)
 from .corpus import PROMPTS_PATH
 from .paths import MODELS_DIR
 from .verify_attn import LATENT_DIM, ROPE_DIM
@@ -25,40 +28,6 @@ TARGET_DIR = "k26-mini"
 
 
 # ----------------------------------------------------------------------------------------------
-# the tiny config: K2.6's switches at test size
-
-def tiny_config(**overrides) -> dict:
-    """A DeepseekV3 config.json dict at test size with Kimi K2.6's switches (YaRN, sigmoid noaux_tc
-    routing, a dense first layer, a shared expert). The MLA latent keeps the verify contract's
-    512 + 64 widths, so the absorbed path and the kernels run on it."""
-    config = dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=64,
-                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        rope_theta=50000.0, rope_interleave=True, num_nextn_predict_layers=0,
-        hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
-        bos_token_id=0, eos_token_id=1,
-    )
-    config.update(overrides)
-    return config
-
-
-def transformers_kwargs(config: dict) -> dict:
-    """A config.json dict as transformers' DeepseekV3Config takes it (rope_parameters, no metadata keys)."""
-    kwargs = dict(config)
-    kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_type="yarn", rope_theta=kwargs.pop("rope_theta"))
-    kwargs["rope_parameters"].pop("type")
-    for key in ("architectures", "model_type", "scoring_func", "topk_method"):
-        kwargs.pop(key, None)
-    return kwargs
-
-
 # The random pair narrows the tiny config: with two heads and four experts a random target's greedy
 # continuations stay varied (the decode tests need several distinct tokens per prompt).
 RANDOM_PAIR_SHAPE = dict(moe_intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
@@ -155,10 +124,12 @@ def load_prompts(count: int, prompt_tokens: int, *, tokenizer_path=None, path=No
     return prompts
 
 
-def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenizer_path=None) -> dict[str, list]:
+def package_prompts(per_package: int, prompt_tokens: int, *, path=None, tokenizer_path=None,
+                    encode=None) -> dict[str, list]:
     """{package: [int64 token arrays]}: the first `per_package` committed held-out prompts of each
-    package, each cut to its first `prompt_tokens` tokens."""
-    encode = _encoder(tokenizer_path)
+    package, each cut to its first `prompt_tokens` tokens; encode(text, tokens) -> ids (default: the
+    tokenizer at tokenizer_path, else the stand-in's). The one owner of "held-out prompts per package"."""
+    encode = encode or _encoder(tokenizer_path)
     prompts: dict[str, list] = {}
     for document in _heldout_documents(path):
         chosen = prompts.setdefault(document["package"], [])
@@ -184,6 +155,11 @@ class PairWithPrompts:
         return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
 
 
+def pair_name(target_path, drafter_path) -> str:
+    """The rows' `pair` column for a pair loaded from these folders: "<target folder>+<drafter folder>"."""
+    return f"{Path(target_path).name}+{Path(drafter_path).name}"
+
+
 def pair_with_prompts(block_size: int = 8, *, prompts_per_package: int = 1, prompt_tokens: int = 32, models_dir=None,
                       device="cpu", dtype=torch.float32, vocab: int = 64, seed: int = 0) -> PairWithPrompts:
     """The pair and its prompts, decided together so that they always agree: the trained stand-in
@@ -203,7 +179,7 @@ def pair_with_prompts(block_size: int = 8, *, prompts_per_package: int = 1, prom
         if too_large:
             raise ValueError(f"models_dir: the held-out prompts of {too_large} have ids >= {target_path.name}'s "
                              f"vocabulary {target_vocab} (a tokenizer of another pair?)")
-        name = f"{target_path.name}+{drafter_path.name}"
+        name = pair_name(target_path, drafter_path)
         return PairWithPrompts(target, drafter, f"stand-in pair {target_path.name} + {drafter_path.name}", name, True,
                                packages)
     target, drafter = random_pair(vocab=vocab, block_size=block_size, seed=seed, device=device, dtype=dtype)
@@ -212,3 +188,42 @@ def pair_with_prompts(block_size: int = 8, *, prompts_per_package: int = 1, prom
     description = (f"tiny RANDOM pair (vocab {vocab}, block {block_size}) with random prompts: {target_path} or "
                    f"{drafter_path} has no checkpoint, so acceptance numbers mean nothing")
     return PairWithPrompts(target, drafter, description, f"random-v{vocab}-b{block_size}", False, packages)
+
+
+def checkpoint_pair(target_path, drafter_path, *, tokenizer_path=None, tp: int = 1, prompts_per_package: int = 1,
+                    prompt_tokens: int = 32, device=None, dtype=None, yarn_attention: str = "transformers"):
+    """The real pair (or any pair in its formats) by path, for the notebooks (10, 11): (PairWithPrompts with
+    the committed held-out prompts encoded by its tokenizer, the generate to call on it).
+
+    tp == 1: both models in this process (a GPU in bf16 when there is one, else the CPU in float32);
+    the returned generate is generate. tp > 1: `target` and `drafter` hold only their configs and
+    the returned generate(target, drafter, prompts, **options) decodes on tp spawned ranks
+    (generate_tp; the ranks load the pair on each call). A path without a checkpoint, or a
+    tokenizer folder without a tokenizer, is a ValueError: there is no fallback to another pair.
+    """
+    from types import SimpleNamespace
+    from .decode import generate
+    from .decode_tp import check_paths, generate_tp
+    from .tokenizer import load_text_tokenizer
+    tp = check_positive_int("tp", tp)
+    check_paths(target_path, drafter_path)
+    tokenizer = load_text_tokenizer(tokenizer_path or target_path)
+    gpu = torch.cuda.is_available()
+    device = device or ("cuda" if gpu else "cpu")
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    packages = package_prompts(prompts_per_package, prompt_tokens,
+                               encode=lambda text, tokens: np.asarray(tokenizer.encode(text)[:tokens], np.int64))
+    if tp == 1:
+        target = load_target(target_path, device=device, dtype=dtype)
+        drafter = load_drafter(drafter_path, target, yarn_attention=yarn_attention)
+        run = generate
+    else:
+        target = SimpleNamespace(config=load_config(target_path))
+        drafter = SimpleNamespace(config=DFlashConfig.load(drafter_path, yarn_attention=yarn_attention))
+
+        def run(_target, _drafter, prompts, **options):
+            return generate_tp(target_path, drafter_path, prompts, tp=tp, device=device, dtype=dtype,
+                               yarn_attention=yarn_attention, **options)
+    name = pair_name(target_path, drafter_path)
+    description = f"checkpoint pair {target_path} + {drafter_path} (TP={tp}, {device}, {str(dtype).removeprefix('torch.')})"
+    return PairWithPrompts(target, drafter, description, name, True, packages), run

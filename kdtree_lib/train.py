@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from . import cli
 from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, save_drafter
-from .pairs import TARGET_DIR, TINY_DRAFTER, load_pair, load_prompts, stand_in_paths, tiny_config
+from .pairs import TARGET_DIR, TINY_DRAFTER, load_pair, load_prompts, pair_name, stand_in_paths, tiny_config
 from .paths import CORPUS_DIR, MODELS_DIR
 from .tokenizer import TOKENIZER_PATH, corpus_tokens, load_tokenizer, special_ids
 
@@ -471,7 +471,7 @@ def acceptance_rows(models_dir, block_size: int, *, budgets=ACCEPTANCE_BUDGETS, 
     records = record_oracle(target, drafter, prompts, new_tokens, min(max(budgets), target.config.vocab_size))
     if device.type == "cuda":
         records = [record.to_torch(device) for record in records]
-    pair = f"{target_path.name}+{drafter_path.name}"
+    pair = pair_name(target_path, drafter_path)
     return [row | {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
             for mode in ("chain", "tree")
             for row in oracle_rows(records, budgets, package=PROMPTS_PACKAGE, block_size=block_size, mode=mode,

@@ -41,20 +41,27 @@ def verify_attention(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: flo
     chosen = _backend.resolve(backend, ("torch", "numpy", "cupy"), q_latent, cache, kernel_dtypes=KERNEL_DTYPES)
     if chosen == "cupy":
         return _verify_attention_cupy(q_latent, q_rope, cache, lengths, tree, scale)
-    torch = _torch()
     as_numpy = framework(q_latent) == "numpy"
     q_latent, q_rope, cache = (as_torch(x) for x in (q_latent, q_rope, cache))
     allowed = key_mask(lengths, tree, cache.shape[1], device=cache.device)  # (B, N, L)
+    out, lse = attend_latent(q_latent, q_rope, cache, allowed, scale)
+    if as_numpy:
+        return out.numpy(), lse.numpy()
+    return out, lse
+
+
+def attend_latent(q_latent, q_rope, cache, allowed, scale: float):
+    """verify_attention's torch reference past its checks, over the key mask `allowed` bool [B, N, L]
+    for cache [B, L, 576] (key_mask's): what the model's torch path runs per layer, the mask built
+    once per step. No host synchronisation."""
+    torch = _torch()
     kv = cache.float()
     scores = (torch.einsum("bnhc,blc->bnhl", q_latent.float(), kv[..., :LATENT_DIM])
               + torch.einsum("bnhr,blr->bnhl", q_rope.float(), kv[..., LATENT_DIM:])) * scale
     scores = scores.masked_fill(~allowed[:, :, None, :], float("-inf"))  # (B, N, H, L)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bnhl,blc->bnhc", torch.exp(scores - lse[..., None]), kv[..., :LATENT_DIM])
-    out = out.to(q_latent.dtype)
-    if as_numpy:
-        return out.numpy(), lse.numpy()
-    return out, lse
+    return out.to(q_latent.dtype), lse
 
 
 def verify_attention_naive(q_nope, q_rope, cache, lengths, tree: Tree, *, w_uk, w_uv,
@@ -89,11 +96,20 @@ def project_output(o_latent, w_uv):
 
 
 def key_mask(lengths, tree: Tree, slots: int, *, device=None):
-    """bool [B, N, slots]: may tree node i attend to cache slot l (committed prefix or ancestor)?"""
+    """bool [B, N, slots]: may tree node i attend to cache slot l (committed prefix or ancestor)?
+    Torch lengths and mask on `device` stay there (no host read: a decode step builds it); other
+    inputs are copied there."""
     torch = _torch()
-    lengths = torch.as_tensor(to_numpy(lengths).astype(np.int64), device=device)
     nodes = tree.capacity
-    ancestors = torch.as_tensor(unpack_mask(tree.mask, nodes), device=device)  # (B, N, N)
+    if framework(lengths) == "torch" and framework(tree.mask) == "torch" and lengths.device == tree.mask.device:
+        lengths = lengths.long().to(device or lengths.device)
+        device = lengths.device
+        words = tree.mask.to(device).contiguous().view(torch.int32).long() & 0xFFFFFFFF      # (B, N, W)
+        bits = (words[..., None] >> torch.arange(32, device=device)) & 1                    # (B, N, W, 32), little-endian
+        ancestors = bits.flatten(-2)[..., :nodes].bool()                                    # (B, N, N)
+    else:
+        lengths = torch.as_tensor(to_numpy(lengths).astype(np.int64), device=device)
+        ancestors = torch.as_tensor(unpack_mask(tree.mask, nodes), device=device)  # (B, N, N)
     slot = torch.arange(slots, device=device)
     allowed = (slot[None, :] < lengths[:, None])[:, None, :].repeat(1, nodes, 1)  # (B, N, L)
     tree_slots = (lengths[:, None] + torch.arange(nodes, device=device))[:, None, :].expand(-1, nodes, -1)
@@ -290,6 +306,7 @@ class VerifyLaunch:
 
     def __init__(self, plan: LaunchPlan, half: bool, arrays: dict, sizes: tuple, out, lse):
         self.plan, self.out, self.lse = plan, out, lse
+        self._half, self._sizes = half, sizes
         self._arrays = arrays  # keeps the converted inputs and the workspace alive
         batch, nodes, heads, l_max, words, scale_log2 = sizes
         self._calls = []  # (function, grid, block, args, shared memory): the kernel, then the merge
@@ -313,6 +330,21 @@ class VerifyLaunch:
         for function, grid, block, args, shared_mem in self._calls[:None if merge else 1]:
             function(grid, block, args, shared_mem=shared_mem, stream=stream)
         return self.out, self.lse
+
+    def with_cache(self, cache) -> "VerifyLaunch":
+        """The same call over another layer's cache of the same shape, dtype and device: queries,
+        lengths, mask, outputs and split workspace are this launch's (a model's layers run one after
+        another on one stream, so they share them). Checks metadata only."""
+        from . import cuda
+        mine = self._arrays["cache"]
+        check_array("cache", cache, dtypes="float16" if self._half else "bfloat16",
+                    shape=tuple(int(n) for n in mine.shape))
+        if framework(cache) != "torch" or not cache.is_cuda or cuda.device_index(cache) != mine.device.id:
+            raise ValueError(f"cache: expected a torch tensor on cuda:{mine.device.id} like the prepared one")
+        if not cache.is_contiguous():
+            raise ValueError("cache: the kernel reads it in place and needs it C-contiguous")
+        return VerifyLaunch(self.plan, self._half, {**self._arrays, "cache": cuda.as_cupy(cache)}, self._sizes,
+                            self.out, self.lse)
 
 
 def prepare_verify_launch(q_latent, q_rope, cache, lengths, tree: Tree, *, scale: float = DEFAULT_SCALE,

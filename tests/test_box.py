@@ -7,7 +7,7 @@ import pytest
 
 from kdtree_lib import box, projection, results, routing
 from kdtree_lib.model import load_config
-from kdtree_lib.model.reference import save_kimi_pair
+from kdtree_lib.pair_reference import save_kimi_pair
 from kdtree_lib.pairs import stand_in_paths
 
 TARGET, DRAFTER = stand_in_paths(8)
@@ -42,7 +42,7 @@ def test_command_line_refuses_clearly(tmp_path, capsys):
 
 @needs_stand_in
 def test_the_memory_plan_refuses_what_does_not_fit(tmp_path):
-    from kdtree_lib.model.memory import MemoryPlanError
+    from kdtree_lib.memory import MemoryPlanError
     settings = kit(tmp_path, batches=(8,), contexts=(32768,), nodes=(1, 257))
     plan = box.memory_plan(settings, 2, gpu_bytes=96 * 10**9)  # the stand-in at the box's sizes fits a box GPU
     assert plan.fits and plan.batch == 8 and plan.context >= 32768 + 257
@@ -88,6 +88,6 @@ def test_made_to_format_pair_dry_run_at_tp2_over_gloo(tmp_path):
     assert written == {"box_verify_step": len(rows["box_verify_step"]), "box_expert_union": len(rows["box_expert_union"])}
     assert projection.select_rows(rows["box_verify_step"], "draft"), "the sharded drafter's forward is timed"
     assert {int(r["tp"]) for r in rows["box_verify_step"]} == {2}
-    assert {r["drafter_placement"] for r in rows["box_verify_step"]} == {"sharded"}  # decode.generate_tp's default
+    assert {r["drafter_placement"] for r in rows["box_verify_step"]} == {"sharded"}  # decode_tp.generate_tp's default
     assert any(float(r["allreduce_seconds"]) > 0 for r in projection.select_rows(rows["box_verify_step"], "layer"))
     assert Path(settings.results_dir, "box_steps.csv").is_file()

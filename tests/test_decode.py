@@ -435,3 +435,189 @@ def test_reference_style_baseline_equals_transformers_greedy():
         result = reference_style_generate(hf, drafter, prompt, budget=budget, max_new_tokens=16)
         assert result.tokens[0].tolist() == greedy
         assert result.acceptance[0].sum() >= 16
+
+
+# ----------------------------------------------------------------------------------------------
+# the step owns its launches and buffers: no host reads inside a step, wrong shapes and buffers refused
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts what would read a device tensor back to the host (a synchronisation on a GPU): scalar
+    conversions, .item/.tolist/.numpy/.cpu, np.asarray, and the ops whose output size depends on
+    values (nonzero, unique, masked_select, 1-argument where). Not `.to(device)`: on the CPU path
+    the model's own device is the CPU, so a read and a no-op look alike there."""
+    READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu", "__array__",
+             "nonzero", "unique", "unique_consecutive", "masked_select", "argwhere"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        one_arg_where = name == "where" and len(args) == 1
+        if name in self.READS or one_arg_where:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def dense_pair(vocab=VOCAB, seed=5):
+    """A tiny target whose layers are all dense (the float MoE's CPU loop reads the routed ids by
+    design; on a GPU a step runs the prepared INT4 kernel, which the GPU test below covers) and a
+    drafter bound to it."""
+    from kdtree_lib.dflash import DFlashConfig, DFlashDrafter
+    from kdtree_lib.model import ModelConfig, Transformer
+    from kdtree_lib.pairs import RANDOM_PAIR_SHAPE, TINY_DRAFTER, tiny_config
+    generator = torch.Generator().manual_seed(seed)
+    config = ModelConfig.from_dict(tiny_config(vocab_size=vocab, first_k_dense_replace=3, **RANDOM_PAIR_SHAPE))
+    target = Transformer(config)
+    drafter = DFlashDrafter(DFlashConfig(hidden_size=config.hidden_size, vocab_size=vocab, block_size=5,
+                                         mask_token_id=vocab - 1, num_target_layers=config.num_hidden_layers,
+                                         target_layer_ids=(1,), **TINY_DRAFTER))
+    with torch.no_grad():
+        for model in (target, drafter):
+            for name, tensor in model.named_parameters():
+                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator) if name.endswith("norm.weight")
+                             else 0.3 * torch.randn(tensor.shape, generator=generator))
+    target.eval().requires_grad_(False)
+    return target, drafter.bind(target).eval().requires_grad_(False)
+
+
+def test_the_host_read_counter_sees_a_read():
+    """The counter is not vacuous: each kind of read it is there to catch is counted."""
+    x = torch.arange(4)
+    with HostReads() as reads:
+        bool(x[0]), x.sum().item(), x.tolist(), x.cpu(), torch.where(x > 1), torch.nonzero(x), np.asarray(x)
+    assert reads.calls == ["__bool__", "item", "tolist", "cpu", "where", "nonzero", "__array__"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_step_reads_nothing_back_on_the_cpu_path(temperature):
+    """An AR step of the Decoder (verify with the torch attention over the step's key mask, the
+    posterior, the commit) and the drafter's fixed-shape draft make no host read; the steps still
+    decode (tokens come out and equal a plain generate's)."""
+    from kdtree_lib.decode import Decoder
+    target, drafter = dense_pair()
+    decoder = Decoder(target, None, method="ar", budget=1, batch=2, capacity=64, temperature=temperature,
+                      backend="numpy")
+    prompts = [np.array([5, 9, 2, 30]), np.array([17, 3])]
+    decoder.reset(prompts, max_new_tokens=6, seed=1)
+    with HostReads() as reads:
+        for _ in range(6):
+            decoder.step()
+    assert reads.calls == []
+    expected = generate(target, None, prompts, method="ar", max_new_tokens=6, temperature=temperature, seed=1)
+    assert [t.tolist() for t in decoder.emitted()] == tokens_of(expected)
+    cache = drafter.new_cache(2, 64)
+    features = torch.randn(2, 3, drafter.config.feature_size)
+    logits = torch.empty(2, drafter.config.draft_depth, VOCAB)
+    with HostReads() as reads:
+        drafter.draft(cache, features, torch.tensor([4, 7]), torch.tensor([3, 1]), static=True, out=logits)
+    assert reads.calls == [] and cache.lengths.tolist() == [3, 1] and torch.isfinite(logits).all()
+
+
+def test_the_decoder_refuses_a_shape_or_buffer_it_was_not_built_for():
+    from kdtree_lib.decode import Decoder
+    target, _ = dense_pair()
+    decoder = Decoder(target, None, method="ar", budget=1, batch=2, capacity=64, temperature=0.0, backend="numpy")
+    with pytest.raises(ValueError, match="^prompts: this decoder holds 2 requests, got 3"):
+        decoder.reset([np.array([1, 2])] * 3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="^prompts: .* do not fit this decoder's capacity 64"):
+        decoder.reset([np.array([1] * 60)] * 2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="^budget: this decoder was built for budget 1, got 8"):
+        decoder.check_shape(batch=2, budget=8)
+    with pytest.raises(ValueError, match="^batch: this decoder was built for batch 2, got 1"):
+        decoder.check_shape(batch=1)
+    decoder.reset([np.array([1, 2])] * 2, max_new_tokens=4)
+    prepared = target.prepare_verify(decoder.root_tree, decoder.cache)
+    other_tree = decoder._root_tree()
+    with pytest.raises(ValueError, match="^tree: not the tree these launches were prepared for"):
+        target.verify(other_tree, decoder.cache, static=True, prepared=prepared)
+    with pytest.raises(ValueError, match="^cache: not the cache these launches were prepared for"):
+        target.verify(decoder.root_tree, target.new_cache(2, 64), static=True, prepared=prepared)
+
+
+def test_rounds_stream_what_generate_returns(pair):
+    """Decoder.rounds is the loop generate runs: streamed new tokens add up to generate's output."""
+    from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
+    target, drafter = pair
+    budget, nodes = step_shape("ddtree", 6, drafter.config.draft_depth)
+    decoder = Decoder(target, drafter, method="ddtree", budget=budget, batch=len(PROMPTS), temperature=0.0,
+                      capacity=decoder_capacity(PROMPTS, 20, nodes, drafter.config.draft_depth), backend="numpy")
+    decoder.reset(PROMPTS, max_new_tokens=20, stop_tokens=(4,))
+    streamed = [[] for _ in PROMPTS]
+    updates = list(decoder.rounds(sync_every=2, stream=True))
+    for update in updates:
+        for b, new in enumerate(update.new_tokens):
+            streamed[b] += new.tolist()
+    assert [u.rounds for u in updates] == list(range(2, 2 * len(updates) + 1, 2)) and not updates[-1].active.any()
+    expected = generate(target, drafter, PROMPTS, budget=6, max_new_tokens=20, stop_tokens=(4,), sync_every=2)
+    assert streamed == tokens_of(expected)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["ar", "chain", "ddtree"])
+def test_gpu_eager_steps_do_not_synchronise(gpu_pair, method):
+    """torch's sync detector raises on any host synchronisation inside eager prepared steps."""
+    from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
+    target, drafter = gpu_pair
+    prompts = gpu_prompts(2)
+    budget, nodes = step_shape(method, 32, drafter.config.draft_depth)
+    decoder = Decoder(target, drafter if method != "ar" else None, method=method, budget=budget, batch=2,
+                      capacity=decoder_capacity(prompts, 16, nodes, drafter.config.draft_depth), temperature=0.0,
+                      backend="cupy")
+    assert decoder.prepared is not None
+    decoder.reset(prompts, max_new_tokens=16)
+    steps_under_the_sync_detector(decoder, 4)
+    assert all(len(t) > 0 for t in decoder.emitted())
+
+
+def steps_under_the_sync_detector(decoder, steps: int) -> None:
+    """One step (compiles the kernels), then `steps` eager steps with torch raising on any sync."""
+    decoder.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            decoder.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+def test_gpu_int4_moe_layers_run_prepared_launches_without_synchronising():
+    """A bf16 target with INT4 experts: the step's MoE layers run prepared kernel launches (one per
+    layer over shared buffers), with no host synchronisation, and give moe_forward's result."""
+    from kdtree_lib.decode import Decoder
+    from kdtree_lib.model import ModelConfig, TensorParallel
+    from kdtree_lib.model.checkpoint import empty_target
+    from kdtree_lib.moe import moe_forward
+    from kdtree_lib.pairs import tiny_config
+    require_gpu()
+    # hidden 128 and expert width 64: the smallest sizes with a kernel configuration (moe.plan_moe)
+    config = ModelConfig.from_dict(tiny_config(vocab_size=256, hidden_size=128, moe_intermediate_size=64))
+    target = empty_target(config, TensorParallel(), device="cuda", dtype=torch.bfloat16, int4_experts=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in [*target.named_parameters(), *target.named_buffers()]:
+            if tensor.dtype == torch.int32:
+                tensor.copy_(torch.randint(-2 ** 31, 2 ** 31, tensor.shape, generator=generator, device="cuda",
+                                           dtype=torch.int64).to(torch.int32))
+            elif name.endswith("_scales"):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator, device="cuda") * 0.01 + 0.005)
+            else:
+                tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator, device="cuda")
+                             if name.endswith("norm.weight") else 0.3 * torch.randn(tensor.shape, generator=generator,
+                                                                                     device="cuda"))
+    target.eval().requires_grad_(False)
+    decoder = Decoder(target, None, method="ar", budget=1, batch=2, capacity=64, temperature=0.0, backend="cupy")
+    moe_layers = [i for i, launch in enumerate(decoder.prepared.verify.moe) if launch is not None]
+    assert moe_layers == [1, 2]
+    decoder.reset([np.array([5, 9, 2]), np.array([17])], max_new_tokens=8)
+    steps_under_the_sync_detector(decoder, 3)
+    x = torch.randn(2, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 3], [7, 1]], device="cuda")
+    weights = torch.rand(2, 2, device="cuda")
+    experts = target.layers[2].mlp.experts
+    got = decoder.prepared.verify.moe[2](x, ids, weights).clone()
+    assert torch.equal(got, moe_forward(x, ids, weights, experts.int4_experts(), backend="cupy"))

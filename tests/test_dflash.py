@@ -13,7 +13,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from kdtree_lib import dflash
 from kdtree_lib.dflash import (DFlashConfig, DFlashDrafter, YarnRope, build_target_layer_ids, hf_features,
                                load_drafter, save_drafter, split_kv_attention)
-from kdtree_lib.model.reference import qwen3_rope, zlab_block_logits
+from kdtree_lib.pair_reference import qwen3_rope, zlab_block_logits
 from tolerances import logit_bound, rounding_bound
 
 VOCAB, HIDDEN = 96, 32

@@ -1,4 +1,4 @@
-"""model.memory.plan: K2.6's bytes per GPU against a count written out from its config, the
+"""memory.plan: K2.6's bytes per GPU against a count written out from its config, the
 refusals (batch 8 at 32k on the box, too little free memory) and bad arguments."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from kdtree_lib.dflash import DFlashConfig
 from kdtree_lib.model import ModelConfig, load_config
-from kdtree_lib.model.memory import BOX_GPU_BYTES, GIB, MemoryPlanError, plan
+from kdtree_lib.memory import BOX_GPU_BYTES, GIB, MemoryPlanError, plan
 from kdtree_lib.pairs import tiny_config
 from kdtree_lib.paths import REPO_ROOT
 

@@ -4,7 +4,7 @@ records the oracle on the ranks (every rank in lockstep, rank 0's records) and i
 decode's; notebook 12 times the pair's own verify step on the ranks and plots those rows."""
 import pytest
 
-from kdtree_lib.model.reference import save_kimi_pair
+from kdtree_lib.pair_reference import save_kimi_pair
 from kdtree_lib.notebooks import read_record, run_notebook
 from kdtree_lib.paths import NOTEBOOKS_DIR
 

@@ -4,8 +4,8 @@ rounds are the live TP decode's."""
 import pytest
 
 from kdtree_lib.acceptance import accepted_at_every_position, record_oracle_tp, round_lengths
-from kdtree_lib.decode import generate_tp
-from kdtree_lib.model.reference import save_kimi_pair
+from kdtree_lib.decode_tp import generate_tp
+from kdtree_lib.pair_reference import save_kimi_pair
 
 PROMPTS = [[257, 32, 102, 40, 120, 41, 58, 10, 258, 262, 114], [101, 414, 420, 557, 473]]
 NEW_TOKENS = 8

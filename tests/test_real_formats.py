@@ -13,9 +13,9 @@ import kdtree_lib.model.checkpoint as checkpoint
 from kdtree_lib.decode import generate
 from kdtree_lib.dflash import DFlashConfig, DFlashDrafter, load_drafter, read_drafter_weights
 from kdtree_lib.model import CheckpointReader, ModelConfig, TensorParallel, load_config, load_target
-from kdtree_lib.model.memory import plan
-from kdtree_lib.model.reference import (CONFIG_DIR, kimi_text_config, qwen3_rope, save_kimi_pair,
-                                        save_random_kimi_checkpoint, tiny_tiktoken_ranks, zlab_block_logits)
+from kdtree_lib.memory import plan
+from kdtree_lib.model.reference import CONFIG_DIR, kimi_text_config, save_random_kimi_checkpoint
+from kdtree_lib.pair_reference import qwen3_rope, save_kimi_pair, tiny_tiktoken_ranks, zlab_block_logits
 from kdtree_lib.tokenizer import KIMI_RESERVED_SPECIAL_TOKENS, load_text_tokenizer, save_tiktoken
 from tolerances import logit_bound
 

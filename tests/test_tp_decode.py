@@ -12,11 +12,13 @@ import pytest
 import numpy as np
 import torch
 
-from kdtree_lib.decode import checkpoint_pair, generate, generate_tp, main
+from kdtree_lib.decode import generate, main
+from kdtree_lib.decode_tp import generate_tp
+from kdtree_lib.pairs import checkpoint_pair
 from kdtree_lib.dflash import DFlashConfig, load_drafter
 from kdtree_lib.model import launch, load_target
-from kdtree_lib.model.memory import MemoryPlanError
-from kdtree_lib.model.reference import save_kimi_pair
+from kdtree_lib.memory import MemoryPlanError
+from kdtree_lib.pair_reference import save_kimi_pair
 from kdtree_lib.paths import REPO_ROOT
 from tolerances import logit_bound
 
@@ -158,7 +160,7 @@ def test_real_shapes_decode_on_one_gpu(tmp_path):
     rows (tmp_path, or data/results/real_shape_decode.csv with KDTREE_APPEND_RESULTS=1)."""
     from kdtree_lib import results
     from kdtree_lib.bench.inputs import real_shape_pair
-    from kdtree_lib.model.memory import GIB, plan
+    from kdtree_lib.memory import GIB, plan
     layers = int(os.environ.get("KDTREE_REAL_LAYERS", "3"))
     torch.cuda.reset_peak_memory_stats()
     target, drafter = real_shape_pair(layers, device="cuda", dtype=torch.bfloat16)

@@ -5,8 +5,10 @@ results.append_rows. Every row is the median of `repeats` generate calls after a
 warm-up compiles the kernels and captures the graph), with the same prompts and max_new_tokens:
 
 - impl "kdtree": kdtree_lib.decode.generate with the kernels (backend "cupy"), graph and eager;
-  the eager rows also carry per-round stage times (draft, tree, verify, accept) from one extra
-  profiled call (CUDA events);
+  every row also carries the step measured on its own Decoder (step_profile), after that shape's
+  warm-up (kernels compiled, lazy init done, so no stage time holds a compilation): per-stage
+  milliseconds per step (draft, tree, verify, accept; CUDA events on eager steps), the eager step's
+  and the graph replay's milliseconds, and their ratio (eager_vs_graph);
 - impl "host_tree": the same loop with the reference tree ops on the host (backend "numpy"):
   what a serving worker that builds trees with a Python heap per request pays;
 - impl "reference_style": OUR re-implementation, in the style of the DDTree paper's reference code
@@ -35,7 +37,7 @@ import torch
 from .. import cli, results
 from . import command_parser
 from ..pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
-from ..decode import STAGES, DecodeResult, generate
+from ..decode import STAGES, DecodeResult, Decoder, StageTimer, decoder_capacity, generate, step_shape
 from ..dflash import hf_features, load_drafter
 from ..tree_accept import accept
 from ..contracts import DraftTopK, unpack_mask
@@ -138,8 +140,38 @@ def measure(call, repeats: int) -> tuple[DecodeResult, float]:
     return result, statistics.median(speeds)
 
 
+STEP_WARMUP = 3   # eager steps of a shape before its step is timed (kernel compilation, lazy init)
+STEP_REPEATS = 10
+
+
+def step_profile(target, drafter, prompts, *, method: str, budget: int, new_tokens: int) -> dict:
+    """The step of one shape, measured on its own Decoder (backend "cupy") after STEP_WARMUP eager
+    steps of that shape: per-stage ms per step over STEP_REPEATS eager steps (CUDA events), the
+    eager step's median ms and the graph replay's (bench.timing.gpu_seconds, L2 kept), and
+    eager_vs_graph. Steps past the requests' ends run at the same shapes, so every repeat is a full step."""
+    from .timing import gpu_seconds
+    depth = drafter.config.draft_depth if method != "ar" else 0
+    step_budget, nodes = step_shape(method, budget, depth)
+    decoder = Decoder(target, drafter if method != "ar" else None, method=method, budget=step_budget,
+                      batch=len(prompts), capacity=decoder_capacity(prompts, new_tokens, nodes, depth),
+                      temperature=0.0, backend="cupy")
+    decoder.reset(prompts, max_new_tokens=new_tokens)
+    for _ in range(STEP_WARMUP):
+        decoder.step()
+    timer = StageTimer(decoder.device)
+    for _ in range(STEP_REPEATS):
+        decoder.step(timer)
+    stages = {stage: 1e3 * seconds / STEP_REPEATS for stage, seconds in timer.totals().items()}
+    eager = 1e3 * gpu_seconds(decoder.step, reps=STEP_REPEATS, warmup=1, flush="none")
+    decoder.capture()
+    graph = 1e3 * gpu_seconds(decoder.graph.replay, reps=STEP_REPEATS, warmup=1, flush="none")
+    return {**{f"{stage}_ms_per_round": ms for stage, ms in stages.items()},  # a step is one round
+            "eager_step_ms": eager, "graph_step_ms": graph, "eager_vs_graph": eager / graph}
+
+
 def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str, prompt_tokens: int,
-        new_tokens: int, block_size: int, stages: dict | None = None) -> dict:
+        new_tokens: int, block_size: int, stages: dict | None = None, step: dict | None = None) -> dict:
+    """stages: a result's summed stage seconds (profile_stages=True), as ms per round; step: step_profile's."""
     values = {"impl": impl, "method": result.method, "batch": result.batch, "budget": result.budget,
               "cuda_graph": result.cuda_graph, "backend": result.backend, "block_size": block_size, "pair": pair,
               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "tokens_per_second": tokens_per_second,
@@ -147,7 +179,7 @@ def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str,
               "ms_per_round": 1e3 * result.decode_seconds / max(result.rounds, 1)}
     for stage in STAGES:
         values[f"{stage}_ms_per_round"] = (1e3 * stages[stage] / max(result.rounds, 1)) if stages else ""
-    return values
+    return {**values, **(step or {})}
 
 
 def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_tokens: int = 128, repeats: int = 3,
@@ -166,13 +198,13 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
         prompts = batch_prompts(chosen, batch)
         settings = [("ar", 1), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
         for method, budget in settings:
+            step = step_profile(target, drafter, prompts, method=method, budget=budget, new_tokens=new_tokens)
             for graph in (True, False):
-                def call(profile=False):
+                def call():
                     return generate(target, drafter, prompts, method=method, budget=budget, max_new_tokens=new_tokens,
-                                    backend="cupy", cuda_graph=graph, profile_stages=profile)
+                                    backend="cupy", cuda_graph=graph)
                 result, speed = measure(call, repeats)
-                stages = call(profile=True).stage_seconds if not graph else None
-                rows.append(row(result, speed, impl="kdtree", stages=stages, **common))
+                rows.append(row(result, speed, impl="kdtree", step=step, **common))
                 log(_line(rows[-1]))
             if host_tree and method == "ddtree":
                 result, speed = measure(lambda: generate(target, drafter, prompts, method=method, budget=budget,
@@ -278,8 +310,11 @@ def run_official(official_dir, budgets, prompt, *, new_tokens: int, block_size: 
 
 def _line(r: dict) -> str:
     graph = "graph" if r["cuda_graph"] is True else "eager"
+    step = (f"  step eager {r['eager_step_ms']:.2f} / graph {r['graph_step_ms']:.2f} ms"
+            if "eager_step_ms" in r else "")
     return (f"{r['impl']:15s} {r['method']:6s} B={r['batch']:<2d} budget={r['budget']:<4d} {graph:5s} "
-            f"{r['tokens_per_second']:9.1f} tok/s  accept {r['mean_acceptance']:.2f}  {r['ms_per_round']:.2f} ms/round")
+            f"{r['tokens_per_second']:9.1f} tok/s  accept {r['mean_acceptance']:.2f}  {r['ms_per_round']:.2f} ms/round"
+            + step)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,6 @@ from ..contracts import DraftTopK, Tree
 from ..dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
 from ..draft_topk import draft_topk
 from ..model import KVCache, ModelConfig, TensorParallel, Transformer, launch, load_config
-from ..model.model import MoE
 from ..model.tp import one_cpu_thread
 from ..paths import K26_CONFIG
 from ..projection import COMPONENTS, expected_distinct_experts
@@ -131,44 +130,20 @@ def step_segments(model: Transformer, step, cache: KVCache, backend: str) -> lis
 
 
 def layer_segments(block, layer: int, step, kv, backend: str) -> list[Segment]:
-    """Block.forward (and MoE.forward) in segments; all-reduces only when there is a group. The
-    layer reads the residual stream x{layer} and writes x{layer + 1}, so a rerun starts from x0."""
-    tp = block.tp
-    given, mid, out = f"x{layer}", f"r{layer}", f"x{layer + 1}"
+    """Block.pieces as segments: the layer reads the residual stream x{layer} and writes x{layer + 1},
+    so a rerun starts from x0; the router's ids are kept as ids{layer} (the experts it touched)."""
+    segments = []
+    for component, part, run in block.pieces(step, kv, path="absorbed", backend=backend, layer=layer,
+                                             given=f"x{layer}", out=f"x{layer + 1}"):
+        if part == "router":
+            run = partial(_keep_ids, run, f"ids{layer}")
+        segments.append(Segment(component, part, layer, run))
+    return segments
 
-    def norm_in(state):
-        state["h"] = block.input_layernorm(state[given])
-    def attend(state):
-        state["a"] = block.self_attn(state["h"], step, kv, path="absorbed", backend=backend)  # (B, N, D) partial
-    def reduce_attention(state):
-        tp.all_reduce(state["a"])
-    def add_attention(state):
-        state[mid] = state[given] + state["a"]
-        state["h"] = block.post_attention_layernorm(state[mid])
-    def reduce_mlp(state):
-        tp.all_reduce(state["m"])
-    def add_mlp(state):
-        state[out] = state[mid] + state["m"].view_as(state[mid])
 
-    if isinstance(block.mlp, MoE):
-        moe, ids, weights = block.mlp, f"ids{layer}", f"weights{layer}"
-
-        def route(state):
-            state[weights], state[ids] = moe.gate(state["h"].flatten(0, 1))
-        def experts(state):
-            state["m"] = moe.experts(state["h"].flatten(0, 1), state[ids], state[weights])  # (B·N, D) partial
-        def shared(state):
-            state["m"] = state["m"] + moe.shared_experts(state["h"].flatten(0, 1))
-        mlp = [("moe", "router", route), ("moe", "experts", experts), ("moe", "shared", shared)]
-    else:
-        def dense(state):
-            state["m"] = block.mlp(state["h"])
-        mlp = [("moe", "dense_mlp", dense)]
-    reduce = tp.size > 1
-    parts = [("rest", "norm", norm_in), ("attention", "attention", attend),
-             *([("allreduce", "allreduce", reduce_attention)] if reduce else []), ("rest", "residual", add_attention),
-             *mlp, *([("allreduce", "allreduce", reduce_mlp)] if reduce else []), ("rest", "residual", add_mlp)]
-    return [Segment(component, part, layer, run) for component, part, run in parts]
+def _keep_ids(route, name: str, state: dict) -> None:
+    route(state)
+    state[name] = state["ids"]
 
 
 def capture_graphs(segments: list[Segment], x0: torch.Tensor):
@@ -279,7 +254,7 @@ def time_drafter(drafter: DFlashDrafter, batch: int, context: int, settings: Ben
     bonus = torch.zeros(batch, dtype=torch.long, device=weight.device)
 
     def forward(static: bool = False):
-        cache.lengths = committed  # draft() rebinds lengths; every run starts from the same buffer
+        cache.lengths.copy_(committed)  # draft() advances lengths in place; every run starts from `context`
         drafter.draft(cache, features, bonus, static=static)
 
     def median_seconds(run) -> float:

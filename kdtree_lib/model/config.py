@@ -253,3 +253,38 @@ def _quant_config(quant: dict, where: str) -> QuantConfig:
         raise ValueError(f"{where}.config_groups.{name}.weights.group_size: only {GROUP_SIZE} is implemented "
                          f"(the INT4 kernel's and the dequantizer's group), got {weights['group_size']!r}")
     return QuantConfig(num_bits=4, group_size=GROUP_SIZE)
+
+
+# ----------------------------------------------------------------------------------------------
+# the tiny config: K2.6's switches at test size
+
+def tiny_config(**overrides) -> dict:
+    """A DeepseekV3 config.json dict at test size with Kimi K2.6's switches (YaRN, sigmoid noaux_tc
+    routing, a dense first layer, a shared expert). The MLA latent keeps the verify contract's
+    512 + 64 widths, so the absorbed path and the kernels run on it."""
+    config = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=64,
+                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        rope_theta=50000.0, rope_interleave=True, num_nextn_predict_layers=0,
+        hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+        bos_token_id=0, eos_token_id=1,
+    )
+    config.update(overrides)
+    return config
+
+
+def transformers_kwargs(config: dict) -> dict:
+    """A config.json dict as transformers' DeepseekV3Config takes it (rope_parameters, no metadata keys)."""
+    kwargs = dict(config)
+    kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_type="yarn", rope_theta=kwargs.pop("rope_theta"))
+    kwargs["rope_parameters"].pop("type")
+    for key in ("architectures", "model_type", "scoring_func", "topk_method"):
+        kwargs.pop(key, None)
+    return kwargs

@@ -21,16 +21,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import Int4Experts, layout_shapes, moe_forward, repack
+from .. import backend as _backend
+from ..checks import dtype_name
+from ..moe import Int4Experts, layout_shapes, moe_forward, prepare_moe_launch, repack
 from ..tree_accept import compact_cache
 from ..contracts import Tree, pack_mask
-from ..verify_attn import absorb_query, key_mask, project_output, verify_attention
+from ..verify_attn import (KERNEL_DTYPES, LATENT_DIM, ROPE_DIM, absorb_query, attend_latent, key_mask,
+                           prepare_verify_launch, project_output, verify_attention)
 from .config import ModelConfig
 from .tp import TensorParallel
 
@@ -127,7 +131,9 @@ class Step:
     cos: torch.Tensor      # [B, T, rope/2] at positions lengths + depth
     sin: torch.Tensor
     visible: int           # slots any token may see: max(lengths) + T
-    mask: torch.Tensor | None  # bool [B, T, visible] (built for the naive path only)
+    mask: torch.Tensor | None  # bool [B, T, visible]: for the naive path and the absorbed torch reference
+                               # (once per step, on the device), None where the kernel attends
+    prepared: "PreparedVerify | None" = None  # the step's launches, made once (Transformer.prepare_verify)
 
 
 @dataclass
@@ -141,8 +147,9 @@ class KVCache:
         return int(self.kv[0].shape[1])
 
     def accept(self, result) -> None:
-        """Keep the accepted tree nodes (an AcceptResult): move them to the committed end."""
-        self.lengths = compact_cache(self.kv, self.lengths, result)
+        """Keep the accepted tree nodes (an AcceptResult): move them to the committed end (lengths
+        updated in place: a prepared step or a captured graph reads this buffer)."""
+        self.lengths.copy_(compact_cache(self.kv, self.lengths, result))
 
 
 @dataclass
@@ -197,7 +204,7 @@ class Attention(nn.Module):
         self.kv_b_proj = linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim), tp_dim=0)
         self.o_proj = linear(self.heads * self.v_dim, c.hidden_size, tp_dim=1)
 
-    def forward(self, x, step: Step, kv, *, path: str, backend: str):
+    def forward(self, x, step: Step, kv, *, path: str, backend: str, layer: int | None = None):
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.heads, -1)  # (B, T, H, 192)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)                            # (B, T, H, 128|64)
@@ -206,8 +213,11 @@ class Attention(nn.Module):
         k_rope = apply_rope(k_rope, step.cos, step.sin, self.interleave)
         entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)                   # (B, T, 576)
         kv[torch.arange(B, device=x.device)[:, None], step.slots] = entries.to(kv.dtype)
-        attend = self.attend_absorbed if path == "absorbed" else self.attend_naive
-        o = attend(q_nope, q_rope, kv, step, backend)                                       # (B, T, H, 128)
+        if step.prepared is not None and step.prepared.attention[layer] is not None:
+            o = self.attend_prepared(q_nope, q_rope, step.prepared, layer)
+        else:
+            attend = self.attend_absorbed if path == "absorbed" else self.attend_naive
+            o = attend(q_nope, q_rope, kv, step, backend)                                   # (B, T, H, 128)
         return self.o_proj(o.flatten(2))                                                    # (B, T, D) partial
 
     def attend_naive(self, q_nope, q_rope, kv, step: Step, backend):
@@ -222,12 +232,28 @@ class Attention(nn.Module):
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.einsum("bhtl,blhd->bthd", probs, v)                                     # (B, T, H, 128)
 
+    def _absorption(self):
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, self.latent).split([self.nope, self.v_dim], dim=1)
+        return w_uk, w_uv
+
+    def attend_prepared(self, q_nope, q_rope, prepared: "PreparedVerify", layer: int):
+        """The absorbed attention through the step's prepared kernel launch for this layer: the
+        queries go into the launch's buffers (the copy a kernel call makes of a strided query anyway)."""
+        w_uk, w_uv = self._absorption()
+        prepared.q_latent.copy_(absorb_query(q_nope, w_uk))
+        prepared.q_rope.copy_(q_rope)
+        o_latent, _ = prepared.attention[layer]()
+        return project_output(o_latent, w_uv)
+
     def attend_absorbed(self, q_nope, q_rope, kv, step: Step, backend):
         """Attention in the latent space: q·W_UK against c_kv, then W_UV on the latent output."""
-        w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, self.latent).split([self.nope, self.v_dim], dim=1)
+        w_uk, w_uv = self._absorption()
         q_latent = absorb_query(q_nope, w_uk)                                                # (B, T, H, 512)
-        o_latent, _ = verify_attention(q_latent, q_rope.contiguous(), kv, step.lengths, step.tree,
-                                       scale=self.scale, backend=backend)                   # (B, T, H, 512)
+        if step.mask is not None:  # the torch reference over the step's key mask
+            o_latent, _ = attend_latent(q_latent, q_rope, kv[:, :step.visible], step.mask, self.scale)
+        else:
+            o_latent, _ = verify_attention(q_latent, q_rope.contiguous(), kv, step.lengths, step.tree,
+                                           scale=self.scale, backend=backend)               # (B, T, H, 512)
         return project_output(o_latent, w_uv)                                                # (B, T, H, 128)
 
 
@@ -323,9 +349,15 @@ class Experts(nn.Module):
         self.int4 = True
 
     def int4_experts(self) -> Int4Experts:
-        """This rank's INT4 experts as moe_forward takes them (views of the buffers)."""
-        return Int4Experts(*(getattr(self, name) for name in INT4_BUFFERS), hidden=self.hidden, width=self.width,
-                           first_expert=self.expert_ids.start, total_experts=self.total_experts)
+        """This rank's INT4 experts as moe_forward takes them (views of the buffers), checked once and
+        kept until the buffers move (a new device or dtype: _apply)."""
+        buffers = tuple(getattr(self, name) for name in INT4_BUFFERS)
+        held = getattr(self, "_int4_view", None)
+        if held is None or any(a is not b for a, b in zip(held[0], buffers)):
+            experts = Int4Experts(*buffers, hidden=self.hidden, width=self.width,
+                                  first_expert=self.expert_ids.start, total_experts=self.total_experts)
+            self._int4_view = held = (buffers, experts)
+        return held[1]
 
     @torch.no_grad()
     def load_int4(self, local: int, gate_up_packed, gate_up_scale, down_packed, down_scale) -> None:
@@ -348,12 +380,14 @@ class Experts(nn.Module):
             self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
         return self
 
-    def forward(self, x, ids, weights):                                # x (N, D), ids/weights (N, k)
-        """Weighted sum of each token's experts (this rank's share): INT4 through moe_forward; float
-        stacks by one grouped GEMM per projection in bf16 where torch has it, else a loop over the
-        experts hit."""
+    def forward(self, x, ids, weights, launch: "PreparedMoe | None" = None):  # x (N, D), ids/weights (N, k)
+        """Weighted sum of each token's experts (this rank's share): INT4 through a prepared kernel
+        launch (a decode step's) or moe_forward; float stacks by one grouped GEMM per projection in
+        bf16 where torch has it, else a loop over the experts hit."""
+        if launch is not None:
+            return launch(x, ids, weights)
         if self.int4:
-            return moe_forward(x, ids, weights, self.int4_experts())
+            return moe_forward(x, ids, weights, self.int4_experts(), routed=True)
         if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return self.grouped(x, ids, weights)
         return self.looped(x, ids, weights)
@@ -395,10 +429,10 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                   tp, "moe_intermediate_size * n_shared_experts")
 
-    def forward(self, x):                                              # x (B, T, D)
+    def forward(self, x, launch: "PreparedMoe | None" = None):          # x (B, T, D)
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        return (self.experts(flat, ids, weights) + self.shared_experts(flat)).view_as(x)
+        return (self.experts(flat, ids, weights, launch) + self.shared_experts(flat)).view_as(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,9 +448,53 @@ class Block(nn.Module):
         self.mlp = (MoE(config, tp, moe_parallel) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size, tp, "intermediate_size"))
 
-    def forward(self, x, step: Step, kv, *, path: str, backend: str):
-        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), step, kv, path=path, backend=backend))
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+    def pieces(self, step: Step, kv, *, path: str, backend: str, layer: int | None = None, given: str = "x",
+               out: str = "x") -> list[tuple[str, str, "Callable[[dict], None]"]]:
+        """The layer as (component, part, run(state)) pieces over a state dict, reading the residual
+        stream from state[given] and writing it to state[out]: forward runs them in order; a
+        benchmark times them one by one (bench.tp_step: marks between them, one graph each)."""
+        tp, launch = self.tp, None if step.prepared is None else step.prepared.moe[layer]
+
+        def norm_in(state):
+            state["h"] = self.input_layernorm(state[given])
+
+        def attend(state):
+            state["a"] = self.self_attn(state["h"], step, kv, path=path, backend=backend, layer=layer)
+
+        def add_attention(state):
+            state["r"] = state[given] + state["a"]
+            state["h"] = self.post_attention_layernorm(state["r"])
+
+        def add_mlp(state):
+            state[out] = state["r"] + state["m"].view_as(state["r"])
+
+        if isinstance(self.mlp, MoE):
+            moe = self.mlp
+
+            def route(state):
+                state["flat"] = state["h"].flatten(0, 1)
+                state["weights"], state["ids"] = moe.gate(state["flat"])
+
+            def experts(state):
+                state["m"] = moe.experts(state["flat"], state["ids"], state["weights"], launch)
+
+            def shared(state):
+                state["m"] = state["m"] + moe.shared_experts(state["flat"])
+            mlp = [("moe", "router", route), ("moe", "experts", experts), ("moe", "shared", shared)]
+        else:
+            def dense(state):
+                state["m"] = self.mlp(state["h"])
+            mlp = [("moe", "dense_mlp", dense)]
+        reduce_attention = [("allreduce", "allreduce", lambda state: tp.all_reduce(state["a"]))] if tp.size > 1 else []
+        reduce_mlp = [("allreduce", "allreduce", lambda state: tp.all_reduce(state["m"]))] if tp.size > 1 else []
+        return [("rest", "norm", norm_in), ("attention", "attention", attend), *reduce_attention,
+                ("rest", "residual", add_attention), *mlp, *reduce_mlp, ("rest", "residual", add_mlp)]
+
+    def forward(self, x, step: Step, kv, *, path: str, backend: str, layer: int | None = None):
+        state = {"x": x}
+        for _, _, run in self.pieces(step, kv, path=path, backend=backend, layer=layer):
+            run(state)
+        return state["x"]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -507,33 +585,48 @@ class Transformer(nn.Module):
             part = tokens[:, start:start + chunk]
             hidden, features = self.hidden_states(chain_tree(part), cache, feature_layers=feature_layers)
             committed = (n_valid - start).clamp(0, part.shape[1]).to(torch.int32).expand(len(part))
-            cache.lengths = (cache.lengths + committed).to(torch.int32)
+            cache.lengths += committed  # in place: a prepared step or a captured graph reads this buffer
             yield PrefillChunk(start=start, hidden=hidden, features=features, committed=committed)
 
     @torch.no_grad()
-    def verify(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False) -> TargetOutput:
+    def verify(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False,
+               prepared: "PreparedVerify | None" = None) -> TargetOutput:
         """Logits at every tree node; the nodes' entries are written, nothing is committed
-        (cache.accept(result) keeps the accepted path). static: see step()."""
-        return self.forward(tree, cache, feature_layers=feature_layers, static=static)
+        (cache.accept(result) keeps the accepted path). static: see step(). prepared: the launches
+        prepare_verify made for exactly this tree and cache (a decode step's)."""
+        return self.forward(tree, cache, feature_layers=feature_layers, static=static, prepared=prepared)
 
-    def forward(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False) -> TargetOutput:
-        hidden, features = self.hidden_states(tree, cache, feature_layers=feature_layers, static=static)
+    def forward(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False,
+                prepared: "PreparedVerify | None" = None) -> TargetOutput:
+        hidden, features = self.hidden_states(tree, cache, feature_layers=feature_layers, static=static,
+                                              prepared=prepared)
         return TargetOutput(logits=self.logits(hidden), features=features)
+
+    def prepare_verify(self, tree: Tree, cache: KVCache) -> "PreparedVerify":
+        """The kernel launches of a verify step over this tree's and this cache's buffers, made once
+        (checked, planned, allocated): per layer the verify attention and, for INT4 MoE layers, the
+        MoE kernel, where those kernels run for this model (absorbed attention on a bf16/fp16 CUDA
+        target, INT4 experts with bf16 tokens); layers they do not run on keep their own path."""
+        return PreparedVerify(self, tree.to_torch(self.device), cache)
 
     def logits(self, hidden) -> torch.Tensor:
         """float32 [..., V]: the final norm and this rank's LM head rows, gathered over the vocabulary."""
         return self.tp.all_gather_last(self.lm_head(self.norm(hidden))).float()
 
-    def hidden_states(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False):
+    def hidden_states(self, tree: Tree, cache: KVCache, *, feature_layers=(), static: bool = False,
+                      prepared: "PreparedVerify | None" = None):
         """The tree's nodes through every layer: ([B, T, D] before the final norm, features or None)."""
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {self.attention!r}")
         tree = tree.to_torch(self.device)
+        if prepared is not None:
+            prepared.check(tree, cache)
         step = self.step(tree, cache, static=static)
+        step.prepared = prepared
         x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
         outputs = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend)
+            x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend, layer=i)
             if i in feature_layers:
                 outputs[i] = x
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
@@ -557,5 +650,68 @@ class Transformer(nn.Module):
         angles = (lengths[:, None] + tree.depths).float()[..., None] * self.inv_freq            # (B, T, rope/2)
         dtype = self.embed_tokens.weight.dtype
         cos, sin = ((f(angles) * self.rope_scale).to(dtype) for f in (torch.cos, torch.sin))
-        mask = key_mask(lengths, tree, visible, device=self.device) if self.attention == "naive" else None
+        kernel = self.attention == "absorbed" and _backend.resolve(
+            self.attention_backend, ("torch", "numpy", "cupy"), cache.kv[0], kernel_dtypes=KERNEL_DTYPES) == "cupy"
+        mask = None if kernel else key_mask(lengths, tree, visible, device=self.device)
         return Step(tree=tree, lengths=lengths, slots=slots, cos=cos, sin=sin, visible=visible, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# a verify step's launches, prepared once (a Decoder's step; docs/DESIGN.md "The step as built")
+
+class PreparedMoe:
+    """One MoE layer's prepared kernel call: the router's tokens, ids and weights are copied into the
+    launch's buffers (the dtype conversions a call makes anyway), then the four launches run."""
+
+    def __init__(self, launch, x, routes, weights):
+        self.launch, self.x, self.routes, self.weights = launch, x, routes, weights
+
+    def __call__(self, x, ids, weights):
+        self.x.copy_(x)
+        self.routes.copy_(ids)
+        self.weights.copy_(weights)
+        return self.launch()
+
+
+class PreparedVerify:
+    """Transformer.prepare_verify's launches for one (tree, cache): attention[i] (a VerifyLaunch over
+    layer i's cache, or None where the model's attention does not run the kernel) and moe[i] (a
+    PreparedMoe, or None for dense layers and float experts). The layers share one set of query,
+    output and work buffers: they run one after another on one stream."""
+
+    def __init__(self, model: "Transformer", tree: Tree, cache: KVCache):
+        layers = len(model.layers)
+        self.tree_mask, self.cache_kv, self.cache_lengths = tree.mask, list(cache.kv), cache.lengths
+        self.attention: list = [None] * layers
+        self.moe: list = [None] * layers
+        batch, nodes = (int(n) for n in tree.tokens.shape)
+        device, dtype = model.device, model.embed_tokens.weight.dtype
+        if model.attention == "absorbed" and _backend.resolve(model.attention_backend, ("torch", "numpy", "cupy"),
+                                                              cache.kv[0], kernel_dtypes=KERNEL_DTYPES) == "cupy":
+            attention = model.layers[0].self_attn
+            self.q_latent = torch.empty(batch, nodes, attention.heads, LATENT_DIM, dtype=dtype, device=device)
+            self.q_rope = torch.empty(batch, nodes, attention.heads, ROPE_DIM, dtype=dtype, device=device)
+            first = prepare_verify_launch(self.q_latent, self.q_rope, cache.kv[0], cache.lengths, tree,
+                                          scale=attention.scale)
+            self.attention = [first] + [first.with_cache(kv) for kv in cache.kv[1:]]
+        moe_layers = [i for i, block in enumerate(model.layers) if isinstance(block.mlp, MoE) and block.mlp.experts.int4]
+        if moe_layers and dtype == torch.bfloat16 and device.type == "cuda" and _backend.cuda_available():
+            config = model.config
+            tokens, top_k = batch * nodes, config.num_experts_per_tok
+            x = torch.zeros(tokens, config.hidden_size, dtype=dtype, device=device)
+            routes = torch.zeros(tokens, top_k, dtype=torch.int32, device=device)
+            weights = torch.zeros(tokens, top_k, dtype=torch.float32, device=device)
+            first = prepare_moe_launch(x, routes, weights, model.layers[moe_layers[0]].mlp.experts.int4_experts(),
+                                       routed=True)
+            for i in moe_layers:
+                launch = first.with_experts(model.layers[i].mlp.experts.int4_experts())
+                self.moe[i] = PreparedMoe(launch, x, routes, weights)
+
+    def check(self, tree: Tree, cache: KVCache) -> None:
+        """A verify handed these launches must pass the buffers they were made for (identity checks,
+        no device read): another tree or cache would be read at the prepared addresses."""
+        if tree.mask is not self.tree_mask:
+            raise ValueError("tree: not the tree these launches were prepared for (Transformer.prepare_verify)")
+        if cache.lengths is not self.cache_lengths or len(cache.kv) != len(self.cache_kv) or any(
+                a is not b for a, b in zip(cache.kv, self.cache_kv)):
+            raise ValueError("cache: not the cache these launches were prepared for (Transformer.prepare_verify)")

@@ -242,7 +242,7 @@ def real_drafter_config(config: ModelConfig) -> DFlashConfig:
 
 def drafter_shards(placement: str, tp: int) -> int:
     """GPUs the drafter's layers are split over: 1 replicated, tp sharded (dflash.load_drafter's
-    placements; decode.generate_tp shards it by default at TP > 1)."""
+    placements; decode_tp.generate_tp shards it by default at TP > 1)."""
     if placement not in DRAFTER_PLACEMENTS:
         raise ValueError(f"placement: expected one of {DRAFTER_PLACEMENTS}, got {placement!r}")
     return 1 if placement == "replicated" else tp

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..contracts import MAX_BUDGET
-from ..decode import METHODS, Decoder, check_pair, committed_tokens, decoder_capacity, resolve_backend, step_shape
+from ..decode import METHODS, Decoder, check_pair, decoder_capacity, resolve_backend, step_shape
 from ..model.model import PREFILL_CHUNK
 
 
@@ -202,15 +202,12 @@ class Engine:
         self.batches += 1  # a seed per batch: repeated prompts sample anew at T > 0
         decoder.reset(prompts, max_new_tokens=sampling.max_new_tokens, stop_tokens=sampling.stop_tokens,
                       seed=self.batches)
-        verified = np.zeros(len(batch), np.int64)
-        rounds = 0
-        while rounds < sampling.max_new_tokens and bool(decoder.active.any()) and not self._gone(batch):
-            decoder.step()
-            verified += decoder.accepted[:, rounds].cpu().numpy() > 0  # a live request commits >= 1 token a round
-            rounds += 1
-            # a copy: on a CPU .cpu() is the decoder's own buffer, which the next round overwrites
-            out, out_len = decoder.out.cpu().numpy().copy(), decoder.out_len.cpu().numpy()
-            yield committed_tokens(out, out_len, sampling.max_new_tokens, sampling.stop_tokens), verified.copy()
+        # decode's one loop, a round at a time (each round's tokens stream out); leaving it stops the steps
+        for update in decoder.rounds(sync_every=1, max_rounds=sampling.max_new_tokens):
+            if self._gone(batch):
+                break
+            verified = np.array([len(taken) for taken in decoder.acceptance(update.rounds)], np.int64)
+            yield decoder.emitted(), verified
 
     def _gone(self, batch: list[Job]) -> bool:
         return self._stopping or all(job.cancelled for job in batch)

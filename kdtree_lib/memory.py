@@ -1,4 +1,5 @@
-"""The memory plan: bytes per GPU of a tensor-parallel DDTree decode, by item, before anything loads.
+"""The memory plan: bytes per GPU of a tensor-parallel DDTree decode, by item, before anything loads
+(the pair's: the target's and the drafter's weights and caches, so it lives beside pairs, not in model/).
 
     plan(config, tp, batch, context, budget, drafter) -> MemoryPlan
     plan(...).check()      raises MemoryPlanError, naming what does not fit and what would make it fit
@@ -12,8 +13,8 @@ Items (every figure is per GPU, computed from the configs, not measured):
     weights fp32       the routers' correction biases (kept in fp32)
     MLA cache          [B, L, 576] bf16 per layer, whole on every rank (one latent per token, no heads
                        to split), L = the decoder's capacity for `context` tokens and one tree
-    drafter            the DFlash weights in bf16: whole ("replicated", decode's default) or their
-                       attention and MLP 1/tp ("sharded", load_drafter(placement="sharded"))
+    drafter            the DFlash weights in bf16: whole ("replicated") or their attention and MLP
+                       1/tp ("sharded", dflash.DEFAULT_DRAFTER_PLACEMENT, as the decode places it)
     drafter cache      its context keys/values [B, G, L, d] bf16 per layer (1/tp of G when sharded)
     workspace          verify logits (fp32 [B, N, V] gathered, its rank's slice, a softmax at T > 0),
                        draft logits (fp32 [B, D, V] gathered and sliced), a prefill chunk's
@@ -30,18 +31,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_positive_int
-from ..dflash import DRAFTER_PLACEMENTS, DFlashDrafter
-from ..paths import BF16_BYTES, FP32_BYTES
-from .config import ModelConfig
-from .model import Experts, Transformer
-from .tp import TensorParallel
+from .checks import check_positive_int
+from .contracts import CAPACITY_ROUND, cache_capacity as _cache_capacity
+from .dflash import DEFAULT_DRAFTER_PLACEMENT, DRAFTER_PLACEMENTS, DFlashDrafter
+from .model.config import ModelConfig
+from .model.model import Experts, Transformer
+from .model.tp import TensorParallel
+from .paths import BF16_BYTES, FP32_BYTES
 
 GIB = 2 ** 30
 BOX_GPU_BYTES = 97_887 * 2 ** 20       # an RTX PRO 6000 Blackwell as nvidia-smi reports it (96 GB)
 RUNTIME_RESERVE = 2 * GIB              # CUDA context, NCCL and cuBLAS buffers, allocator slack (assumed)
 PREFILL_ACTIVATION_COPIES = 8          # [B, C, D] buffers alive at once in a layer (residual, norms, outputs)
-CAPACITY_ROUND = 64                    # the decoder rounds cache capacities so (decode.CAPACITY_ROUND)
 
 
 class MemoryPlanError(ValueError):
@@ -92,7 +93,7 @@ class MemoryPlan:
 
 
 def plan(config: ModelConfig, tp: int, batch: int, context: int, budget: int, drafter=None, *,
-         gpu_bytes: int = BOX_GPU_BYTES, drafter_placement: str = "sharded", temperature: float = 0.0,
+         gpu_bytes: int = BOX_GPU_BYTES, drafter_placement: str = DEFAULT_DRAFTER_PLACEMENT, temperature: float = 0.0,
          prefill_chunk: int = 256) -> MemoryPlan:
     """Bytes per GPU of a decode of `batch` requests of up to `context` tokens (prompt + new) with
     trees of `budget` nodes; drafter: its DFlashConfig (None: autoregressive, no drafter)."""
@@ -109,11 +110,10 @@ def plan(config: ModelConfig, tp: int, batch: int, context: int, budget: int, dr
 
 
 def cache_capacity(context: int, budget: int, drafter) -> int:
-    """The decoder's cache slots for `context` tokens: one tree and the drafter's D + 1 rows more,
-    rounded up to CAPACITY_ROUND (decode.decoder_capacity)."""
+    """The decoder's cache slots for `context` tokens (contracts.cache_capacity) with a tree of
+    `budget` nodes, or the root alone without a drafter."""
     depth = drafter.draft_depth if drafter is not None else 0
-    nodes = budget + 1 if drafter is not None else 1
-    return -(-(context + nodes + depth + 1) // CAPACITY_ROUND) * CAPACITY_ROUND
+    return _cache_capacity(context, budget + 1 if drafter is not None else 1, depth)
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def target_weight_bytes(config: ModelConfig, tp: int) -> dict[str, int]:
     return {"weights int4": int(int4), "weights bf16": bf16, "weights fp32": fp32}
 
 
-def drafter_weight_bytes(drafter, tp: int, placement: str = "replicated") -> int:
+def drafter_weight_bytes(drafter, tp: int, placement: str = DEFAULT_DRAFTER_PLACEMENT) -> int:
     """The DFlash drafter's bf16 weights on one rank: whole, or attention and MLP 1/tp ("sharded")."""
     with torch.device("meta"):
         model = DFlashDrafter(drafter)

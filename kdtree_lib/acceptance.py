@@ -164,12 +164,12 @@ def record_oracle_tp(target_path, drafter_path, prompt_ids, n_tokens: int, k_max
     CPUs; "cuda": rank r on cuda:r, NCCL) and the drafter placed as decode_tp.generate_tp places it. Every
     rank records in lockstep (the collectives hand every rank the same logits, so the same greedy tokens
     and drafts); the ranks' tokens are compared once at the end, and rank 0's records are returned."""
-    from .decode import _check_paths
+    from .decode_tp import check_paths
     from .model import TensorParallel, launch
     tp = check_positive_int("tp", tp)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-    _check_paths(target_path, drafter_path)
+    check_paths(target_path, drafter_path)
     if drafter_path is None:
         raise ValueError("drafter_path: the oracle records the drafter's top-k; expected its folder")
     args = (str(target_path), str(drafter_path), prompt_ids, n_tokens, k_max, device, dtype, yarn_attention,

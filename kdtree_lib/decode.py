@@ -333,6 +333,9 @@ class Decoder:
         self.stop_table = torch.full((MAX_STOP_TOKENS,), -1, **long)
         self.accepted = torch.zeros(batch, capacity + 64, **long)              # per round; last column: overflow
         self.round = torch.zeros((), **long)
+        # set on the device when a step's target logits hold NaN (an argmax would return a NaN's index as
+        # a token); read at the loop's synchronisation, so a step itself reads nothing back
+        self.bad_logits = torch.zeros((), dtype=torch.bool, device=device)
         self.columns = torch.arange(width, **long)                             # (D+1,)
         self.root_path = torch.full((batch, width), -1, **long)
         self.root_path[:, 0] = 0
@@ -367,6 +370,7 @@ class Decoder:
         with timer("verify"):
             out = self.target.verify(tree, self.cache, feature_layers=self.feature_layers, static=True)
             posterior = sample_posterior(out.logits, self.temperature, self.generator, out=self.posterior)  # (B, N)
+            self.bad_logits.logical_or_(torch.isnan(out.logits).any())
         with timer("accept"):
             if self.walk and self.tree_mode != "root":
                 result = accept(tree, to_numpy(posterior), backend=self.backend)
@@ -447,6 +451,7 @@ class Decoder:
             self.stop_table[:len(stop_tokens)] = torch.tensor(stop_tokens, device=device)
         self.accepted.zero_()
         self.round.zero_()
+        self.bad_logits.zero_()
         self.generator.manual_seed(seed)
         self.max_new_tokens, self.stop_tokens = max_new_tokens, tuple(stop_tokens)
 
@@ -499,6 +504,9 @@ class Decoder:
                     self.step(timer)
             done += sync_every
             active = self.active.cpu().numpy()  # the loop's one synchronisation
+            if bool(self.bad_logits.cpu()):  # after that synchronisation: a copy, no further wait
+                raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index "
+                                 "as a token)")
             new = None
             if stream:
                 tokens = self.emitted()
@@ -634,6 +642,7 @@ class PreparedStep:
             out = d.target.verify(self.tree, d.cache, feature_layers=d.feature_layers, static=True,
                                   prepared=self.verify)
             sample_posterior(out.logits, d.temperature, d.generator, out=d.posterior)
+            d.bad_logits.logical_or_(torch.isnan(out.logits).any())
         with timer("accept"):
             if self.accept is not None:
                 result = self.accept()
@@ -650,8 +659,6 @@ def sample_posterior(logits, temperature: float, generator=None, *, out=None) ->
     """The target's token at every node, int64 [B, N] (into `out` when given): argmax at T = 0; at
     T > 0 a sample of softmax(logits / T) by the exponential race argmax(p / E), E ~ Exp(1) (no host
     synchronisation, unlike torch.multinomial)."""
-    if logits.device.type == "cpu" and bool(torch.isnan(logits).any()):  # host values: no synchronisation
-        raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index as a token)")
     if temperature == 0:
         return torch.argmax(logits, dim=-1, out=out)
     probs = torch.softmax(logits.float() / temperature, dim=-1)

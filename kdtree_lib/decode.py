@@ -46,8 +46,10 @@ alone or under torchrun. pairs.checkpoint_pair gives the notebooks a pair by pat
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,9 +152,9 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     depth = drafter.config.draft_depth if method != "ar" else 0
     budget, nodes = step_shape(method, budget, depth)  # one decoder per distinct step
     capacity = decoder_capacity(prompts, max_new_tokens, nodes, depth)
-    decoder = _cached_decoder(target, drafter if method != "ar" else None, method=method, budget=budget,
-                              batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen,
-                              prefill_chunk=check_positive_int("prefill_chunk", prefill_chunk))
+    decoder = cached_decoder(target, drafter if method != "ar" else None, method=method, budget=budget,
+                             batch=len(prompts), capacity=capacity, temperature=float(temperature), backend=chosen,
+                             prefill_chunk=check_positive_int("prefill_chunk", prefill_chunk))
     return decoder.run(prompts, max_new_tokens=max_new_tokens, stop_tokens=stops, seed=seed, cuda_graph=graph,
                        profile_stages=profile_stages, sync_every=sync_every)
 
@@ -264,27 +266,36 @@ def _stop_list(stop_tokens, vocab: int) -> tuple[int, ...]:
 # the decoder: preallocated state, the step, the loop
 
 _DECODERS: OrderedDict = OrderedDict()
+_DECODERS_LOCK = threading.Lock()  # generate's caller and the server's worker thread may both look up
 
 
-def _cached_decoder(target, drafter, **settings) -> "Decoder":
-    """The Decoder for these settings, reused (with its CUDA graph) while it stays in a small LRU.
-    The key holds the target's embedding address: a model moved or cast since gets a new decoder
-    (a captured graph reads the old weights' memory)."""
+def cached_decoder(target, drafter, **settings) -> "Decoder":
+    """The Decoder for these settings (Decoder's keyword arguments), reused (with its CUDA graph)
+    while it stays in a small LRU: generate and the server's engine both take theirs here. The key
+    holds the target's embedding address: a model moved or cast since gets a new decoder (a captured
+    graph reads the old weights' memory). A Decoder holds one batch's state: one thread drives it
+    at a time."""
     weights = target.embed_tokens.weight
     key = (id(target), id(drafter), weights.data_ptr(), str(weights.dtype), tuple(sorted(settings.items())))
-    if key in _DECODERS:
-        _DECODERS.move_to_end(key)
-        return _DECODERS[key]
-    decoder = Decoder(target, drafter, **settings)
-    _DECODERS[key] = decoder
-    while len(_DECODERS) > CACHED_DECODERS:
-        _DECODERS.popitem(last=False)
-    return decoder
+    with _DECODERS_LOCK:
+        if key in _DECODERS:
+            _DECODERS.move_to_end(key)
+            return _DECODERS[key]
+        decoder = Decoder(target, drafter, **settings)
+        _DECODERS[key] = decoder
+        while len(_DECODERS) > CACHED_DECODERS:
+            _DECODERS.popitem(last=False)
+        return decoder
 
 
 def clear_decoders() -> None:
     """Forget the cached decoders (their caches and graphs); frees their memory."""
-    _DECODERS.clear()
+    with _DECODERS_LOCK:
+        _DECODERS.clear()
+
+
+class PrefillCancelled(Exception):
+    """Decoder.reset's should_stop held between two prefill chunks: the batch was given up."""
 
 
 class Decoder:
@@ -427,8 +438,13 @@ class Decoder:
     # a request batch: prefill, then rounds
 
     @torch.no_grad()
-    def reset(self, prompts: list[np.ndarray], *, max_new_tokens: int, stop_tokens=(), seed: int = 0) -> None:
-        """Prefill prompt[:-1] into the target's cache and the drafter's context; roots = last tokens."""
+    def reset(self, prompts: list[np.ndarray], *, max_new_tokens: int, stop_tokens=(), seed: int = 0,
+              should_stop: Callable[[], bool] | None = None) -> None:
+        """Prefill prompt[:-1] into the target's cache and the drafter's context; roots = last tokens;
+        every per-batch buffer (roots, features, outputs, acceptance, round, flags, seed) set anew, so
+        one Decoder serves batch after batch. should_stop (the server's "every client left") is asked
+        before each prefill chunk; once it holds, PrefillCancelled is raised (the lengths were zeroed
+        first, so a stopped prefill leaves nothing the next reset would read)."""
         if len(prompts) != self.batch:
             raise ValueError(f"prompts: this decoder holds {self.batch} requests, got {len(prompts)}")
         device = self.device
@@ -437,7 +453,7 @@ class Decoder:
         if longest + max_new_tokens + self.capacity_margin > self.capacity:
             raise ValueError(f"prompts: {longest} prompt tokens + {max_new_tokens} new tokens do not "
                              f"fit this decoder's capacity {self.capacity}")
-        self._prefill(prompts, committed)
+        self._prefill(prompts, committed, should_stop)
         self.root.copy_(torch.tensor([int(p[-1]) for p in prompts], device=device))
         if self.drafting:
             self.features.zero_()
@@ -455,7 +471,8 @@ class Decoder:
         self.generator.manual_seed(seed)
         self.max_new_tokens, self.stop_tokens = max_new_tokens, tuple(stop_tokens)
 
-    def _prefill(self, prompts: list[np.ndarray], committed: torch.Tensor) -> None:
+    def _prefill(self, prompts: list[np.ndarray], committed: torch.Tensor,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         """Commit prompt[:-1] to the target's cache in chunks (no logits: the last prompt token is
         the first root) and each chunk's features to the drafter's context. Both caches update their
         length buffers in place, so they stay the decoder's own (the prepared launches and a
@@ -467,10 +484,16 @@ class Decoder:
         tokens = torch.zeros(self.batch, width, dtype=torch.long)
         for b, prompt in enumerate(prompts):
             tokens[b, :len(prompt) - 1] = torch.from_numpy(prompt[:-1])
-        for chunk in self.target.prefill_chunks(tokens, self.cache, n_valid=committed.to(torch.int32),
-                                                feature_layers=self.feature_layers, chunk=self.prefill_chunk):
-            if self.drafting:
-                self.drafter.extend(self.draft_cache, chunk.features, chunk.committed)
+        chunks = self.target.prefill_chunks(tokens, self.cache, n_valid=committed.to(torch.int32),
+                                            feature_layers=self.feature_layers, chunk=self.prefill_chunk)
+        with contextlib.closing(chunks):  # a stopped prefill ends the target's generator at once
+            while should_stop is None or not should_stop():
+                chunk = next(chunks, None)  # the chunk's forward runs here
+                if chunk is None:
+                    return
+                if self.drafting:
+                    self.drafter.extend(self.draft_cache, chunk.features, chunk.committed)
+        raise PrefillCancelled("should_stop: the batch was given up during its prefill")
 
     @property
     def capacity_margin(self) -> int:

@@ -109,6 +109,34 @@ def test_a_decoder_is_reused_and_reset_between_calls(pair):
     assert len(decode._DECODERS) == 1
 
 
+def test_a_prefill_stopped_by_should_stop_leaves_the_decoder_ready_for_the_next_batch(pair):
+    """reset(should_stop=...) asks before each prefill chunk and raises PrefillCancelled once it holds;
+    the same Decoder then decodes the next batch as generate does."""
+    from kdtree_lib import decode
+    target, drafter = pair
+    clear_decoders()
+    expected = generate(target, drafter, PROMPTS, budget=12, max_new_tokens=10, prefill_chunk=2)
+    [decoder] = decode._DECODERS.values()
+    asked, chunks = [], []
+    prefill_chunks = target.prefill_chunks
+
+    def counted(*args, **kwargs):
+        for chunk in prefill_chunks(*args, **kwargs):
+            chunks.append(chunk.start)
+            yield chunk
+
+    target.prefill_chunks = counted
+    try:
+        with pytest.raises(decode.PrefillCancelled, match="should_stop"):
+            decoder.reset([np.arange(1, 8)] * 3, max_new_tokens=10,  # 6 tokens to prefill: 3 chunks of 2
+                          should_stop=lambda: asked.append(1) or len(asked) == 3)
+    finally:
+        del target.prefill_chunks
+    assert len(asked) == 3 and chunks == [0, 2], "asked before each chunk; the third never ran"
+    again = generate(target, drafter, PROMPTS, budget=12, max_new_tokens=10, prefill_chunk=2)
+    assert len(decode._DECODERS) == 1 and tokens_of(again) == tokens_of(expected)
+
+
 # ----------------------------------------------------------------------------------------------
 # T > 0: the target's sampling distribution
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
 
+from kdtree_lib import decode
 from kdtree_lib.decode import generate
 from kdtree_lib.pairs import random_pair
 from kdtree_lib.results import read_rows
@@ -186,6 +187,34 @@ def test_under_load_every_request_is_answered_and_memory_returns(server, tmp_pat
     assert growth < 32 * 2**20, f"the server kept {growth / 2**20:.1f} MiB after the load"
 
 
+def engine_answers(service: Service, batches, *, max_new_tokens: int) -> list[list[tuple]]:
+    """Each batch of prompts submitted at once (one decode batch), after the previous one was answered:
+    per batch, per request (the final update's kind, the streamed ids, its value)."""
+    engine = service.engine
+
+    async def answers():
+        scheduler = asyncio.create_task(engine.run())
+        answered = []
+        for prompts in batches:
+            jobs = [service.job(p, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=False, stop_token_ids=None)
+                    for p in prompts]
+            for job in jobs:
+                engine.submit(job)
+            results = []
+            for job in jobs:
+                ids, (kind, value) = [], await asyncio.wait_for(job.updates.get(), 60)
+                while kind == "tokens":
+                    ids += value
+                    kind, value = await asyncio.wait_for(job.updates.get(), 60)
+                results.append((kind, ids, value))
+            answered.append(results)
+        engine.stop()
+        scheduler.cancel()
+        return answered
+
+    return asyncio.run(answers())
+
+
 @pytest.mark.parametrize("method", ["ar", "chain"])
 def test_the_engine_decodes_as_generate_stop_tokens_included(method, one_thread):
     target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
@@ -195,24 +224,7 @@ def test_the_engine_decodes_as_generate_stop_tokens_included(method, one_thread)
     expected = generate(target, drafter, prompts, method=method, budget=BUDGET, max_new_tokens=8, stop_tokens=(stop,))
     engine = Engine(target, drafter, EngineSettings(method=method, budget=BUDGET, max_batch=2))
     service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=(stop,))
-
-    async def answers():
-        scheduler = asyncio.create_task(engine.run())
-        jobs = [service.job(p, max_new_tokens=8, temperature=0, ignore_eos=False, stop_token_ids=None) for p in prompts]
-        for job in jobs:
-            engine.submit(job)
-        results = []
-        for job in jobs:
-            ids, (kind, value) = [], await asyncio.wait_for(job.updates.get(), 60)
-            while kind == "tokens":
-                ids += value
-                kind, value = await asyncio.wait_for(job.updates.get(), 60)
-            results.append((kind, ids, value))
-        engine.stop()
-        scheduler.cancel()
-        return results
-
-    results = asyncio.run(answers())
+    [results] = engine_answers(service, [prompts], max_new_tokens=8)
     for (kind, ids, meta), tokens, rounds in zip(results, expected.tokens, expected.acceptance):
         assert kind == "done" and ids == tokens.tolist() and meta["completion_tokens"] == len(tokens), (ids, meta)
         if method == "ar":
@@ -433,3 +445,30 @@ def test_summary_table_and_an_operators_endpoint():
     assert line.split() == ["8", "generate", "2", "3", "1", "2.50", "10.0", "-", "-", "12.5"]
     with endpoint("http://127.0.0.1:1") as url:
         assert url == "http://127.0.0.1:1"
+
+
+def test_the_engine_keeps_one_decoder_per_shape_across_batches(monkeypatch, one_thread):
+    """Two batches of one shape (batch size, step budget, rounded capacity) run on one Decoder, reset
+    between them, and each request still decodes as generate decodes it alone at T = 0."""
+    target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
+    batches = [[[3, 4, 11, 60, 5, 13], [8, 12, 15, 14]], [[9, 2, 2, 40, 7], [1, 33, 20, 19, 6, 6, 5]]]
+    expected = [generate(target, drafter, prompts, budget=BUDGET, max_new_tokens=8) for prompts in batches]
+    built = []
+
+    class CountedDecoder(decode.Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    decode.clear_decoders()  # generate's decoder for this shape would otherwise serve the engine
+    monkeypatch.setattr(decode, "Decoder", CountedDecoder)
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=BUDGET, max_batch=2))
+    service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=())
+    answered = engine_answers(service, batches, max_new_tokens=8)
+    assert engine.batches == 2 and len(built) == 1, f"{len(built)} Decoders built for 2 batches of one shape"
+    for results, reference in zip(answered, expected):
+        for (kind, ids, meta), tokens, rounds in zip(results, reference.tokens, reference.acceptance):
+            assert kind == "done" and ids == tokens.tolist() and meta["batch_size"] == 2, (kind, ids, meta)
+            assert meta["spec_verify_ct"] == len(rounds)
+    assert sum(len(ids) for results in answered for _, ids, _ in results) == 32
+    decode.clear_decoders()

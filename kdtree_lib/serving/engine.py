@@ -1,13 +1,15 @@
 """The serving engine: a request queue, decode batches, and the worker thread that decodes them with
-the decode loop's own Decoder. Nothing here knows HTTP: `serving.server` parses requests into Jobs,
-submits them and relays each Job's updates.
+the decode loop's own Decoders, kept across batches. Nothing here knows HTTP: `serving.server`
+parses requests into Jobs, submits them and relays each Job's updates.
 
 Requests wait in a queue. The scheduler (a coroutine on the server's event loop) takes up to
 `max_batch` waiting requests with the same sampling settings (temperature, max_new_tokens, stop
 tokens) into one decode batch and runs it in one worker thread round by round (prefill, then a step
-until every request is done), posting each round's new tokens to its Job. So at T = 0 every request's
-tokens and acceptance are what `decode.generate` gives for its prompt, whatever its batch (at T > 0
-each batch samples with a seed of its own).
+until every request is done) on the Decoder kept for its shape (batch size, step budget, capacity
+rounded by contracts.cache_capacity, sampling temperature: decode.cached_decoder's LRU, which
+generate shares), reset per batch, posting each round's new tokens to its Job. So at T = 0 every
+request's tokens and acceptance are what `decode.generate` gives for its prompt, whatever its batch
+(at T > 0 each batch samples with a seed of its own).
 
 A request whose client goes away is cancelled: while it waits it is dropped; in a batch its row runs
 on (the shapes are fixed) but nothing is sent, and a batch whose requests are all gone stops, between
@@ -20,7 +22,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,7 +30,8 @@ import numpy as np
 import torch
 
 from ..contracts import MAX_BUDGET
-from ..decode import METHODS, Decoder, check_pair, decoder_capacity, resolve_backend, step_shape
+from ..decode import (METHODS, PrefillCancelled, cached_decoder, check_pair, decoder_capacity, resolve_backend,
+                      step_shape)
 from ..model.model import PREFILL_CHUNK
 
 
@@ -81,10 +84,6 @@ class EngineSettings:
         if not (isinstance(self.batch_wait_s, (int, float)) and math.isfinite(self.batch_wait_s)
                 and self.batch_wait_s >= 0):
             raise ValueError(f"batch_wait_s: expected a finite number >= 0, got {self.batch_wait_s!r}")
-
-
-class PrefillCancelled(Exception):
-    """Every request of the batch left during its prefill."""
 
 
 class Engine:
@@ -188,20 +187,19 @@ class Engine:
             _post(loop, job, update)
 
     def _rounds(self, batch: list[Job]) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
-        """The one place the engine drives the Decoder: prefill (stopped between chunks once every
-        request has gone), then a step per round until every request is done, yielding after each
+        """The one place the engine drives a Decoder (its shape's, kept across batches): reset with
+        prefill (stopped between chunks once every request has gone: PrefillCancelled), then a step per round until every request is done, yielding after each
         round every request's tokens so far (cut at its first stop token by decode's own rule) and
         the rounds it took part in."""
         sampling = batch[0].sampling
         prompts = [job.prompt for job in batch]
         capacity = decoder_capacity(prompts, sampling.max_new_tokens, self.nodes, self.depth)
-        decoder = Decoder(_CancellablePrefill(self.target, lambda: self._gone(batch)), self.drafter,
-                          method=self.settings.method, budget=self.step_budget, batch=len(batch), capacity=capacity,
-                          temperature=sampling.temperature, backend=self.backend,
-                          prefill_chunk=self.settings.prefill_chunk)
+        decoder = cached_decoder(self.target, self.drafter, method=self.settings.method, budget=self.step_budget,
+                                 batch=len(batch), capacity=capacity, temperature=float(sampling.temperature),
+                                 backend=self.backend, prefill_chunk=self.settings.prefill_chunk)
         self.batches += 1  # a seed per batch: repeated prompts sample anew at T > 0
         decoder.reset(prompts, max_new_tokens=sampling.max_new_tokens, stop_tokens=sampling.stop_tokens,
-                      seed=self.batches)
+                      seed=self.batches, should_stop=lambda: self._gone(batch))
         # decode's one loop, a round at a time (each round's tokens stream out); leaving it stops the steps
         for update in decoder.rounds(sync_every=1, max_rounds=sampling.max_new_tokens):
             if self._gone(batch):
@@ -229,29 +227,6 @@ class Engine:
                         spec_accept_rate=accepted / (verify * self.step_budget), spec_accept_token_num=accepted,
                         spec_draft_token_num=verify * self.step_budget)
         return meta
-
-
-class _CancellablePrefill:
-    """The target as the engine's Decoder sees it: the same model, whose prefill stops before each
-    chunk once `gone()` holds (a long prompt's prefill can outlast its client; the Decoder's reset
-    zeroes the caches' lengths first, so a stopped prefill leaves nothing behind)."""
-
-    def __init__(self, target, gone: Callable[[], bool]):
-        self._target, self._gone = target, gone
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-    def prefill_chunks(self, *args, **kwargs):
-        chunks = self._target.prefill_chunks(*args, **kwargs)
-        while not self._gone():
-            try:
-                chunk = next(chunks)
-            except StopIteration:
-                return
-            yield chunk
-        chunks.close()
-        raise PrefillCancelled
 
 
 def _post(loop, job: Job, update: tuple) -> None:

@@ -188,9 +188,9 @@ class Engine:
 
     def _rounds(self, batch: list[Job]) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
         """The one place the engine drives a Decoder (its shape's, kept across batches): reset with
-        prefill (stopped between chunks once every request has gone: PrefillCancelled), then a step per round until every request is done, yielding after each
-        round every request's tokens so far (cut at its first stop token by decode's own rule) and
-        the rounds it took part in."""
+        prefill (stopped between chunks once every request has gone: PrefillCancelled), then a step
+        per round until every request is done, yielding after each round every request's tokens so
+        far (cut at its first stop token by decode's own rule) and the rounds it took part in."""
         sampling = batch[0].sampling
         prompts = [job.prompt for job in batch]
         capacity = decoder_capacity(prompts, sampling.max_new_tokens, self.nodes, self.depth)

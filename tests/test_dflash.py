@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from kdtree_lib import dflash
+from kdtree_lib.dflash import model as dflash  # the module whose globals the split-path tests patch
 from kdtree_lib.dflash import (DFlashConfig, DFlashDrafter, YarnRope, build_target_layer_ids, hf_features,
                                load_drafter, save_drafter, split_kv_attention)
 from kdtree_lib.pair_reference import qwen3_rope, zlab_block_logits

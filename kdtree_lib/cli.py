@@ -77,6 +77,21 @@ def positive_float(text: str) -> float:
     return _number(text, float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
 
 
+def integer_in(low: int, high: int | None = None):
+    """argparse type: an integer in low..high (high None: no upper bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high if high is not None else 'inf'}, "
+                                             f"got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
 def require_cuda(*, kernels: bool = False) -> None:
     """Refuse a command that needs a CUDA GPU when torch sees none (the one check every GPU command makes
     before its first CUDA call, instead of failing inside torch or cupy); kernels=True: the command also

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -79,32 +78,6 @@ def build_service(args) -> Service:
                    header_timeout_s=args.header_timeout, stop_tokens=stops, reported=reported)
 
 
-def integer(low: int, high: int | None = None):
-    """An argparse type: an integer in low..high (argparse names the flag in its one-line error)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high if high is not None else 'inf'}, "
-                                             f"got {value}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
-def positive_number(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return value
-
-
 def device(text: str) -> str:
     """An argparse type: a torch device this machine has."""
     try:
@@ -125,32 +98,32 @@ def main(argv=None) -> int:
     parser.add_argument("--target", type=Path, default=target, help="target checkpoint folder (default: the stand-in)")
     parser.add_argument("--drafter", type=Path, default=drafter, help="DFlash drafter folder (default: the stand-in's)")
     parser.add_argument("--random-pair", action="store_true", help="serve the tiny random pair instead (no files)")
-    parser.add_argument("--draft-sharpness", type=positive_number, default=1.0,
+    parser.add_argument("--draft-sharpness", type=cli.positive_float, default=1.0,
                         help="the random pair's drafter: small values give flat drafts (pairs.random_pair)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a folder with tiktoken.model or tokenizer.json (default: the target's; the stand-in's "
                              "for --random-pair)")
     parser.add_argument("--method", choices=METHODS, default="ddtree")
-    parser.add_argument("--budget", type=integer(1, MAX_BUDGET), default=32,
+    parser.add_argument("--budget", type=cli.integer_in(1, MAX_BUDGET), default=32,
                         help=f"draft nodes per tree, 1..{MAX_BUDGET} (the chain drafts min(budget, D))")
-    parser.add_argument("--max-batch", type=integer(1), default=8, help="requests per decode batch")
-    parser.add_argument("--max-queue", type=integer(1), default=256, help="waiting requests beyond this get HTTP 503")
-    parser.add_argument("--context-length", type=integer(2), default=None,
+    parser.add_argument("--max-batch", type=cli.integer_in(1), default=8, help="requests per decode batch")
+    parser.add_argument("--max-queue", type=cli.integer_in(1), default=256, help="waiting requests beyond this get HTTP 503")
+    parser.add_argument("--context-length", type=cli.integer_in(2), default=None,
                         help="longest prompt + new tokens accepted (default: the target's max_position_embeddings)")
-    parser.add_argument("--max-prompt-tokens", type=integer(1), default=None,
+    parser.add_argument("--max-prompt-tokens", type=cli.integer_in(1), default=None,
                         help=f"longer prompts get HTTP 400 (default: {MAX_PROMPT_TOKENS}, or less than the context "
                              "length; a CPU prefills a long prompt for minutes, a GPU takes more)")
-    parser.add_argument("--max-body-mb", type=positive_number, default=MAX_BODY_BYTES / 2**20,
+    parser.add_argument("--max-body-mb", type=cli.positive_float, default=MAX_BODY_BYTES / 2**20,
                         help="larger request bodies get HTTP 413 (MiB, default %(default)g)")
-    parser.add_argument("--header-timeout", type=positive_number, default=HEADER_TIMEOUT_S,
+    parser.add_argument("--header-timeout", type=cli.positive_float, default=HEADER_TIMEOUT_S,
                         help="seconds a connection has to send its request headers (default %(default)g)")
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="the tree ops' backend")
-    parser.add_argument("--threads", type=integer(1), default=None,
+    parser.add_argument("--threads", type=cli.integer_in(1), default=None,
                         help="torch CPU threads (default: torch's; 1 is fastest for small pairs on a busy CPU)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=integer(0, 65535), default=30000, help="0: a free port (printed)")
+    parser.add_argument("--port", type=cli.integer_in(0, 65535), default=30000, help="0: a free port (printed)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

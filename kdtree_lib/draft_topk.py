@@ -11,9 +11,9 @@ draft a one-bit difference in a value reorders the tree, so the exact paths call
   vocabulary across blocks by the number of rows, so batch 1 ([1, D, V]) gives the official code's
   values exactly and larger batches may differ from it in the last bit of a row's normaliser.
 - "cupy": the fused kernels of kernels/draft_topk.cu, one read of the logits. Up to k = FAST_MAX_K
-  (128) v2 runs: many CTAs per row each read a slice of 4096-logit chunks from memory once and keep
-  its (max, sum exp) and a superset of its top k, then one merge CTA per row selects and sorts the row's top k and
-  subtracts log(sum) + max; above, v1 (one CTA per row). The selection is exact (the values are the
+  (128) v3 runs, one launch: many CTAs per row each read a slice of 4096-logit chunks from memory
+  once and keep its (max, sum exp) and a superset of its top k; the last CTA of a row to finish
+  selects the row's top k from them, in order, and subtracts log(sum) + max; above, v1 (one CTA per row). The selection is exact (the values are the
   logits themselves, ties by ascending token id); the normaliser is the kernel's own float32 sum,
   a few ulps from torch's (different summation order; tests/test_draft_topk.py derives the bound).
   Where that last-bit difference can change a tree: it shifts every log-probability of one draft
@@ -29,7 +29,7 @@ draft a one-bit difference in a value reorders the tree, so the exact paths call
 
 Bad input (NaN, +inf, a row that is entirely -inf) raises a ValueError on the host paths. On a GPU a
 value check would read the logits back and synchronise inside the decode step, so the device paths
-check metadata only (a prepared launch once, when prepared); v2 writes a bad row's log-probabilities
+check metadata only (a prepared launch once, when prepared); v3 writes a bad row's log-probabilities
 as NaN and flags it in a device status word that `TopKLaunch.check_input()` reads off the hot path.
 """
 from __future__ import annotations
@@ -45,12 +45,12 @@ from .contracts import MAX_TOPK, DraftTopK
 
 LOGIT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 TOPK_THREADS = 1024  # KD_TOPK_THREADS in kernels/draft_topk.cu (v1)
-SLICE_THREADS = 256  # KD_TOPK_SLICE_THREADS (v2)
-SLICE = 4096         # KD_TOPK_SLICE: logits per v2 slice
-MERGE_THREADS = 512  # KD_TOPK_MERGE_THREADS
-FAST_MAX_K = 128     # KD_TOPK_FAST_MAX_K: v2 up to this k, v1 above
-MAX_CHUNKS = 4       # KD_TOPK_MAX_CHUNKS: SLICE-logit chunks per v2 slice
-MAX_GRID_Y = 65_535  # v2's rows B*D run on the grid's y axis
+SLICE_THREADS = 256  # KD_TOPK_SLICE_THREADS (v3)
+SLICE = 4096         # KD_TOPK_SLICE: logits per v3 chunk
+FAST_MAX_K = 128     # KD_TOPK_FAST_MAX_K: v3 up to this k, v1 above
+MAX_CHUNKS = 4       # KD_TOPK_MAX_CHUNKS: SLICE-logit chunks per v3 slice
+MAX_SLICES = 1024    # KD_TOPK_MAX_SLICES: v3's slices per row (the merging CTA holds their counts)
+MAX_GRID_Y = 65_535  # v3's rows B*D run on the grid's y axis
 
 
 def draft_topk(logits, k: int, *, backend: str = "auto") -> DraftTopK:
@@ -125,12 +125,13 @@ class _PreparedTopK:
 class TopKLaunch(_PreparedTopK):
     """One prepared fused top-k: checked, converted and allocated once, so a call costs only the launches.
 
-    `path` says which kernel runs: "fused_v2" (k <= FAST_MAX_K: slices of `chunks` x SLICE logits,
-    many CTAs per row, then a merge CTA per row) or "fused_v1" (larger k: one CTA per row). Calling it enqueues the
-    kernels on torch's current stream over the logits it was prepared with (refill them in place
+    `path` says which kernel runs: "fused_v3" (k <= FAST_MAX_K: one launch of many CTAs per row, slices
+    of `chunks` x SLICE logits, the last CTA of each row merging it) or "fused_v1" (larger k: one CTA per
+    row). Calling it enqueues the kernel on torch's current stream over the logits it was prepared with (refill them in place
     between calls) and returns `out`; passing `logits` checks that it is that same buffer. Nothing
-    here synchronises, so it can run back to back or inside a CUDA graph. Values are not read back:
-    v2 writes a row holding NaN, +inf or only -inf as NaN log-probabilities and flags it in a device
+    here synchronises, so it can run back to back or inside a CUDA graph (v3 leaves its per-row
+    tickets at zero after every launch). Values are not read back:
+    v3 writes a row holding NaN, +inf or only -inf as NaN log-probabilities and flags it in a device
     status word, which `check_input` reads (one synchronisation, for callers off the hot path).
     """
 
@@ -144,27 +145,25 @@ class TopKLaunch(_PreparedTopK):
         self._shape_dtype = (tuple(logits.shape), str(logits.dtype))
         suffix = "vec4" if vectorized else "vec1"
         self.status = _device_zeros(logits, (1,))
-        if k <= FAST_MAX_K and rows <= MAX_GRID_Y:
-            self.path, self.version = "fused_v2", 2
-            self.chunks = chunks or slice_chunks(rows, vocab, _multiprocessors(device))  # chunks: a study's override
-            if not 1 <= self.chunks <= MAX_CHUNKS:
-                raise ValueError(f"chunks: expected 1..{MAX_CHUNKS}, got {self.chunks}")
-            slices = -(-vocab // (SLICE * self.chunks))
+        self.chunks = chunks or slice_chunks(rows, vocab, _multiprocessors(device))  # chunks: a study's override
+        if not 1 <= self.chunks <= MAX_CHUNKS:
+            raise ValueError(f"chunks: expected 1..{MAX_CHUNKS}, got {self.chunks}")
+        slices = -(-vocab // (SLICE * self.chunks))
+        if k <= FAST_MAX_K and rows <= MAX_GRID_Y and slices <= MAX_SLICES:
+            self.path, self.version = "fused_v3", 3
             cap = candidate_room(k)
             self._keys = cuda.device_empty(logits, (rows, slices, cap), "int64")
             self._counts = cuda.device_empty(logits, (rows, slices), "int32")
-            self._states = cuda.device_empty(logits, (rows, slices, 2), "float32")
+            self._states = cuda.device_empty(logits, (rows, slices, 4), "float32")
             self._row_flags = _device_zeros(logits, (rows,))
-            common = (np.int32(slices), np.int32(cap))
+            self._tickets = _device_zeros(logits, (rows,))
             self._launches = [] if rows == 0 else [
-                (cuda.device_function("draft_topk.cu", f"draft_topk_slices_{suffix}", device), (slices, rows),
-                 (SLICE_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks)) + common
-                 + (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
-                    cuda.pointer(self._row_flags))),
-                (cuda.device_function("draft_topk.cu", "draft_topk_merge", device), (rows,), (MERGE_THREADS,),
-                 (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states)) + common
-                 + (np.int32(k), cuda.pointer(self._row_flags), cuda.pointer(self.status), cuda.pointer(out.logp),
-                    cuda.pointer(out.ids)))]
+                (cuda.device_function("draft_topk.cu", f"draft_topk_fused_{suffix}", device), (slices, rows),
+                 (SLICE_THREADS,),
+                 (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks), np.int32(slices),
+                  np.int32(cap), cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
+                  cuda.pointer(self._row_flags), cuda.pointer(self._tickets), cuda.pointer(self.status),
+                  cuda.pointer(out.logp), cuda.pointer(out.ids)))]
         else:
             self.path, self.version = "fused_v1", 1
             self._launches = [] if rows == 0 else [
@@ -204,7 +203,7 @@ class TopKLaunch(_PreparedTopK):
 
     def check_input(self) -> None:
         """Raise a ValueError naming `logits` if any call since the last check met NaN, +inf or a row
-        that is entirely -inf (v2 only: v1 does not flag). Reads the device status: synchronises."""
+        that is entirely -inf (v3 only: v1 does not flag). Reads the device status: synchronises."""
         flags = int(to_numpy(self.status)[0])
         if flags:
             self.status.fill_(0) if framework(self.status) == "torch" else self.status.fill(0)
@@ -213,12 +212,12 @@ class TopKLaunch(_PreparedTopK):
 
 
 def slice_chunks(rows: int, vocab: int, multiprocessors: int) -> int:
-    """SLICE-logit chunks per v2 slice: 1 (the most CTAs, each keeping its chunk in registers) while
+    """SLICE-logit chunks per v3 slice: 1 (the most CTAs, each keeping its chunk in registers) while
     one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to 4 beyond,
     so the fixed cost per CTA (the bound's sort) and the merge's candidates shrink by as much (a thread
     re-reads only a chunk whose maximum reaches the bound). Not 8: on the H200 at 8948252, B=64 D=7
     in a CUDA graph, k=64 took 170.7 us with 4 chunks and 228.1 us with 8 (k=8: 151.9 vs 147.3 us),
-    its re-reads then missing L2 (docs/kernel-notes.md)."""
+    its re-reads then missing L2 (docs/kernel-notes.md, with v3's own measurement of the choice)."""
     return max(1, min(MAX_CHUNKS, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
 
 
@@ -229,7 +228,7 @@ def _multiprocessors(device: int) -> int:
 
 
 def candidate_room(k: int) -> int:
-    """Candidates a v2 slice may keep (>= 2k; a slice with more logits >= its bound selects exactly)."""
+    """Candidates a v3 slice may keep (>= 2k; a slice with more logits >= its bound selects exactly)."""
     return max(32, 2 * k)
 
 

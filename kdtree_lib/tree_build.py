@@ -354,7 +354,8 @@ def _allow_draft_cache(device: int) -> None:
 SGLANG_BUILD_KERNEL = "build_tree_sglang"
 EAGLE_FORMAT_KERNEL = "eagle_tree_format"
 SGLANG_THREADS = 256  # KD_SGLANG_THREADS
-SGLANG_OUTPUTS = ("node_tokens", "node_depths", "parents", "visibility", "sizes", "next_token", "next_sibling", "bad")
+SGLANG_OUTPUTS = ("node_tokens", "node_depths", "parents", "visibility", "sizes", "next_token", "next_sibling",
+                  "retrive_index", "bad")
 
 
 class SGLangBuildLaunch:
@@ -366,14 +367,15 @@ class SGLangBuildLaunch:
     min(budget, K) ranks, nodes in pop order: SGLang PR #29907's build_ddtree_tree_from_topk).
     Outputs (allocate()): node_tokens, node_depths int64 [B, budget], parents int64 [B, N], visibility
     bool [B, N, N], sizes int64 [B], next_token, next_sibling int64 [B, N] (the EAGLE first-child /
-    next-sibling arrays, written only with links=True), bad int32 [B] (1: the request's draft held
+    next-sibling arrays, written only with links=True; with `index` too, retrive_index int64 [B, N], b * N + node:
+    SGLang's build_eagle_tree_format at draft_token_num N, whole), bad int32 [B] (1: the request's draft held
     NaN or +-inf at rank 0, or, with finite_all, anywhere it is read; its tree is then the root
     alone). Calling it enqueues one CTA per request on torch's current stream; nothing here reads a
     device value or synchronises.
     """
 
     def __init__(self, batch: int, depth: int, topk: int, budget: int, device: int, *, policy, ids_int64: bool,
-                 links: bool = True, finite_all: bool = False):
+                 links: bool = True, index: bool = False, finite_all: bool = False):
         policy = resolve_policy(policy)
         if isinstance(policy, SGLangPolicy):
             chain = budget == depth
@@ -383,7 +385,7 @@ class SGLangBuildLaunch:
             chain, width, bonus, margin, stop, relabel = False, topk, 0.0, 0.0, False, False
         else:
             raise ValueError(f"policy: SGLang's layout is built for the 'sglang' and 'paper' policies, got {policy.name!r}")
-        self.batch, self.budget, self.links = batch, budget, links
+        self.batch, self.budget, self.links, self.index = batch, budget, links, links and index
         # a rank >= budget never pops (it needs budget siblings popped first), so it is never read
         self.width = min(width, budget)
         self._function = cuda.device_function("tree_build.cu", SGLANG_BUILD_KERNEL, device)
@@ -398,9 +400,12 @@ class SGLangBuildLaunch:
         spec = {"node_tokens": ((batch, self.budget), torch.int64), "node_depths": ((batch, self.budget), torch.int64),
                 "parents": ((batch, nodes), torch.int64), "visibility": ((batch, nodes, nodes), torch.bool),
                 "sizes": ((batch,), torch.int64), "next_token": ((batch, nodes), torch.int64),
-                "next_sibling": ((batch, nodes), torch.int64), "bad": ((batch,), torch.int32)}
+                "next_sibling": ((batch, nodes), torch.int64), "retrive_index": ((batch, nodes), torch.int64),
+                "bad": ((batch,), torch.int32)}
         if not self.links:
             del spec["next_token"], spec["next_sibling"]
+        if not self.index:
+            del spec["retrive_index"]
         return {name: torch.empty(shape, dtype=dtype, device=like.device) for name, (shape, dtype) in spec.items()}
 
     def __call__(self, logp, ids, out: dict) -> dict:

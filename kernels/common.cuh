@@ -1,8 +1,8 @@
 // common.cuh — small generic device helpers shared by the kdtree kernels.
 //
 // No kernel-specific logic lives here: the fixed-width names of raw words, integer helpers, IEEE
-// infinities and two float constants without <math.h> (NVRTC compiles these files without system
-// headers), lane/warp indices, warp and block scans, two warp-aggregated shared-memory atomics
+// infinities and NaN, two float constants without <math.h> (NVRTC compiles these files without system
+// headers), lane/warp indices, warp and block scans, a block-wide reduction, two warp-aggregated shared-memory atomics
 // (histogram increment, append to a list), and the PTX wrappers more than one kernel file uses:
 // the block's dynamic shared memory size, shared-window addresses, 16-byte cp.async, 16-bit pair
 // conversions and the mma.sync m16n8k16 tile (bf16 or f16 in, fp32 accumulators).
@@ -26,6 +26,7 @@ __host__ __device__ __forceinline__ constexpr int kd_ceil_div(int a, int b) { re
 
 __device__ __forceinline__ float kd_neg_inf_f() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ double kd_neg_inf_d() { return __longlong_as_double(0xfff0000000000000LL); }
+__device__ __forceinline__ float kd_nan_f() { return __int_as_float(0x7fc00000); }  // a quiet NaN
 
 __device__ __forceinline__ int kd_lane() { return threadIdx.x & (KD_WARP_SIZE - 1); }
 __device__ __forceinline__ int kd_warp() { return threadIdx.x / KD_WARP_SIZE; }
@@ -56,6 +57,30 @@ __device__ __forceinline__ unsigned kd_block_inclusive_scan(unsigned value, unsi
     const unsigned before = kd_warp() > 0 ? scratch[kd_warp() - 1] : 0u;
     __syncthreads();  // scratch may be reused as soon as this returns
     return before + inclusive;
+}
+
+// One value per lane of a warp exchanged with the lane `offset` away (lane ^ offset): the overloads the
+// block reduction below finds; a kernel file adds one for its own struct.
+__device__ __forceinline__ float kd_shfl_xor(float value, int offset) {
+    return __shfl_xor_sync(KD_FULL_MASK, value, offset);
+}
+__device__ __forceinline__ u64 kd_shfl_xor(u64 value, int offset) {
+    return __shfl_xor_sync(KD_FULL_MASK, value, offset);
+}
+
+// The reduction of one value per thread over the block by `op` (associative and commutative: max,
+// min, an online-softmax merge), returned to every thread. scratch: __shared__ T[32], free again
+// when this returns.
+template <typename T, typename Op>
+__device__ __forceinline__ T kd_block_all_reduce(T value, Op op, T* scratch) {
+#pragma unroll
+    for (int offset = KD_WARP_SIZE / 2; offset > 0; offset >>= 1) value = op(value, kd_shfl_xor(value, offset));
+    if (kd_lane() == 0) scratch[kd_warp()] = value;
+    __syncthreads();
+    T total = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x / KD_WARP_SIZE); ++w) total = op(total, scratch[w]);
+    __syncthreads();
+    return total;
 }
 
 // hist[bin] += 1 for every lane with bin >= 0, one shared atomic per distinct bin in the warp.

@@ -6,23 +6,26 @@
 //       chosen digit fit in shared memory (usually after the first pass, which also runs the online
 //       softmax); the survivors are gathered in a second read and bitonic-sorted. vec4 reads float4
 //       (vocab % 4 == 0, 16-byte aligned rows), vec1 any row. Kept for k > KD_TOPK_FAST_MAX_K.
-//   v2  draft_topk_slices_vec4/vec1 + draft_topk_merge: many CTAs per row (k <= KD_TOPK_FAST_MAX_K).
+//   v3  draft_topk_fused_vec4/vec1: one launch, many CTAs per row (k <= KD_TOPK_FAST_MAX_K).
 //       A CTA of 256 threads reads a slice of 1 to KD_TOPK_MAX_CHUNKS chunks of 4096 logits (16 per
-//       thread per chunk, four 16-byte loads in flight), writes the slice's (max, sum exp(x - max)),
+//       thread per chunk, four 16-byte loads in flight), writes the slice's (max, sum exp(x - max), L),
 //       and keeps a superset of the slice's top k: every logit >= L, where L is the k-th largest of
 //       the 256 per-thread maxima (k distinct logits are >= L, so the slice's k largest are too). A
 //       one-chunk slice keeps its logits in registers; in a longer one, a thread re-reads (L1/L2)
 //       only the chunks whose maximum reaches L. When that set is larger than the slice's candidate
-//       room, or L is -inf, the CTA finds its exact top k by the radix select instead. One merge CTA
-//       per row combines the slice states (online-softmax rule, fixed order), stages the candidates
-//       in shared memory and radix-selects + sorts the row's top k.
-//       (docs/kernel-notes.md: the steps v2 -> v2.2 and their H200 times.)
+//       room, or L is -inf, the CTA finds its exact top k by the radix select instead. The last CTA
+//       of a row to finish (a ticket per row: atomicAdd after __threadfence) merges the row: the
+//       online-softmax rule over the slices' states in a fixed order, the candidates >= max L (every
+//       slice's L is below the row's k-th largest logit) staged in shared memory, an 8-bit radix
+//       select from the staged keys' common prefix down to <= KD_TOPK_RANKED survivors, each
+//       survivor's rank counted against the others (no sort), and the ticket reset for the next
+//       launch (CUDA graph replays). (docs/kernel-notes.md: v2 -> v3 and their H200 times.)
 //
 // The selected values are the logits themselves, so the ids and their order are exact (ties by
 // ascending id). The normaliser is this kernel's own float32 sum, which differs from torch's
 // logsumexp in the last bits: draft_topk's exact paths call torch for that reason (see its docstring).
 //
-// Bad input is never read back on the host: v2 flags a row holding NaN (bit 1), +inf (bit 2) or
+// Bad input is never read back on the host: v3 flags a row holding NaN (bit 1), +inf (bit 2) or
 // only -inf (bit 4) in `status` (OR-ed, sticky until the host clears it) and writes that row's
 // log-probabilities as NaN.
 #include "common.cuh"
@@ -36,17 +39,20 @@
 #define KD_TOPK_SLICE_LOADS 4      // 16-byte loads per thread: a slice is 256 * 4 * 4 = 4096 logits
 #define KD_TOPK_PER_THREAD (4 * KD_TOPK_SLICE_LOADS)
 #define KD_TOPK_SLICE (KD_TOPK_SLICE_THREADS * KD_TOPK_PER_THREAD)
-#define KD_TOPK_MAX_CHUNKS 4      // chunks of KD_TOPK_SLICE logits per v2 slice (draft_topk.slice_chunks)
-#define KD_TOPK_FAST_MAX_K 128     // v2's k (the bound L is loose beyond: see the header)
-#define KD_TOPK_MERGE_THREADS 512
-#define KD_TOPK_MERGE_UNROLL 4     // candidate loads in flight per merge thread
-#define KD_TOPK_MERGE_STAGED 3712  // a row's candidates staged in shared memory (29 KB)
-#define KD_TOPK_MERGE_SORTED 1024  // survivors sorted by the merge (>= KD_TOPK_FAST_MAX_K)
+#define KD_TOPK_MAX_CHUNKS 4      // chunks of KD_TOPK_SLICE logits per v3 slice (draft_topk.slice_chunks)
+#define KD_TOPK_FAST_MAX_K 128     // v3's k (the bound L is loose beyond: see the header)
+#define KD_TOPK_MERGE_UNROLL 8     // candidate loads in flight per thread of the merging CTA
+#define KD_TOPK_MERGE_BITS 8       // the merge's radix digit: one bin per thread of the CTA
+#define KD_TOPK_MERGE_STAGED 3840  // a row's candidates staged in shared memory (30 KB)
+#define KD_TOPK_MAX_SLICES 1024    // slices per row (draft_topk.TopKLaunch checks it)
+#define KD_TOPK_RANKED 256         // survivors ranked by counting (>= KD_TOPK_FAST_MAX_K)
 #define KD_TOPK_BAD_NAN 1u
 #define KD_TOPK_BAD_POS_INF 2u
 #define KD_TOPK_BAD_ALL_NEG_INF 4u
 
 static_assert(KD_TOPK_BINS % KD_TOPK_THREADS == 0, "each thread scans whole bins");
+static_assert((1 << KD_TOPK_MERGE_BITS) == KD_TOPK_SLICE_THREADS, "the merge's bins: one per thread");
+static_assert(KD_TOPK_RANKED <= KD_TOPK_SLICE_THREADS && KD_TOPK_FAST_MAX_K <= KD_TOPK_RANKED, "one survivor per thread");
 
 
 // A 64-bit key that orders (larger value first, then smaller id first) as an unsigned integer:
@@ -64,8 +70,6 @@ __device__ __forceinline__ float topk_key_value(unsigned long long key) {
 
 __device__ __forceinline__ int topk_key_id(unsigned long long key) { return (int)(~(unsigned)key); }
 
-#define KD_LOG2_E 1.4426950408889634f
-
 // Running max and sum of exp(x - max) (online softmax); -inf entries carry no mass.
 struct SoftmaxState {
     float max;
@@ -74,10 +78,10 @@ struct SoftmaxState {
 
 __device__ __forceinline__ void softmax_push(SoftmaxState& state, float x) {
     if (x > state.max) {
-        state.sum = state.sum * exp2f((state.max - x) * KD_LOG2_E) + 1.0f;
+        state.sum = state.sum * exp2f((state.max - x) * kd_log2e()) + 1.0f;
         state.max = x;
     } else if (x != kd_neg_inf_f()) {
-        state.sum += exp2f((x - state.max) * KD_LOG2_E);
+        state.sum += exp2f((x - state.max) * kd_log2e());
     }
 }
 
@@ -87,19 +91,13 @@ __device__ __forceinline__ SoftmaxState softmax_merge(SoftmaxState a, SoftmaxSta
     return {max, a.sum * expf(a.max - max) + b.sum * expf(b.max - max)};
 }
 
+__device__ __forceinline__ SoftmaxState kd_shfl_xor(SoftmaxState state, int offset) {  // for kd_block_all_reduce
+    return {kd_shfl_xor(state.max, offset), kd_shfl_xor(state.sum, offset)};
+}
+
 // The whole block's softmax state, returned to every thread. scratch: __shared__ SoftmaxState[32].
-__device__ SoftmaxState softmax_block_merge(SoftmaxState state, SoftmaxState* scratch) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const SoftmaxState other = {__shfl_xor_sync(KD_FULL_MASK, state.max, offset),
-                                    __shfl_xor_sync(KD_FULL_MASK, state.sum, offset)};
-        state = softmax_merge(state, other);
-    }
-    if (kd_lane() == 0) scratch[kd_warp()] = state;
-    __syncthreads();
-    SoftmaxState total = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x / KD_WARP_SIZE); ++w) total = softmax_merge(total, scratch[w]);
-    return total;
+__device__ __forceinline__ SoftmaxState softmax_block_merge(SoftmaxState state, SoftmaxState* scratch) {
+    return kd_block_all_reduce(state, [](SoftmaxState a, SoftmaxState b) { return softmax_merge(a, b); }, scratch);
 }
 
 // Sort keys[0, size) in descending order; size a power of two. All threads call it.
@@ -155,39 +153,40 @@ __device__ __forceinline__ void for_each_logit(const float* __restrict__ row, in
     }
 }
 
-// The radix select's shared scratch.
+// The radix select's shared scratch, for digits of BITS bits.
+template <int BITS = KD_TOPK_DIGIT_BITS>
 struct RadixScratch {
-    unsigned hist[KD_TOPK_BINS];
+    unsigned hist[1 << BITS];
     unsigned scan[32];
     unsigned digit, count_above, count_from;
 };
 
 // Radix select over the unique keys a block visits: `source(first_pass, visit)` calls visit(key, valid)
-// the same number of times in every lane. Each pass histograms the next 11 bits of the keys that share
+// the same number of times in every lane. Each pass histograms the next BITS bits of the keys that share
 // the prefix chosen so far and keeps the digit where the count of larger keys reaches k; it stops as
 // soon as the keys >= that digit number at most `stop_at` (>= k). Returns the threshold key: exactly
 // `survivors` (k <= survivors <= stop_at) visited valid keys are >= it. Needs at least k valid keys.
-template <typename Source>
-__device__ unsigned long long radix_threshold(Source source, unsigned k, unsigned stop_at, RadixScratch& scratch,
-                                              unsigned& survivors) {
+// `shift` < 64 starts below a prefix every valid key shares (its top 64 - shift bits, `prefix`).
+template <int BITS, typename Source>
+__device__ unsigned long long radix_threshold(Source source, unsigned k, unsigned stop_at, RadixScratch<BITS>& scratch,
+                                              unsigned& survivors, unsigned long long prefix = 0ull, int shift = 64) {
+    constexpr int kBins = 1 << BITS;
     const int t = threadIdx.x;
-    const int bins_per_thread = KD_TOPK_BINS / blockDim.x;
-    unsigned long long prefix = 0ull;  // the digits chosen so far
-    int shift = 64;                    // the key bits below the prefix
-    unsigned above = 0u;               // keys known to be larger than every key with the prefix
+    const int bins_per_thread = kBins / blockDim.x;
+    unsigned above = 0u;  // keys known to be larger than every key with the prefix
     for (bool first_pass = true;; first_pass = false) {
-        const int bits = min(KD_TOPK_DIGIT_BITS, shift);
+        const int bits = min(BITS, shift);
         const int low = shift - bits;
-        for (int bin = t; bin < KD_TOPK_BINS; bin += blockDim.x) scratch.hist[bin] = 0u;
+        for (int bin = t; bin < kBins; bin += blockDim.x) scratch.hist[bin] = 0u;
         __syncthreads();
         source(first_pass, [&](unsigned long long key, bool valid) {
             const bool in_prefix = valid && (shift == 64 || (key >> shift) == prefix);
-            kd_warp_histogram_add(scratch.hist, in_prefix ? (int)((key >> low) & (KD_TOPK_BINS - 1)) : -1);
+            kd_warp_histogram_add(scratch.hist, in_prefix ? (int)((key >> low) & (kBins - 1)) : -1);
         });
         __syncthreads();
         // thread t owns digits top, top-1, ... (descending), so a prefix sum over threads counts
         // the keys above each digit
-        const int top = KD_TOPK_BINS - 1 - t * bins_per_thread;
+        const int top = kBins - 1 - t * bins_per_thread;
         unsigned mine = 0u;
         for (int j = 0; j < bins_per_thread; ++j) mine += scratch.hist[top - j];
         const unsigned before = above + kd_block_inclusive_scan(mine, scratch.scan) - mine;
@@ -235,14 +234,12 @@ __device__ void gather_sorted(Source source, unsigned long long threshold, unsig
     bitonic_sort_descending(keys, size);
 }
 
-__device__ __forceinline__ float kd_nan_f() { return __int_as_float(0x7fc00000); }
-
 // v1: logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32,
 // one CTA per row; the first radix pass also computes the softmax denominator.
 template <int VEC>
 __device__ void draft_topk_row(const float* __restrict__ logits, int vocab, int k,
                                float* __restrict__ out_logp, int* __restrict__ out_ids) {
-    __shared__ RadixScratch s_radix;
+    __shared__ RadixScratch<> s_radix;
     __shared__ unsigned long long s_keys[KD_TOPK_CAPACITY];
     __shared__ SoftmaxState s_softmax[32];
     __shared__ unsigned s_taken;
@@ -285,7 +282,7 @@ draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __res
 
 
 // ------------------------------------------------------------------------------------------------
-// v2: slices, then a merge per row
+// v3: slices, the last CTA of each row merging it
 
 // Bitonic sort of one float per thread across a block of KD_TOPK_SLICE_THREADS: thread t returns the
 // t-th largest. Strides below a warp go through shuffles, the rest through `exchange`.
@@ -337,20 +334,152 @@ __device__ __forceinline__ int chunk_id(int first, int e) {
     return first + ((e / 4) * KD_TOPK_SLICE_THREADS + (int)threadIdx.x) * 4 + e % 4;
 }
 
+// The shared memory of a v3 CTA: the slice's scratch, then (in the last CTA of a row) the merge's.
+union FusedScratch {
+    struct {
+        RadixScratch<> radix;
+        float exchange[KD_TOPK_SLICE_THREADS];
+    } slice;
+    struct {
+        unsigned long long staged[KD_TOPK_MERGE_STAGED];
+        unsigned long long ranked[KD_TOPK_RANKED];
+        RadixScratch<KD_TOPK_MERGE_BITS> radix;
+        int count[KD_TOPK_MAX_SLICES];  // candidates of each slice of the row
+        unsigned long long keys[32];    // block reductions' scratch
+        float bounds[32];
+    } merge;
+};
+
+// The merge of one row by the last of its CTAs to finish: the softmax from the slices' states, the
+// top k from their candidates (ties by ascending id), log-probabilities value - (log(sum) + max) as
+// torch's logsumexp forms them. A flagged row (NaN, +inf, or only -inf) comes out as NaN and is OR-ed
+// into status; row_flags[row] and row_ticket[row] are cleared for the next launch. Reads what other
+// CTAs wrote through L2 (ld.cg): L1 is not coherent across CTAs.
+__device__ void topk_merge_row(int row, int slices, int cap, int k, const unsigned long long* __restrict__ cand_keys,
+                               const int* __restrict__ cand_count, const float4* __restrict__ states,
+                               unsigned* __restrict__ row_flags, unsigned* __restrict__ row_ticket,
+                               unsigned* __restrict__ status, float* __restrict__ out_logp, int* __restrict__ out_ids,
+                               FusedScratch& sh, SoftmaxState* s_softmax, unsigned& s_staged, unsigned& s_taken) {
+    const int t = threadIdx.x;
+    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
+    float bound = kd_neg_inf_f();
+    for (int s = t; s < slices; s += blockDim.x) {
+        const float4 state = __ldcg(states + (long long)row * slices + s);
+        softmax = softmax_merge(softmax, {state.x, state.y});
+        bound = fmaxf(bound, state.z);
+        sh.merge.count[s] = __ldcg(cand_count + (long long)row * slices + s);
+    }
+    if (t == 0) {
+        s_staged = 0u;
+        s_taken = 0u;
+    }
+    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);  // synchronises: counts, s_staged
+    bound = kd_block_all_reduce(bound, [](float a, float b) { return fmaxf(a, b); }, sh.merge.bounds);
+    // every slice's L is at most its k-th largest logit, so at most the row's: keys below the largest
+    // L are not in the row's top k (the lowest key of a value v has the id bits all 0)
+    const unsigned long long floor = bound == kd_neg_inf_f() ? 0ull : topk_key(bound, -1);
+
+    // stage the row's candidates >= floor in shared memory, every slot's load issued before any is used
+    const unsigned long long* keys = cand_keys + (long long)row * slices * cap;
+    const int slots = slices * cap;
+    const int padded = kd_ceil_div(slots, KD_WARP_SIZE) * KD_WARP_SIZE;
+    const auto slot_valid = [&](int j) { return j < slots && j % cap < sh.merge.count[j / cap]; };
+    unsigned long long lo = ~0ull, hi = 0ull;  // the staged keys' range: their common prefix is skipped
+    for (int first = 0; first < padded; first += KD_TOPK_MERGE_UNROLL * blockDim.x) {
+        unsigned long long key[KD_TOPK_MERGE_UNROLL];
+        bool take[KD_TOPK_MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
+            const int j = first + u * blockDim.x + t;
+            take[u] = slot_valid(j);
+            key[u] = take[u] ? __ldcg(keys + j) : 0ull;
+        }
+#pragma unroll
+        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
+            if (first + u * (int)blockDim.x < padded) {  // block-uniform
+                take[u] = take[u] && key[u] >= floor;
+                const int slot = kd_warp_append(&s_staged, take[u]);
+                if (take[u]) {
+                    if (slot < KD_TOPK_MERGE_STAGED) sh.merge.staged[slot] = key[u];
+                    lo = min(lo, key[u]);
+                    hi = max(hi, key[u]);
+                }
+            }
+        }
+    }
+    lo = kd_block_all_reduce(lo, [](unsigned long long a, unsigned long long b) { return min(a, b); }, sh.merge.keys);
+    hi = kd_block_all_reduce(hi, [](unsigned long long a, unsigned long long b) { return max(a, b); }, sh.merge.keys);
+    const unsigned staged = s_staged;  // published by the reductions' barriers
+
+    // the keys >= threshold: every staged key when they are few, else the radix select's <= KD_TOPK_RANKED
+    unsigned long long threshold = floor;
+    unsigned survivors = staged;
+    const int staged_padded = kd_ceil_div((int)staged, KD_WARP_SIZE) * KD_WARP_SIZE;
+    const auto from_shared = [&](bool, auto visit) {
+        for (int j = t; j < staged_padded; j += blockDim.x)
+            visit(j < (int)staged ? sh.merge.staged[j] : 0ull, j < (int)staged);
+    };
+    const auto from_global = [&](bool, auto visit) {  // more candidates than shared memory holds
+        for (int j = t; j < padded; j += blockDim.x) {
+            const unsigned long long key = slot_valid(j) ? __ldcg(keys + j) : 0ull;
+            visit(key, slot_valid(j) && key >= floor);
+        }
+    };
+    const bool in_shared = staged <= KD_TOPK_MERGE_STAGED;
+    if (staged > KD_TOPK_RANKED) {  // > k keys, unique, so lo != hi
+        const int shift = 64 - __clzll((long long)(lo ^ hi));
+        const unsigned long long prefix = shift == 64 ? 0ull : hi >> shift;
+        threshold = in_shared ? radix_threshold(from_shared, (unsigned)k, KD_TOPK_RANKED, sh.merge.radix, survivors, prefix, shift)
+                              : radix_threshold(from_global, (unsigned)k, KD_TOPK_RANKED, sh.merge.radix, survivors, prefix, shift);
+    }
+    const auto gather = [&](unsigned long long key, bool valid) {
+        const bool take = valid && key >= threshold;
+        const int slot = kd_warp_append(&s_taken, take);
+        if (take) sh.merge.ranked[slot] = key;
+    };
+    if (in_shared) from_shared(false, gather);
+    else from_global(false, gather);
+    __syncthreads();
+
+    // each survivor's rank among them (keys are unique): the top k go straight to their places
+    const unsigned flags = atomicExch(&row_flags[row], 0u) | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
+    const float log_z = logf(total.sum) + total.max;
+    const long long out = (long long)row * k;
+    if (t < (int)survivors) {
+        const unsigned long long mine = sh.merge.ranked[t];
+        int rank = 0;
+        for (int j = 0; j < (int)survivors; ++j) rank += sh.merge.ranked[j] > mine;
+        if (rank < k) {
+            out_logp[out + rank] = flags ? kd_nan_f() : topk_key_value(mine) - log_z;
+            out_ids[out + rank] = topk_key_id(mine);
+        }
+    }
+    for (int j = (int)survivors + t; j < k; j += blockDim.x) {  // fewer than k: a row of NaN (flagged)
+        out_logp[out + j] = kd_nan_f();
+        out_ids[out + j] = -1;
+    }
+    if (t == 0) {
+        if (flags) atomicOr(status, flags);
+        row_ticket[row] = 0u;
+    }
+}
+
 // One slice (`chunks` chunks of KD_TOPK_SLICE logits) of one row: grid (slices, rows),
 // KD_TOPK_SLICE_THREADS threads. The first read computes the slice's softmax state and each thread's
 // maximum; L is the k-th largest of those maxima; a second read (from L1/L2) keeps every logit >= L.
 // Writes the slice's state (max, sum, L), its candidates (a superset of its top k, at most `cap` >= 2k
-// keys, in no order) and their count; flags NaN/+inf in row_flags[row].
+// keys, in no order) and their count; flags NaN/+inf in row_flags[row]; then takes the row's ticket,
+// and the last CTA of the row merges it (topk_merge_row).
 template <int VEC>
 __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
                            unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
-                           float2* __restrict__ states, unsigned* __restrict__ row_flags) {
-    __shared__ RadixScratch s_radix;
-    __shared__ float s_exchange[KD_TOPK_SLICE_THREADS];
+                           float4* __restrict__ states, unsigned* __restrict__ row_flags,
+                           unsigned* __restrict__ row_ticket, unsigned* __restrict__ status,
+                           float* __restrict__ out_logp, int* __restrict__ out_ids) {
+    __shared__ FusedScratch sh;
     __shared__ SoftmaxState s_softmax[32];
     __shared__ float s_bound;
-    __shared__ unsigned s_taken;
+    __shared__ unsigned s_taken, s_staged, s_last;
 
     const int t = threadIdx.x;
     const int slice = blockIdx.x, row = blockIdx.y;
@@ -395,18 +524,20 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     const SoftmaxState total = softmax_block_merge(softmax, s_softmax);
     const bool any_nan = __syncthreads_or(has_nan), any_pos_inf = __syncthreads_or(has_pos_inf);
     if (t == 0) {
-        states[cell] = make_float2(total.max, total.sum);
         if (any_nan || any_pos_inf)
             atomicOr(&row_flags[row], (any_nan ? KD_TOPK_BAD_NAN : 0u) | (any_pos_inf ? KD_TOPK_BAD_POS_INF : 0u));
         s_taken = 0u;
     }
 
     // L: the k-th largest per-thread maximum (k distinct logits are >= L)
-    const float ranked = block_sort_descending(thread_max, s_exchange);
+    const float ranked = block_sort_descending(thread_max, sh.slice.exchange);
     if (t == k - 1) s_bound = ranked;
     __syncthreads();
     const float bound = s_bound;
+    if (t == 0) states[cell] = make_float4(total.max, total.sum, bound, 0.0f);
     unsigned long long* slots = cand_keys + cell * cap;
+    unsigned count = 0u;
+    bool exact = true;  // block-uniform
     if (bound != kd_neg_inf_f()) {
         // pass 2: only a chunk whose maximum reaches L holds candidates (a few threads of the block);
         // one chunk is still in registers, more are re-read from L1/L2. Candidates are rare, so each
@@ -426,125 +557,60 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
             }
         }
         __syncthreads();
-        if (s_taken <= (unsigned)cap) {
-            if (t == 0) cand_count[cell] = (int)s_taken;
-            return;
-        }
+        count = s_taken;
+        exact = count > (unsigned)cap;
         __syncthreads();  // every thread has read s_taken before it is reset
-        if (t == 0) s_taken = 0u;
+        if (exact && t == 0) s_taken = 0u;
     }
-    // too many logits >= L (ties, or a slice of -inf): the slice's exact top k by radix select
-    const auto keys = [&](bool, auto visit) {
-        for (int c = 0; c < used; ++c) {
-            const int first = base + c * KD_TOPK_SLICE;
-            if (used > 1) load_chunk<VEC>(row_logits, vocab, first, v);
+    if (exact) {
+        // too many logits >= L (ties, or a slice of -inf): the slice's exact top k by radix select
+        const auto keys = [&](bool, auto visit) {
+            for (int c = 0; c < used; ++c) {
+                const int first = base + c * KD_TOPK_SLICE;
+                if (used > 1) load_chunk<VEC>(row_logits, vocab, first, v);
 #pragma unroll
-            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e)
-                visit(topk_key(v[e] != v[e] ? kd_neg_inf_f() : v[e], chunk_id(first, e)), chunk_id(first, e) < vocab);
-        }
-    };
-    const unsigned length = (unsigned)min(chunks * KD_TOPK_SLICE, vocab - base);
-    unsigned survivors;
-    const unsigned long long threshold = radix_threshold(keys, min((unsigned)k, length), (unsigned)cap, s_radix, survivors);
-    keys(false, [&](unsigned long long key, bool valid) {
-        const bool take = valid && key >= threshold;
-        const int slot = kd_warp_append(&s_taken, take);
-        if (take) slots[slot] = key;
-    });
-    if (t == 0) cand_count[cell] = (int)survivors;
-}
-
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4)
-draft_topk_slices_vec4(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
-                       unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
-                       float2* __restrict__ states, unsigned* __restrict__ row_flags) {
-    topk_slice<4>(logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags);
-}
-
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4)
-draft_topk_slices_vec1(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
-                       unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
-                       float2* __restrict__ states, unsigned* __restrict__ row_flags) {
-    topk_slice<1>(logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags);
-}
-
-// One CTA per row: the row's softmax from its slices' states, its top k from the slices' candidates
-// (sorted, ties by ascending id), log-probabilities value - (log(sum) + max) as torch's logsumexp
-// forms them. A flagged row (NaN, +inf, or only -inf) comes out as NaN and is OR-ed into status;
-// row_flags[row] is cleared for the next call.
-extern "C" __global__ void __launch_bounds__(KD_TOPK_MERGE_THREADS)
-draft_topk_merge(const unsigned long long* __restrict__ cand_keys, const int* __restrict__ cand_count,
-                 const float2* __restrict__ states, int slices, int cap, int k, unsigned* __restrict__ row_flags,
-                 unsigned* __restrict__ status, float* __restrict__ out_logp, int* __restrict__ out_ids) {
-    __shared__ RadixScratch s_radix;
-    __shared__ unsigned long long s_cand[KD_TOPK_MERGE_STAGED];
-    __shared__ unsigned long long s_keys[KD_TOPK_MERGE_SORTED];
-    __shared__ SoftmaxState s_softmax[32];
-    __shared__ unsigned s_staged, s_taken;
-
-    const int t = threadIdx.x, row = blockIdx.x;
-    const unsigned flags_in = row_flags[row];
-    if (t == 0) s_staged = 0u;
-    SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
-    for (int s = t; s < slices; s += blockDim.x) {
-        const float2 state = states[(long long)row * slices + s];
-        softmax = softmax_merge(softmax, {state.x, state.y});
-    }
-    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);  // synchronises: s_staged is 0
-
-    // stage the row's candidates in shared memory: every slot's load issued before any is used
-    const unsigned long long* keys = cand_keys + (long long)row * slices * cap;
-    const int* counts = cand_count + (long long)row * slices;
-    const int slots = slices * cap;
-    const int padded = kd_ceil_div(slots, KD_WARP_SIZE) * KD_WARP_SIZE;
-    for (int first = 0; first < padded; first += KD_TOPK_MERGE_UNROLL * blockDim.x) {
-        unsigned long long key[KD_TOPK_MERGE_UNROLL];
-        bool valid[KD_TOPK_MERGE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
-            const int j = first + u * blockDim.x + t;
-            const int slice = j / cap;
-            valid[u] = j < slots && j - slice * cap < counts[slice];
-            key[u] = j < slots ? keys[j] : 0ull;
-        }
-#pragma unroll
-        for (int u = 0; u < KD_TOPK_MERGE_UNROLL; ++u) {
-            const int slot = kd_warp_append(&s_staged, valid[u]);
-            if (valid[u] && slot < KD_TOPK_MERGE_STAGED) s_cand[slot] = key[u];
-        }
-    }
-    __syncthreads();
-    const unsigned staged = s_staged;
-    const auto finish = [&](auto source) {
-        unsigned survivors;
-        const unsigned long long threshold = radix_threshold(source, (unsigned)k, KD_TOPK_MERGE_SORTED, s_radix, survivors);
-        gather_sorted(source, threshold, survivors, s_keys, KD_TOPK_MERGE_SORTED, &s_taken);
-    };
-    if (staged <= KD_TOPK_MERGE_STAGED) {
-        const int staged_padded = kd_ceil_div((int)staged, KD_WARP_SIZE) * KD_WARP_SIZE;
-        finish([&](bool, auto visit) {
-            for (int j = t; j < staged_padded; j += blockDim.x) visit(j < (int)staged ? s_cand[j] : 0ull, j < (int)staged);
-        });
-    } else {  // more candidates than shared memory holds: select them from global memory
-        finish([&](bool, auto visit) {
-            for (int j = t; j < padded; j += blockDim.x) {
-                const int slice = j / cap;
-                const bool valid = j < slots && j - slice * cap < counts[slice];
-                visit(valid ? keys[j] : 0ull, valid);
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e)
+                    visit(topk_key(v[e] != v[e] ? kd_neg_inf_f() : v[e], chunk_id(first, e)), chunk_id(first, e) < vocab);
             }
+        };
+        const unsigned length = (unsigned)min(chunks * KD_TOPK_SLICE, vocab - base);
+        const unsigned long long threshold = radix_threshold(keys, min((unsigned)k, length), (unsigned)cap, sh.slice.radix, count);
+        keys(false, [&](unsigned long long key, bool valid) {
+            const bool take = valid && key >= threshold;
+            const int slot = kd_warp_append(&s_taken, take);
+            if (take) slots[slot] = key;
         });
     }
+    if (t == 0) cand_count[cell] = (int)count;
 
-    const unsigned flags = flags_in | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
-    const float log_z = logf(total.sum) + total.max;
-    const long long out = (long long)row * k;
-    for (int j = t; j < k; j += blockDim.x) {
-        const unsigned long long key = s_keys[j];
-        out_logp[out + j] = flags ? kd_nan_f() : topk_key_value(key) - log_z;
-        out_ids[out + j] = topk_key_id(key);
-    }
-    if (t == 0) {
-        if (flags) atomicOr(status, flags);
-        if (flags_in) row_flags[row] = 0u;
-    }
+    // the row's ticket: the CTA that takes the last one sees every slice's writes (each thread fenced
+    // its own before the barrier) and merges the row
+    __threadfence();
+    __syncthreads();
+    if (t == 0) s_last = atomicAdd(&row_ticket[row], 1u) == (unsigned)(slices - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    topk_merge_row(row, slices, cap, k, cand_keys, cand_count, states, row_flags, row_ticket, status, out_logp, out_ids,
+                   sh, s_softmax, s_staged, s_taken);
+}
+
+// logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32, in one
+// launch: grid (slices, rows). Scratch (the launcher's, never read by it): cand_keys [rows, slices, cap],
+// cand_count [rows, slices], states [rows, slices]; row_flags and row_ticket [rows] zero before the first
+// launch and left zero by each. status: OR of the flagged rows' bits (cleared by the host).
+#define KD_TOPK_FUSED_PARAMS                                                                                     \
+    const float *__restrict__ logits, int vocab, int k, int chunks, int slices, int cap,                        \
+        unsigned long long *__restrict__ cand_keys, int *__restrict__ cand_count, float4 *__restrict__ states, \
+        unsigned *__restrict__ row_flags, unsigned *__restrict__ row_ticket, unsigned *__restrict__ status,     \
+        float *__restrict__ out_logp, int *__restrict__ out_ids
+#define KD_TOPK_FUSED_ARGS \
+    logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags, row_ticket, status, out_logp, out_ids
+
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4) draft_topk_fused_vec4(KD_TOPK_FUSED_PARAMS) {
+    topk_slice<4>(KD_TOPK_FUSED_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4) draft_topk_fused_vec1(KD_TOPK_FUSED_PARAMS) {
+    topk_slice<1>(KD_TOPK_FUSED_ARGS);
 }

@@ -191,21 +191,19 @@ __device__ __forceinline__ Entry load_entry(const Frontier& f, int slot) {
 // around a few stores into a divergent branch). The loads leave the destination as it was where
 // `on` is false.
 
-__device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void store_shared_if(bool on, short* to, short value) {
     asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0; @on st.shared.u16 [%1], %2; }"
-                 :: "r"((int)on), "r"(shared_address(to)), "h"(value) : "memory");
+                 :: "r"((int)on), "r"(kd_smem_address(to)), "h"(value) : "memory");
 }
 
 __device__ __forceinline__ void store_shared_if(bool on, unsigned char* to, unsigned value) {
     asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0; @on st.shared.u8 [%1], %2; }"
-                 :: "r"((int)on), "r"(shared_address(to)), "r"(value) : "memory");
+                 :: "r"((int)on), "r"(kd_smem_address(to)), "r"(value) : "memory");
 }
 
 __device__ __forceinline__ void store_shared_if(bool on, unsigned* to, unsigned value) {
     asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0; @on st.shared.u32 [%1], %2; }"
-                 :: "r"((int)on), "r"(shared_address(to)), "r"(value) : "memory");
+                 :: "r"((int)on), "r"(kd_smem_address(to)), "r"(value) : "memory");
 }
 
 // An Entry's child_word and meta as the 8 bytes StoredEntry holds them in.
@@ -217,7 +215,7 @@ __device__ __forceinline__ void store_entry_if(bool on, Frontier& f, int slot, c
     asm volatile("{ .reg .pred on; setp.ne.b32 on, %0, 0;\n\t"
                  "@on st.shared.v2.f64 [%1], {%2, %3};\n\t"
                  "@on st.shared.v2.b64 [%1+16], {%4, %5}; }"
-                 :: "r"((int)on), "r"(shared_address(&f.entry[slot])), "d"(e.weight), "d"(e.sibling),
+                 :: "r"((int)on), "r"(kd_smem_address(&f.entry[slot])), "d"(e.weight), "d"(e.sibling),
                     "d"(e.child), "l"(entry_words(e)) : "memory");
 }
 
@@ -227,7 +225,7 @@ __device__ __forceinline__ void load_entry_if(bool on, const Frontier& f, int sl
                  "@on ld.shared.v2.f64 {%0, %1}, [%5];\n\t"
                  "@on ld.shared.v2.b64 {%2, %3}, [%5+16]; }"
                  : "+d"(e.weight), "+d"(e.sibling), "+d"(e.child), "+l"(words)
-                 : "r"((int)on), "r"(shared_address(&f.entry[slot])) : "memory");
+                 : "r"((int)on), "r"(kd_smem_address(&f.entry[slot])) : "memory");
     e.child_word = (unsigned)words;
     e.meta = (unsigned)(words >> 32);
     e.sibling_prefix = frontier_word(e.sibling, 0);
@@ -629,8 +627,9 @@ __device__ void children_links(const short* new_parent, int n, short* head, long
 // logp float32 [B, D, K] and ids int32|int64 [B, D, K] (the first `width` columns read) -> SGLang's
 // tensors at capacity N = budget + 1, every element written: node_tokens, node_depths [B, budget]
 // (0 past the tree), parents [B, N] (-1 at the root and past the tree), visibility [B, N, N]
-// (ancestors and self), sizes [B] (nodes, root included), and when not null next_token and
-// next_sibling [B, N] (-1: none). bad[b] = 1, and a root-only tree, where the draft holds a value
+// (ancestors and self), sizes [B] (nodes, root included), when not null next_token and
+// next_sibling [B, N] (-1: none), and when not null retrive_index [B, N] (b * N + node: SGLang's
+// build_eagle_tree_format at draft_token_num N, which the drop-in then answers without a launch). bad[b] = 1, and a root-only tree, where the draft holds a value
 // the build cannot use (NaN or +-inf at rank 0; with finite_all, anywhere in the first `width`).
 extern "C" __global__ void __launch_bounds__(KD_SGLANG_THREADS)
 build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, int ids_is_int64, int depth_limit,
@@ -638,7 +637,7 @@ build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, 
                   double log_budget, double stop_margin, int use_stop, long long* __restrict__ node_tokens,
                   long long* __restrict__ node_depths, long long* __restrict__ parents, bool* __restrict__ visibility,
                   long long* __restrict__ sizes, long long* __restrict__ next_token,
-                  long long* __restrict__ next_sibling, int* __restrict__ bad) {
+                  long long* __restrict__ next_sibling, long long* __restrict__ retrive_index, int* __restrict__ bad) {
     __shared__ SGLangScratch g;
     __shared__ float staged[KD_SGLANG_STAGED];
     const int b = blockIdx.x, t = threadIdx.x, capacity = budget + 1;
@@ -722,6 +721,7 @@ build_tree_sglang(const float* __restrict__ logp, const void* __restrict__ ids, 
     for (int p = t; p < capacity; p += blockDim.x) {
         parents[row_base + p] = g.new_parent[p];
         if (links && p >= n) next_sibling[row_base + p] = -1;
+        if (retrive_index != nullptr) retrive_index[row_base + p] = row_base + p;
     }
     if (t == 0) {
         sizes[b] = n;

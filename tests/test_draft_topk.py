@@ -5,7 +5,7 @@ local copy of the official code, never committed): build_tree(draft_topk(logits)
 build_ddtree_tree's tree node for node on tie-heavy logits up to budget 1024, on the CPU and (`-m gpu`)
 on the GPU.
 
-GPU (`-m gpu`): the fused kernels (v2 many CTAs per row for k <= 128, v1 above) against a host reference
+GPU (`-m gpu`): the fused kernels (v3 one launch of many CTAs per row for k <= 128, v1 above) against a host reference
 on fresh random, tie-heavy, constant and -inf-masked logits with poisoned outputs (B in {1, 8, 64}, D in
 {7, 15}, ragged k, V from 300 to 163,840), replayed in a CUDA graph, bad rows flagged without a host
 read, and the trees built from them against the exact path's on the stand-in drafter's held-out logits.
@@ -183,18 +183,18 @@ def test_rows_are_labelled_by_the_topk_path_that_ran():
     assert topk_path_of(dict(stage="draft_topk", method="torch_flushed")) == "exact"
     assert topk_path_of(dict(stage="build", method="kernel")) == "none"
     assert topk_path_of(dict(stage="tree_stage", method="sglang")) == "sglang"
-    assert topk_path_of(dict(old_exact, topk_path="fused_v2")) == "fused_v2"
+    assert topk_path_of(dict(old_exact, topk_path="fused_v3")) == "fused_v3"
     run = [dict(stage="draft_topk", method=method, batch=batch, depth=7, topk=64, roofline_us=roofline,
                 time_us=time, topk_path=path)
            for batch, roofline, fused, exact in ((1, 1.1, 11.9, 104.0), (64, 69.0, 140.0, 1480.0))
-           for method, time, path in (("kernel", fused, "fused_v2"), ("torch", exact, "exact"))]
+           for method, time, path in (("kernel", fused, "fused_v3"), ("torch", exact, "exact"))]
     lines = {line["batch"]: line for line in topk_targets(run)}
     assert lines[1]["met"] and lines[1]["target_us"] == 12.0 and lines[1]["exact_us"] == 104.0
-    assert not lines[64]["met"] and lines[64]["target_us"] == 138.0 and lines[64]["path"] == "fused_v2"
+    assert not lines[64]["met"] and lines[64]["target_us"] == 138.0 and lines[64]["path"] == "fused_v3"
 
 
 # ----------------------------------------------------------------------------------------------
-# the fused kernels (backend "cupy"): v2 (many CTAs per row, k <= FAST_MAX_K) and v1 (one CTA per row)
+# the fused kernels (backend "cupy"): v3 (one launch, many CTAs per row, k <= FAST_MAX_K) and v1 (one CTA per row)
 
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -225,7 +225,7 @@ def reference_topk(logits: np.ndarray, k: int):
 
 def assert_fused_matches(got, logits: np.ndarray, k: int, context: str, reference=None) -> None:
     """Selection exact (the ids of the reference, in its order); log-probabilities within the rounding
-    of the two float32 normalisers. v2 sums 16 exps per thread in sequence, then merges 256 threads
+    of the two float32 normalisers. v3 sums 16 exps per thread in sequence, then merges 256 threads
     and V / 4096 slices by pairs (about 16 + log2 V roundings), v1 about V / 1024 + log2 V; torch's own
     sum is of the same order. Each relative error of a sum is an absolute error of its log, the exps
     add 2 ulp each, and the final subtraction rounds once at the magnitudes involved."""
@@ -265,9 +265,9 @@ def test_fused_topk_at_kimis_vocabulary(batch, depth):
     seed = fresh_seed()
     logits = tie_heavy_logits("normal", batch, depth, 163_840, seed)
     reference = reference_topk(logits, 1024)
-    for k in (1, 8, 37, 64, FAST_MAX_K, FAST_MAX_K + 1, 1024):  # ragged k; v2 up to FAST_MAX_K, v1 above
+    for k in (1, 8, 37, 64, FAST_MAX_K, FAST_MAX_K + 1, 1024):  # ragged k; v3 up to FAST_MAX_K, v1 above
         launch = prepared_fused(logits, k)
-        assert launch.path == ("fused_v2" if k <= FAST_MAX_K else "fused_v1")
+        assert launch.path == ("fused_v3" if k <= FAST_MAX_K else "fused_v1")
         got = launch()
         torch.cuda.synchronize()
         assert_fused_matches(got, logits, k, f"seed={seed} B={batch} D={depth} k={k}", reference)
@@ -282,7 +282,7 @@ def test_fused_topk_ties_and_shapes(style, vocab):
     logits = styled_logits(style, 3, 7, vocab, seed) if vocab > 7100 or style != "neginf" else \
         styled_logits("normal", 3, 7, vocab, seed)
     reference = reference_topk(logits, 300)
-    for k in (1, 64, FAST_MAX_K, 300):
+    for k in (1, 64, FAST_MAX_K, 300):  # v3's merge: all candidates ranked (k=1), radix-selected (64, 128)
         launch = prepared_fused(logits, k)
         got = launch()
         torch.cuda.synchronize()
@@ -306,21 +306,25 @@ def test_fused_topk_slices_of_several_chunks(style, vocab):
 
 
 @pytest.mark.gpu
-def test_fused_topk_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("k", [8, 64])
+def test_fused_topk_replays_in_a_cuda_graph(k):
+    """v3's per-row tickets are left at zero by every launch: replays of a captured launch, each over
+    fresh logits, each right."""
     seed = fresh_seed()
     logits = tie_heavy_logits("normal", 8, 7, 163_840, seed)
-    launch = prepared_fused(logits, 64)
+    launch = prepared_fused(logits, k)
     launch()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch()
-    fresh = tie_heavy_logits("normal", 8, 7, 163_840, seed + 1)
-    launch.logits.copy_(torch.from_numpy(fresh))  # refilled in place, as a decode step does
-    launch.out.logp.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_fused_matches(launch.out, fresh, 64, f"seed={seed} graph replay")
+    for replay in range(3):
+        fresh = tie_heavy_logits("normal", 8, 7, 163_840, seed + 1 + replay)
+        launch.logits.copy_(torch.from_numpy(fresh))  # refilled in place, as a decode step does
+        launch.out.logp.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_fused_matches(launch.out, fresh, k, f"seed={seed} graph replay {replay}")
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ PR_FILE = os.environ.get("KDTREE_SGLANG_PR29907_DDTREE_UTILS")
 needs_pr = pytest.mark.skipif(not PR_FILE, reason="KDTREE_SGLANG_PR29907_DDTREE_UTILS (a local copy of SGLang PR "
                                                   "#29907's ddtree_utils.py) not set")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-TOPK_PATHS = {"fused": "fused_v2", "exact": "exact"}  # the knob's value -> the path that runs (width <= 128)
+TOPK_PATHS = {"fused": "fused_v3", "exact": "exact"}  # the knob's value -> the path that runs (width <= 128)
 OUTPUTS = ("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "actual_tree_sizes")
 
 
@@ -652,7 +652,8 @@ def test_the_drop_in_never_synchronizes_by_default(topk, monkeypatch):
 @cuda
 def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
     """The worker's call (fused top-k, its four _out_* buffers), warm: the torch operations it
-    dispatches are the buffers' first rows and the sizes' allocation; the work is the three launches."""
+    dispatches are the buffers' first rows and the allocation of the sizes and the EAGLE arrays; the
+    work is the two launches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recording(TorchDispatchMode):
@@ -673,9 +674,73 @@ def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
     with Recording() as recording:
         got = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
     print("torch operations of a warm fused call:", recording.ops)
-    assert sorted(recording.ops) == ["empty"] + ["slice"] * 4, recording.ops
+    assert sorted(recording.ops) == ["empty"] * 4 + ["slice"] * 4, recording.ops
     for name, a, b in zip(OUTPUTS, got, want):
         assert name == "child_maps" or torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+def test_eagle_format_of_the_builds_own_outputs_costs_no_launch(topk, monkeypatch):
+    """build_eagle_tree_format handed the parents and sizes the last build returned, unchanged, returns
+    the arrays the build kernel wrote (no launch, no torch operation); parents changed in place, a
+    copy, sizes of another call, another width, a second call for the same tensors, or a later build
+    in between: the kernel runs, and every answer equals the torch path's on the tensors passed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    original = dropin.EagleFormatLaunch.__call__
+    monkeypatch.setattr(dropin.EagleFormatLaunch, "__call__",
+                        lambda self, *args: launches.append(1) or original(self, *args))
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
+    logits = draft_logits("peaked", 5, 7, 5000, seed=11).cuda()
+    buffers = (torch.zeros(8, 32, dtype=torch.long, device="cuda"), torch.zeros(8, 32, dtype=torch.long, device="cuda"),
+               torch.zeros(8, 33, dtype=torch.long, device="cuda"), torch.zeros(8, 33, 33, dtype=torch.bool, device="cuda"))
+
+    def want(parents, sizes, width=33):
+        return dropin._eagle_format_torch(parents.cpu(), sizes.cpu(), width)
+
+    def check(got, parents, sizes, width=33):
+        for a, b in zip(got, want(parents, sizes, width)):
+            assert a.device == logits.device and torch.equal(a.cpu(), b)
+
+    for given in ((), buffers):  # fresh outputs, and the worker's buffers written in place
+        tree = dropin.build_ddtree_tree(logits, 32, logits.device, *given)
+        with Recording() as recording:
+            handed = dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device)
+        assert not launches and recording.ops == [], recording.ops
+        check(handed, tree[2], tree[5])
+        again = dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device)  # once only
+        assert len(launches) == 1 and all(a.data_ptr() != b.data_ptr() for a, b in zip(again, handed))
+        check(again, tree[2], tree[5])
+        launches.clear()
+
+    cases = {"parents changed in place": lambda t: (t[2].index_fill_(1, torch.tensor([5], device="cuda"), 0), t[5]),
+             "sizes changed in place": lambda t: (t[2], t[5].sub_(1)),
+             "a copy of parents": lambda t: (t[2].clone(), t[5]),
+             "sizes of another call": lambda t: (t[2], t[5].clone())}
+    for name, change in cases.items():
+        tree = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
+        parents, sizes = change(tree)
+        check(dropin.build_eagle_tree_format(parents, sizes, 33, logits.device), parents, sizes)
+        assert len(launches) == 1, name
+        launches.clear()
+    tree = dropin.build_ddtree_tree(logits, 32, logits.device)
+    check(dropin.build_eagle_tree_format(tree[2], tree[5], 40, logits.device), tree[2], tree[5], 40)  # another width
+    tree = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
+    dropin.build_ddtree_tree(logits * 0.25, 16, logits.device, *buffers[:2])  # a later build in between
+    check(dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device), tree[2], tree[5])
+    assert len(launches) == 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -743,7 +808,7 @@ def test_the_exact_top_k_runs_where_the_fused_one_does_not_apply(monkeypatch):
                         "width 200")
     monkeypatch.delenv("SGLANG_DDTREE_MAX_TOPK")
     half = draft_logits("peaked", 4, 7, 5000, seed=12).cuda().bfloat16()
-    assert dropin.prepared_build(half, 32).topk_path == "fused_v2"
+    assert dropin.prepared_build(half, 32).topk_path == "fused_v3"
     assert_same_outputs(dropin.build_ddtree_tree(half, 32, "cpu"), dropin.build_ddtree_tree(half.float(), 32, "cpu"),
                         "bf16")
     wide = draft_logits("peaked", 4, 7, 5001, seed=13).cuda()

@@ -22,10 +22,13 @@ stage "draft_topk" (K2.6's vocabulary, normal logits):
   draft_topk (the exact path);
 - `roofline_us`: the logits' bytes over the measured copy bandwidth (bench.ceilings; reading once);
 - `max_abs_diff_vs_torch`: the fused log-probabilities against the exact path's; `ids_equal_torch`:
-  the same ids (ties aside, the selection is the same).
+  the same ids (ties aside, the selection is the same); `chunks`: the fused v3 kernel's 4096-logit
+  chunks per slice (draft_topk.slice_chunks' choice);
+- "kernel_slicing" (D=7, k <= 64, fused v3 only): the same kernel in a CUDA graph at each slicing
+  (`chunks` 1 to 4, CTAs per row = V / (4096 chunks)), what slice_chunks' choice is checked against.
 
 Every row names the top-k path that produced it in `topk_path`: "exact" (torch's ops), "fused_v1" /
-"fused_v2" (draft_topk.TopKLaunch.path, with `version`), "sglang" (SGLang's own torch top-k), or
+"fused_v3" (draft_topk.TopKLaunch.path, with `version`), "sglang" (SGLang's own torch top-k), or
 "none" (the build stage's rows start from random drafts: no top-k ran). Rows before this column
 existed are read by `topk_path_of`.
 
@@ -39,7 +42,7 @@ the device: the prepared build's own, the fused kernel or torch's exact formula)
 build kernel, in a CUDA graph), "dropin_call" (the host time per eager call of its two calls: what the
 worker's Python pays, launches enqueued, not waited for), "dropin_graph" (its two calls in a CUDA graph);
 on a CPU "dropin_host_build" (the host build). The drop-in's rows ("dropin", "dropin_topk",
-"dropin_call", "dropin_graph") carry the top-k path its prepared build ran (`topk_path`: fused_v2, or
+"dropin_call", "dropin_graph") carry the top-k path its prepared build ran (`topk_path`: fused_v3, or
 exact with KDTREE_SGLANG_TOPK=exact, above width 128, or on a CPU). Each path is called once before it
 is timed (compilation, prepared shapes).
 
@@ -55,7 +58,7 @@ import numpy as np
 from .. import cli, results
 from . import command_parser
 from ..contracts import DraftTopK
-from ..draft_topk import draft_topk, prepare_draft_topk
+from ..draft_topk import MAX_CHUNKS, TopKLaunch, draft_topk, prepare_draft_topk
 from ..tree_build import BUILD_KERNEL, TREE_OUTPUTS, best_first_pops, build_tree, prepare_build_launch
 from .ceilings import copy_bandwidth
 from .inputs import random_draft
@@ -70,9 +73,9 @@ FIELDS = ("parents", "tokens", "log_weights")
 # the top-k each tree_stage method runs: draft_topk's default on a GPU, the drop-in's torch top-k and
 # the exact prepared launch are torch's ops; SGLang's path its own; "kdtree_graph_fused" the fused kernels
 STAGE_TOPK_PATHS = {"sglang": "sglang", "dropin_copy": "none", "dropin_host_build": "none", "dropin_kernel": "none",
-                    "kdtree_graph_fused": "fused_v2"}
+                    "kdtree_graph_fused": "fused_v3"}
 # the tree_stage methods that run the drop-in's own top-k: labelled by the path its prepared build ran
-# (fused_v2, or exact: KDTREE_SGLANG_TOPK=exact, a width above 128, or the host path on a CPU)
+# (fused_v3, or exact: KDTREE_SGLANG_TOPK=exact, a width above 128, or the host path on a CPU)
 DROPIN_TOPK_METHODS = ("dropin", "dropin_topk", "dropin_call", "dropin_graph")
 
 
@@ -169,8 +172,19 @@ def bench_draft_topk(batches=BATCHES, depths=DEPTHS, ks=TOPK_KS, vocab: int = K2
                     rows.append({**config, "method": name, "backend": "torch" if exact_path else "cupy",
                                  "topk_path": "exact" if exact_path else launch.path,
                                  "version": "" if exact_path else launch.version,
+                                 "chunks": "" if exact_path or launch.path != "fused_v3" else launch.chunks,
                                  "time_us": round(seconds * 1e6, 3), "timing": timing,
                                  "read_gb_per_s": round(n_bytes / seconds / 1e9, 1)})
+                if depth == 7 and k <= 64 and launch.path == "fused_v3":
+                    slicing = []
+                    for chunks in range(1, MAX_CHUNKS + 1):
+                        sliced = TopKLaunch(logits, k, launch.out, chunks=chunks)
+                        seconds, timing = graph_seconds(sliced)
+                        slicing.append(f"{chunks}: {seconds * 1e6:.1f}")
+                        rows.append({**config, "method": "kernel_slicing", "backend": "cupy", "topk_path": sliced.path,
+                                     "version": sliced.version, "chunks": chunks, "time_us": round(seconds * 1e6, 3),
+                                     "timing": timing, "read_gb_per_s": round(n_bytes / seconds / 1e9, 1)})
+                    print(f"  slicing (chunks per slice: us) {', '.join(slicing)}; chosen {launch.chunks}", flush=True)
                 print(f"draft_topk B={batch:3d} D={depth:2d} k={k:4d}: {launch.path} {timings['kernel'][0] * 1e6:8.1f} us "
                       f"(flushed {timings['kernel_flushed'][0] * 1e6:8.1f}, roofline {roofline * 1e6:7.1f})  torch "
                       f"{timings['torch'][0] * 1e6:8.1f} us  host: prepared {timings['prepared_call'][0] * 1e6:5.1f} "

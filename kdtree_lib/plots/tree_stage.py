@@ -45,6 +45,7 @@ TOPK_PATHS = {  # topk_path -> (label, style)
     "exact": ("torch topk − logsumexp (exact)", "o-"),
     "fused_v1": ("fused v1 (one CTA per row)", "s-"),
     "fused_v2": ("fused v2 (slices + merge)", "^-"),
+    "fused_v3": ("fused v3 (one launch, last CTA merges)", "v-"),
 }
 
 

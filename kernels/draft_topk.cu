@@ -347,6 +347,7 @@ union FusedScratch {
         int count[KD_TOPK_MAX_SLICES];  // candidates of each slice of the row
         unsigned long long keys[32];    // block reductions' scratch
         float bounds[32];
+        unsigned flags;                 // the row's flags, read (and cleared) once
     } merge;
 };
 
@@ -439,10 +440,11 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
     };
     if (in_shared) from_shared(false, gather);
     else from_global(false, gather);
+    if (t == 0) sh.merge.flags = atomicExch(&row_flags[row], 0u);
     __syncthreads();
 
     // each survivor's rank among them (keys are unique): the top k go straight to their places
-    const unsigned flags = atomicExch(&row_flags[row], 0u) | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
+    const unsigned flags = sh.merge.flags | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
     const float log_z = logf(total.sum) + total.max;
     const long long out = (long long)row * k;
     if (t < (int)survivors) {

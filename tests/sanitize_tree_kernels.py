@@ -31,6 +31,9 @@ def main() -> None:
     for vocab in (3001, 4000):  # scalar and float4 loads
         logits = -rng.integers(0, 3, size=(2, 3, vocab)).astype(np.float32)
         assert_fused_topk_matches(draft_topk(cupy.asarray(logits), 100, backend="cupy"), logits, 100, "sanitizer")
+    for k in (8, 128):  # v3's merge over 13 slices: candidates ranked directly (8), radix-selected (128)
+        logits = (rng.standard_normal((2, 3, 50_003)) * 3).astype(np.float32)
+        assert_fused_topk_matches(draft_topk(cupy.asarray(logits), k, backend="cupy"), logits, k, "sanitizer v3")
     for batch, depth, k, budget, style in ((3, 6, 40, 70, "ties"), (2, 4, 9, 32, "neginf"),
                                            (1, 32, 700, 700, "ties")):  # the last reads past the cache
         logp, ids = sorted_draft(rng, batch, depth, k, style)
@@ -67,6 +70,9 @@ def sglang_layout(rng) -> None:
         want_eagle = dropin.build_eagle_tree_format(want[2], want[5], budget + 1, "cpu")
         got_eagle = dropin.build_eagle_tree_format(got[2].cuda(), got[5].cuda(), budget + 1, "cpu")
         assert all(torch.equal(a, b) for a, b in zip(got_eagle, want_eagle))
+        on_device = dropin.build_ddtree_tree(logits.cuda(), budget, "cuda")  # the build's own EAGLE arrays
+        handed = dropin.build_eagle_tree_format(on_device[2], on_device[5], budget + 1, "cuda")
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(handed, want_eagle))
         x = logits[0].float()
         logp, ids = torch.topk(x, 500, dim=-1)
         logp = logp - torch.logsumexp(x, dim=-1, keepdim=True)

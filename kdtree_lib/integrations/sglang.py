@@ -168,12 +168,18 @@ def _check_tensor(name: str, x, *, ndim: int, dtypes: tuple[str, ...]):
     import torch
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    dtype = str(x.dtype).removeprefix("torch.")
+    dtype = _dtype_name(x.dtype)
     if dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype {' or '.join(dtypes)}, got {dtype}")
     if x.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
     return x
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype) -> str:
+    """torch.float32 -> "float32", once per dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_depth(name: str, depth: int) -> None:
@@ -383,12 +389,13 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
     device = _torch_device(device)
     buffers = (_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility)
     prepared = None
-    if getattr(draft_logits, "device", None) is not None and getattr(draft_logits.device, "type", None) == "cuda":
+    logits_device = getattr(draft_logits, "device", None)  # a tensor's .device is a new object per read
+    if getattr(logits_device, "type", None) == "cuda":
         prepared, check_values = _prepared_build(draft_logits, *_check_build_args(draft_logits, tree_budget))
         given = {}
         if _same_device(draft_logits, device):
             for name, buffer in zip(OUT_NAMES, buffers):
-                rows = buffer if buffer is None else _in_place(buffer, *prepared.layout[name], draft_logits.device)
+                rows = buffer if buffer is None else _in_place(buffer, *prepared.layout[name], logits_device)
                 if rows is not None:
                     given[name] = rows
         buffers = [None if name in given else buffer for name, buffer in zip(OUT_NAMES, buffers)]

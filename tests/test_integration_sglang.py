@@ -648,12 +648,8 @@ def test_the_drop_in_never_synchronizes_by_default(topk, monkeypatch):
         assert name == "child_maps" or torch.equal(a, b), name
 
 
-@pytest.mark.gpu
-@cuda
-def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
-    """The worker's call (fused top-k, its four _out_* buffers), warm: the torch operations it
-    dispatches are the buffers' first rows and the allocation of the sizes and the EAGLE arrays; the
-    work is the two launches."""
+def recording_torch_ops():
+    """A torch dispatch mode that records the name of every torch operation run under it (`.ops`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recording(TorchDispatchMode):
@@ -665,13 +661,22 @@ def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
             self.ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
+    return Recording()
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
+    """The worker's call (fused top-k, its four _out_* buffers), warm: the torch operations it
+    dispatches are the buffers' first rows and the allocation of the sizes and the EAGLE arrays; the
+    work is the two launches."""
     monkeypatch.setenv(dropin.TOPK_ENV, "fused")
     logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
     buffers = (torch.zeros(16, 32, dtype=torch.long, device="cuda"), torch.zeros(16, 32, dtype=torch.long, device="cuda"),
                torch.zeros(16, 33, dtype=torch.long, device="cuda"), torch.zeros(16, 33, 33, dtype=torch.bool, device="cuda"))
     want = dropin.build_ddtree_tree(logits, 32, logits.device)
     dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)  # prepared
-    with Recording() as recording:
+    with recording_torch_ops() as recording:
         got = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
     print("torch operations of a warm fused call:", recording.ops)
     assert sorted(recording.ops) == ["empty"] * 4 + ["slice"] * 4, recording.ops
@@ -687,17 +692,6 @@ def test_eagle_format_of_the_builds_own_outputs_costs_no_launch(topk, monkeypatc
     the arrays the build kernel wrote (no launch, no torch operation); parents changed in place, a
     copy, sizes of another call, another width, a second call for the same tensors, or a later build
     in between: the kernel runs, and every answer equals the torch path's on the tensors passed."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recording(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     launches = []
     original = dropin.EagleFormatLaunch.__call__
     monkeypatch.setattr(dropin.EagleFormatLaunch, "__call__",
@@ -716,7 +710,7 @@ def test_eagle_format_of_the_builds_own_outputs_costs_no_launch(topk, monkeypatc
 
     for given in ((), buffers):  # fresh outputs, and the worker's buffers written in place
         tree = dropin.build_ddtree_tree(logits, 32, logits.device, *given)
-        with Recording() as recording:
+        with recording_torch_ops() as recording:
             handed = dropin.build_eagle_tree_format(tree[2], tree[5], 33, logits.device)
         assert not launches and recording.ops == [], recording.ops
         check(handed, tree[2], tree[5])

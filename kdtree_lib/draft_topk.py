@@ -157,19 +157,22 @@ class TopKLaunch(_PreparedTopK):
             self._row_flags = _device_zeros(logits, (rows,))
             common = (np.int32(slices), np.int32(cap))
             self._launches = [] if rows == 0 else [
-                (cuda.device_function("draft_topk.cu", f"draft_topk_slices_{suffix}", device), (slices, rows),
-                 (SLICE_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks)) + common
-                 + (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
-                    cuda.pointer(self._row_flags))),
-                (cuda.device_function("draft_topk.cu", "draft_topk_merge", device), (rows,), (MERGE_THREADS,),
-                 (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states)) + common
-                 + (np.int32(k), cuda.pointer(self._row_flags), cuda.pointer(self.status), cuda.pointer(out.logp),
-                    cuda.pointer(out.ids)))]
+                cuda.PreparedLaunch(
+                    cuda.device_function("draft_topk.cu", f"draft_topk_slices_{suffix}", device), (slices, rows),
+                    (SLICE_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks))
+                    + common + (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
+                                cuda.pointer(self._row_flags)), device=device),
+                cuda.PreparedLaunch(
+                    cuda.device_function("draft_topk.cu", "draft_topk_merge", device), (rows,), (MERGE_THREADS,),
+                    (cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states)) + common
+                    + (np.int32(k), cuda.pointer(self._row_flags), cuda.pointer(self.status), cuda.pointer(out.logp),
+                       cuda.pointer(out.ids)), device=device)]
         else:
             self.path, self.version = "fused_v1", 1
             self._launches = [] if rows == 0 else [
-                (cuda.device_function("draft_topk.cu", f"draft_topk_{suffix}", device), (rows,), (TOPK_THREADS,),
-                 (cuda.pointer(logits), np.int32(vocab), np.int32(k), cuda.pointer(out.logp), cuda.pointer(out.ids)))]
+                cuda.PreparedLaunch(cuda.device_function("draft_topk.cu", f"draft_topk_{suffix}", device), (rows,),
+                                    (TOPK_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k),
+                                                      cuda.pointer(out.logp), cuda.pointer(out.ids)), device=device)]
 
     def __call__(self, logits=None) -> DraftTopK:
         if self._signature is None:
@@ -178,9 +181,8 @@ class TopKLaunch(_PreparedTopK):
         return self._enqueue()
 
     def _enqueue(self) -> DraftTopK:
-        stream = cuda.current_stream()
-        for function, grid, block, args in self._launches:
-            function(grid, block, args, stream=stream)
+        for launch in self._launches:
+            launch()
         return self.out
 
     def launch_over(self, logits) -> DraftTopK:
@@ -197,8 +199,7 @@ class TopKLaunch(_PreparedTopK):
             raise ValueError(f"logits: expected a C-contiguous {logits_dtype} buffer of shape {logits_shape} on the "
                              f"launch's device, {self.alignment}-byte aligned, got {tuple(logits.shape)} {logits.dtype}")
         if self._launches:
-            function, grid, block, args = self._launches[0]
-            self._launches[0] = (function, grid, block, (cuda.pointer(logits),) + args[1:])
+            self._launches[0].set(0, cuda.pointer(logits))  # both kernels' first parameter is the logits
         self.logits = self._signature = None
         return self._enqueue()
 

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,11 +165,11 @@ def ptxas_report(kernel_file: str, arch: str, out_dir: Path | None = None) -> Pt
 
 def launch(file_name: str, kernel_name: str, grid: tuple, block: tuple, args: tuple, *, like,
            shared_mem: int = 0) -> None:
-    """Launch kernels/<file_name>:<kernel_name> on the device of `like`, on torch's current stream."""
-    import cupy
+    """Launch kernels/<file_name>:<kernel_name> once on the device of `like`, on torch's current stream
+    (args: NumPy scalars, device pointers as np.uint64; see KernelParams)."""
     device = device_index(like)
-    with cupy.cuda.Device(device), current_stream():
-        device_function(file_name, kernel_name, device)(grid, block, args, shared_mem=shared_mem)
+    PreparedLaunch(device_function(file_name, kernel_name, device), grid, block, args, device=device,
+                   shared_mem=shared_mem)()
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,3 +233,180 @@ def to_device_like(like, values: np.ndarray):
     import cupy
     with cupy.cuda.Device(device_index(like)), current_stream():
         return cupy.asarray(values)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prepared launches: the kernel's parameters packed once, then one driver call per launch.
+#
+# CuPy's Function.__call__ converts every argument to a C value and, with a torch stream, wraps it
+# in a new CuPy Stream on each call: microseconds per launch, paid by every launch of an eager decode
+# step. A PreparedLaunch does that work once; a call reads torch's current raw stream and calls
+# cuLaunchKernel (CuPy's Cython binding) with the packed parameters.
+
+SLOT_BYTES = 8  # every parameter gets an 8-byte slot: the widest type a kernel here takes
+PARAM_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32, np.float64)
+STATIC_SHARED_BYTES = 48 * 1024  # dynamic shared memory above this needs the function's opt-in
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (CUDA's ABI value)
+
+
+class LaunchError(RuntimeError):
+    """A kernel launch the driver refused (the message names the kernel and its configuration)."""
+
+
+class KernelParams:
+    """A kernel's parameters as cuLaunchKernel reads them: each value in its own 8-byte slot of one
+    host buffer (its bytes in the slot's low end, host byte order: little-endian on every CUDA host),
+    and the array of the slots' addresses, whose own address (`address`) is the kernelParams pointer.
+
+    Packed once from NumPy scalars of PARAM_TYPES (a device pointer is an np.uint64, see `pointer`); a
+    Python int or float is refused, since its width would be a guess. `set(i, value)` rewrites slot i
+    in place as its own type (a buffer handed per call), so the addresses never move. The driver
+    copies the values when the launch is enqueued (or captured), so a slot may change right after.
+    """
+
+    __slots__ = ("name", "slots", "addresses", "address", "types", "_views")
+
+    def __init__(self, args, *, name: str = "kernel"):
+        if sys.byteorder != "little":
+            raise RuntimeError("KernelParams: a little-endian host is expected (every CUDA host is)")
+        self.name = name
+        count = len(args)
+        self.slots = np.zeros(max(count, 1), dtype=np.uint64)
+        self.types, self._views = [], []
+        for index, value in enumerate(args):
+            kind = type(value)
+            if kind not in PARAM_TYPES:
+                raise TypeError(f"{name}: argument {index}: expected a NumPy scalar of "
+                                f"{'/'.join(t.__name__ for t in PARAM_TYPES)} (a device pointer as np.uint64), "
+                                f"got {kind.__name__}")
+            view = self.slots[index:index + 1].view(kind)  # [0]: the slot's first bytes
+            view[0] = value
+            self.types.append(np.dtype(kind))
+            self._views.append(view)
+        self.addresses = np.uint64(self.slots.ctypes.data) + np.arange(count, dtype=np.uint64) * np.uint64(SLOT_BYTES)
+        self.address = int(self.addresses.ctypes.data) if count else 0
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+    def set(self, index: int, value) -> None:
+        """Rewrite parameter `index` (converted to its packed type; NumPy refuses a value out of range)."""
+        self._views[index][0] = value
+
+    def value(self, index: int):
+        """Parameter `index` as packed (a NumPy scalar of its type)."""
+        return self._views[index][0]
+
+
+class PreparedLaunch:
+    """One kernel launch prepared once: function, grid, block, dynamic shared memory and packed
+    parameters (KernelParams) for one device. Calling it enqueues the kernel on torch's current stream
+    of that device (CuPy's current stream when torch has not initialised CUDA), and does nothing else:
+    no argument check, no allocation, no synchronisation, so it may run inside a CUDA graph capture.
+
+    `function`: a CuPy RawKernel (from `get_function`/`device_function`; its Function for `device` is
+    resolved here) or a cupy.cuda.Function. `set(i, value)` rewrites parameter i for the next calls
+    (a buffer handed per call). The owner keeps the buffers the parameters point into alive; this
+    keeps only the function (its module stays loaded). A grid with a zero dimension is an empty
+    launch: calling it enqueues nothing. Dynamic shared memory above 48 KB is opted in here, on the
+    function for this device. Called while another device is current, it launches on its own device
+    (and restores the caller's). A launch the driver refuses raises LaunchError naming the kernel.
+    """
+
+    __slots__ = ("name", "device", "grid", "block", "shared_mem", "params", "_function", "_ptr", "_context",
+                 "_empty")
+
+    def __init__(self, function, grid: tuple, block: tuple, args, *, device: int, shared_mem: int = 0,
+                 name: str | None = None):
+        self.name = name or str(getattr(function, "name", None) or getattr(function, "__name__", "kernel"))
+        self.grid = _launch_dims(self.name, "grid", grid, allow_zero=True)
+        self.block = _launch_dims(self.name, "block", block, allow_zero=False)
+        if not isinstance(shared_mem, (int, np.integer)) or shared_mem < 0:
+            raise ValueError(f"{self.name}: shared_mem: expected a non-negative integer, got {shared_mem!r}")
+        self.device, self.shared_mem = int(device), int(shared_mem)
+        self.params = KernelParams(args, name=self.name)
+        self._empty = 0 in self.grid
+        self._function, self._ptr, self._context = _bind(function, self.device, self.shared_mem, self.name)
+
+    def set(self, index: int, value) -> None:
+        self.params.set(index, value)
+
+    def __call__(self) -> None:
+        if self._empty:
+            return
+        if _current_context() != self._context:
+            return self._launch_switching_device()
+        self._launch(stream_pointer(self.device))
+
+    def _launch(self, stream: int) -> None:
+        grid, block = self.grid, self.block
+        try:
+            _launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], self.shared_mem,
+                           stream, self.params.address, 0)
+        except Exception as error:  # CuPy's CUDADriverError: say which launch it was
+            raise LaunchError(f"{self.name}: launch failed on cuda:{self.device} (grid {grid}, block {block}, "
+                              f"{self.shared_mem} bytes of dynamic shared memory): {error}") from error
+
+    def _launch_switching_device(self) -> None:
+        import cupy
+        with cupy.cuda.Device(self.device):
+            if _current_context() != self._context:
+                raise LaunchError(f"{self.name}: prepared in another CUDA context than cuda:{self.device}'s "
+                                  "current one (was the device reset?)")
+            self._launch(stream_pointer(self.device))
+
+
+def _launch_dims(name: str, what: str, dims, *, allow_zero: bool) -> tuple[int, int, int]:
+    """A grid or block as three ints (missing trailing dimensions are 1)."""
+    dims = tuple(dims)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(n, (int, np.integer)) for n in dims):
+        raise ValueError(f"{name}: {what}: expected 1 to 3 integers, got {dims!r}")
+    dims = tuple(int(n) for n in dims) + (1,) * (3 - len(dims))
+    if any(n < (0 if allow_zero else 1) for n in dims):
+        raise ValueError(f"{name}: {what}: expected {'non-negative' if allow_zero else 'positive'} sizes, got {dims}")
+    return dims
+
+
+def _bind(function, device: int, shared_mem: int, name: str):
+    """(Function, its CUfunction address, the device's CUDA context) for `device`: a RawKernel loads
+    its module there on first use; dynamic shared memory above 48 KB is opted in."""
+    global _current_context, _launch_kernel
+    import cupy
+    from cupy.cuda import driver
+    _current_context, _launch_kernel = driver.ctxGetCurrent, driver.launchKernel
+    with cupy.cuda.Device(device):
+        kernel = getattr(function, "kernel", function)  # RawKernel -> this device's cupy.cuda.Function
+        ptr = int(kernel.ptr)
+        if shared_mem > STATIC_SHARED_BYTES and driver.funcGetAttribute(_MAX_DYNAMIC_SHARED, ptr) < shared_mem:
+            try:
+                driver.funcSetAttribute(ptr, _MAX_DYNAMIC_SHARED, shared_mem)
+            except Exception as error:
+                raise LaunchError(f"{name}: cannot opt in to {shared_mem} bytes of dynamic shared memory on "
+                                  f"cuda:{device}: {error}") from error
+        return kernel, ptr, driver.ctxGetCurrent()
+
+
+# CuPy's driver bindings, looked up once (by the first _bind) rather than per call
+_current_context = None  # cuCtxGetCurrent
+_launch_kernel = None    # cuLaunchKernel
+_raw_stream = None  # torch's current-stream getter, set once torch has initialised CUDA
+
+
+def stream_pointer(device: int) -> int:
+    """The address of the current stream of `device`: torch's (read without building a Stream
+    object) once torch has initialised CUDA, else CuPy's current stream."""
+    getter = _raw_stream or _find_torch_stream_getter()
+    if getter is None:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    return getter(device)
+
+
+def _find_torch_stream_getter():
+    global _raw_stream
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    _raw_stream = raw if raw is not None else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+    return _raw_stream

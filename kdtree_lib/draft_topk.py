@@ -139,7 +139,7 @@ class TopKLaunch(_PreparedTopK):
         super().__init__(logits, out)
         batch, depth, vocab = (int(n) for n in logits.shape)
         rows = batch * depth
-        device = cuda.device_index(logits)
+        device = self._device = cuda.device_index(logits)
         vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0  # float4 loads need aligned rows
         self.alignment = 16 if vectorized else 4  # bytes: what launch_over needs of another buffer
         self._shape_dtype = (tuple(logits.shape), str(logits.dtype))
@@ -158,17 +158,19 @@ class TopKLaunch(_PreparedTopK):
             self._row_flags = _device_zeros(logits, (rows,))
             self._tickets = _device_zeros(logits, (rows,))
             self._launches = [] if rows == 0 else [
-                (cuda.device_function("draft_topk.cu", f"draft_topk_fused_{suffix}", device), (slices, rows),
-                 (SLICE_THREADS,),
-                 (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks), np.int32(slices),
-                  np.int32(cap), cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
-                  cuda.pointer(self._row_flags), cuda.pointer(self._tickets), cuda.pointer(self.status),
-                  cuda.pointer(out.logp), cuda.pointer(out.ids)))]
+                cuda.PreparedLaunch(
+                    cuda.device_function("draft_topk.cu", f"draft_topk_fused_{suffix}", device), (slices, rows),
+                    (SLICE_THREADS,),
+                    (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks), np.int32(slices),
+                     np.int32(cap), cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
+                     cuda.pointer(self._row_flags), cuda.pointer(self._tickets), cuda.pointer(self.status),
+                     cuda.pointer(out.logp), cuda.pointer(out.ids)), device=device)]
         else:
             self.path, self.version = "fused_v1", 1
             self._launches = [] if rows == 0 else [
-                (cuda.device_function("draft_topk.cu", f"draft_topk_{suffix}", device), (rows,), (TOPK_THREADS,),
-                 (cuda.pointer(logits), np.int32(vocab), np.int32(k), cuda.pointer(out.logp), cuda.pointer(out.ids)))]
+                cuda.PreparedLaunch(cuda.device_function("draft_topk.cu", f"draft_topk_{suffix}", device), (rows,),
+                                    (TOPK_THREADS,), (cuda.pointer(logits), np.int32(vocab), np.int32(k),
+                                                      cuda.pointer(out.logp), cuda.pointer(out.ids)), device=device)]
 
     def __call__(self, logits=None) -> DraftTopK:
         if self._signature is None:
@@ -177,9 +179,8 @@ class TopKLaunch(_PreparedTopK):
         return self._enqueue()
 
     def _enqueue(self) -> DraftTopK:
-        stream = cuda.current_stream()
-        for function, grid, block, args in self._launches:
-            function(grid, block, args, stream=stream)
+        for launch in self._launches:
+            launch()
         return self.out
 
     def launch_over(self, logits) -> DraftTopK:
@@ -190,14 +191,13 @@ class TopKLaunch(_PreparedTopK):
         then on to the buffer it was prepared with (a prepared shape would otherwise hold a logits
         tensor alive): every later call goes through launch_over."""
         logits_shape, logits_dtype = self._shape_dtype
+        address = int(cuda.pointer(logits))
         if (tuple(logits.shape) != logits_shape or str(logits.dtype) != logits_dtype or not cuda.is_contiguous(logits)
-                or cuda.device_index(logits) != cuda.device_index(self.out.logp)
-                or int(cuda.pointer(logits)) % self.alignment):
+                or cuda.device_index(logits) != self._device or address % self.alignment):
             raise ValueError(f"logits: expected a C-contiguous {logits_dtype} buffer of shape {logits_shape} on the "
                              f"launch's device, {self.alignment}-byte aligned, got {tuple(logits.shape)} {logits.dtype}")
         if self._launches:
-            function, grid, block, args = self._launches[0]
-            self._launches[0] = (function, grid, block, (cuda.pointer(logits),) + args[1:])
+            self._launches[0].set(0, address)  # v1's and v3's first parameter is the logits
         self.logits = self._signature = None
         return self._enqueue()
 

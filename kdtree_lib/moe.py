@@ -413,10 +413,8 @@ class MoeLaunch:
         self._calls, self._keep = calls, keep  # keep: the arrays the raw pointers point into
 
     def __call__(self):
-        from . import cuda
-        stream = cuda.current_stream()
-        for function, grid, block, args, shared_mem in self._calls:
-            function(grid, block, args, shared_mem=shared_mem, stream=stream)
+        for launch in self._calls:
+            launch()
         return self.out
 
     def with_experts(self, experts: "Int4Experts") -> "MoeLaunch":
@@ -481,7 +479,7 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
 
 
 def _moe_calls(keep: dict, plan: MoePlan) -> list:
-    """The four launches (route, gate_up, down, combine) over the buffers in `keep`."""
+    """The four prepared launches (route, gate_up, down, combine) over the buffers in `keep`."""
     from . import cuda
     experts, x = keep["experts"], keep["x"]
     tokens, top_k = (int(s) for s in keep["routes"].shape)
@@ -494,7 +492,8 @@ def _moe_calls(keep: dict, plan: MoePlan) -> list:
     device = cuda.device_index(x)
     gate_up, down = GEMM_CONFIGS[plan.gate_up], GEMM_CONFIGS[plan.down]
     i32 = np.int32
-    return [
+    return [cuda.PreparedLaunch(function, grid, block, args, shared_mem=shared_mem, device=device)
+            for function, grid, block, args, shared_mem in (
         (_function("moe_route", device), (1,), (ROUTE_THREADS,),
          (p["routes"], i32(tokens * top_k), i32(top_k), i32(experts.first_expert), i32(n_experts), p["meta"],
           p["sorted_token"], p["inverse"]), 0),
@@ -507,7 +506,7 @@ def _moe_calls(keep: dict, plan: MoePlan) -> list:
           i32(n_experts), p["sorted_token"], i32(width), i32(hidden)), down.smem_bytes),
         (_function("moe_combine", device), (tokens,), (COMBINE_THREADS,),
          (p["y"], p["inverse"], p["weights"], p["out"], i32(hidden), i32(top_k)), 0),
-    ]
+    )]
 
 
 @functools.lru_cache(maxsize=None)

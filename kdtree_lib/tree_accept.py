@@ -201,19 +201,18 @@ class AcceptLaunch:
                                                (tree.tokens, tree.parents, tree.n_nodes, posterior))
         self._inputs = tokens, parents, n_nodes, posterior  # kept alive: the arguments hold their addresses
         self._posterior = cuda.buffer_signature(posterior)
-        self._function = cuda.device_function("tree_accept.cu", "accept_kernel", cuda.device_index(tokens))
-        self._grid, self._shared_mem = (tree.batch,), 8 * tree.capacity
-        self._args = (cuda.pointer(tokens), cuda.pointer(parents), cuda.pointer(n_nodes), cuda.pointer(posterior),
-                      np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity),
-                      np.int32(out.path.shape[1]), cuda.pointer(out.path), cuda.pointer(out.n_accepted),
-                      cuda.pointer(out.bonus))
+        device = cuda.device_index(tokens)
+        self._launch = cuda.PreparedLaunch(
+            cuda.device_function("tree_accept.cu", "accept_kernel", device), (tree.batch,), (_ACCEPT_THREADS,),
+            (cuda.pointer(tokens), cuda.pointer(parents), cuda.pointer(n_nodes), cuda.pointer(posterior),
+             np.int32(dtype_name(posterior) == "int64"), np.int32(tree.capacity), np.int32(out.path.shape[1]),
+             cuda.pointer(out.path), cuda.pointer(out.n_accepted), cuda.pointer(out.bonus)),
+            shared_mem=8 * tree.capacity, device=device)
 
     def __call__(self, posterior=None) -> AcceptResult:
         if posterior is not None and cuda.buffer_signature(posterior) != self._posterior:
             raise ValueError("posterior: not the buffer this launch was prepared with (same address, shape and dtype)")
-        if self._grid[0]:
-            self._function(self._grid, (_ACCEPT_THREADS,), self._args, shared_mem=self._shared_mem,
-                           stream=cuda.current_stream())
+        self._launch()
         return self.out
 
 
@@ -280,15 +279,16 @@ class CompactLaunch:
         table = _layer_table(tuple(int(cuda.pointer(cache)) for cache in caches), cuda.device_index(caches[0]))
         self.new_lengths = new_lengths
         self._inputs = path, n_accepted, lengths, table  # kept alive: the arguments hold their addresses
-        self._function = cuda.device_function("tree_accept.cu", f"compact_cache_{unit}", cuda.device_index(caches[0]))
-        self._grid = (batch, len(caches))
-        self._args = (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), cuda.pointer(path),
-                      np.int32(path_len), cuda.pointer(n_accepted), cuda.pointer(lengths),
-                      np.int32(dtype_name(lengths) == "int64"), cuda.pointer(new_lengths))
+        device = cuda.device_index(caches[0])
+        self._launch = cuda.PreparedLaunch(
+            cuda.device_function("tree_accept.cu", f"compact_cache_{unit}", device), (batch, len(caches)),
+            (_COMPACT_THREADS,),
+            (np.uint64(table.data.ptr), np.int64(slots), np.int32(row_bytes // unit), cuda.pointer(path),
+             np.int32(path_len), cuda.pointer(n_accepted), cuda.pointer(lengths),
+             np.int32(dtype_name(lengths) == "int64"), cuda.pointer(new_lengths)), device=device)
 
     def __call__(self):
-        if self._grid[0]:
-            self._function(self._grid, (_COMPACT_THREADS,), self._args, stream=cuda.current_stream())
+        self._launch()
         return self.new_lengths
 
 

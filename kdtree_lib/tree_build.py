@@ -280,13 +280,13 @@ class BuildLaunch:
             cached = readable if staged_f64 else min(readable, DRAFT_CACHE_BYTES // (4 * depth_limit))
         device = cuda.device_index(logp)
         _allow_draft_cache(device)
-        self._function = cuda.device_function("tree_build.cu", BUILD_KERNEL, device)
-        self._grid, self._block = (batch,), (threads,)
-        self._shared_mem = (8 if staged_f64 else 4) * depth_limit * cached
-        self._args = (cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
-                      np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
-                      np.int32(mode == "chain"), np.int32(cached), np.int32(staged_f64),
-                      *(cuda.pointer(getattr(out, name)) for name in TREE_OUTPUTS))  # the kernel's order
+        self._launch = cuda.PreparedLaunch(
+            cuda.device_function("tree_build.cu", BUILD_KERNEL, device), (batch,), (threads,),
+            (cuda.pointer(logp), cuda.pointer(ids), cuda.pointer(root), np.int32(dtype_name(root) == "int64"),
+             np.int32(depth_limit), np.int32(topk), np.int32(budget), np.int32(out.capacity),
+             np.int32(mode == "chain"), np.int32(cached), np.int32(staged_f64),
+             *(cuda.pointer(getattr(out, name)) for name in TREE_OUTPUTS)),  # the kernel's order
+            shared_mem=(8 if staged_f64 else 4) * depth_limit * cached, device=device)
 
     def __call__(self, draft: DraftTopK | None = None, root=None) -> Tree:
         if draft is not None or root is not None:
@@ -297,9 +297,7 @@ class BuildLaunch:
             if given != self._signature:
                 raise ValueError("draft, root: not the buffers this launch was prepared with "
                                  "(same addresses, shapes and dtypes)")
-        if self._grid[0]:
-            self._function(self._grid, self._block, self._args, shared_mem=self._shared_mem,
-                           stream=cuda.current_stream())
+        self._launch()
         return self.out
 
 
@@ -388,10 +386,14 @@ class SGLangBuildLaunch:
         self.batch, self.budget, self.links, self.index = batch, budget, links, links and index
         # a rank >= budget never pops (it needs budget siblings popped first), so it is never read
         self.width = min(width, budget)
-        self._function = cuda.device_function("tree_build.cu", SGLANG_BUILD_KERNEL, device)
-        self._scalars = (np.int32(ids_int64), np.int32(depth), np.int32(topk), np.int32(self.width), np.int32(budget),
-                         np.int32(chain), np.int32(relabel), np.int32(finite_all), np.float64(bonus),
-                         np.float64(math.log(max(budget, 1))), np.float64(margin), np.int32(stop))
+        null = np.uint64(0)  # logp, ids and the outputs are each call's: set per call
+        self._launch = cuda.PreparedLaunch(
+            cuda.device_function("tree_build.cu", SGLANG_BUILD_KERNEL, device), (batch,), (SGLANG_THREADS,),
+            (null, null, np.int32(ids_int64), np.int32(depth), np.int32(topk), np.int32(self.width), np.int32(budget),
+             np.int32(chain), np.int32(relabel), np.int32(finite_all), np.float64(bonus),
+             np.float64(math.log(max(budget, 1))), np.float64(margin), np.int32(stop)) + (null,) * len(SGLANG_OUTPUTS),
+            device=device)
+        self._first_output = len(self._launch.params) - len(SGLANG_OUTPUTS)
 
     def allocate(self, like) -> dict:
         """Uninitialised outputs on the device of `like` (the kernel writes every element)."""
@@ -409,12 +411,12 @@ class SGLangBuildLaunch:
         return {name: torch.empty(shape, dtype=dtype, device=like.device) for name, (shape, dtype) in spec.items()}
 
     def __call__(self, logp, ids, out: dict) -> dict:
-        if self.batch:
-            null = np.uint64(0)
-            pointers = tuple(cuda.pointer(out[name]) if name in out else null for name in SGLANG_OUTPUTS)
-            self._function((self.batch,), (SGLANG_THREADS,),
-                           (cuda.pointer(logp), cuda.pointer(ids)) + self._scalars + pointers,
-                           stream=cuda.current_stream())
+        launch = self._launch
+        launch.set(0, cuda.pointer(logp))
+        launch.set(1, cuda.pointer(ids))
+        for slot, name in enumerate(SGLANG_OUTPUTS, self._first_output):
+            launch.set(slot, cuda.pointer(out[name]) if name in out else 0)
+        launch()
         return out
 
 
@@ -428,16 +430,18 @@ class EagleFormatLaunch:
         if width > MAX_BUDGET + 1:
             raise ValueError(f"draft_token_num: at most {MAX_BUDGET + 1} nodes, got {width}")
         self.batch, self.width = batch, width
-        self._function = cuda.device_function("tree_build.cu", EAGLE_FORMAT_KERNEL, device)
-        self._scalars = (np.int32(columns), np.int32(width))
+        null = np.uint64(0)  # parents, sizes and the outputs are each call's: set per call
+        self._launch = cuda.PreparedLaunch(cuda.device_function("tree_build.cu", EAGLE_FORMAT_KERNEL, device),
+                                           (batch,), (SGLANG_THREADS,),
+                                           (null, np.int32(columns), null, np.int32(width), null, null, null),
+                                           device=device)
 
     def __call__(self, parents, sizes):
         import torch
         index, next_token, next_sibling = (torch.empty((self.batch, self.width), dtype=torch.int64, device=parents.device)
                                            for _ in range(3))
-        if self.batch:
-            self._function((self.batch,), (SGLANG_THREADS,),
-                           (cuda.pointer(parents), self._scalars[0], cuda.pointer(sizes), self._scalars[1],
-                            cuda.pointer(index), cuda.pointer(next_token), cuda.pointer(next_sibling)),
-                           stream=cuda.current_stream())
+        launch = self._launch
+        for slot, array in ((0, parents), (2, sizes), (4, index), (5, next_token), (6, next_sibling)):
+            launch.set(slot, cuda.pointer(array))
+        launch()
         return index, next_token, next_sibling

@@ -309,26 +309,29 @@ class VerifyLaunch:
         self._half, self._sizes = half, sizes
         self._arrays = arrays  # keeps the converted inputs and the workspace alive
         batch, nodes, heads, l_max, words, scale_log2 = sizes
-        self._calls = []  # (function, grid, block, args, shared memory): the kernel, then the merge
+        self._calls = []  # PreparedLaunches: the kernel, then the merge
         if batch * nodes * heads == 0:
             return
+        from . import cuda
         main, merge = _kernel_functions(plan.config_name, half)
-        a, config = arrays, plan.config
-        self._calls.append((main, (plan.row_blocks, plan.splits, batch), (config.threads,),
-                            (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"],
-                             a["partial_out"], a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max),
-                             np.int32(words), np.int32(plan.chunk), np.float32(scale_log2)), config.smem_bytes))
+        a, config = {name: cuda.pointer(x) for name, x in arrays.items()}, plan.config
+        device = cuda.device_index(arrays["q_latent"])
+        self._calls.append(cuda.PreparedLaunch(
+            main, (plan.row_blocks, plan.splits, batch), (config.threads,),
+            (a["q_latent"], a["q_rope"], a["cache"], a["lengths"], a["mask"], a["out"], a["lse"], a["partial_out"],
+             a["partial_lse"], np.int32(nodes), np.int32(heads), np.int32(l_max), np.int32(words),
+             np.int32(plan.chunk), np.float32(scale_log2)), shared_mem=config.smem_bytes, device=device))
         if plan.splits > 1:
             rows = batch * nodes * heads
-            self._calls.append((merge, (rows, 4), (256,), (a["partial_out"], a["partial_lse"], a["out"], a["lse"],
-                                                           np.int32(rows), np.int32(plan.splits)), 0))
+            self._calls.append(cuda.PreparedLaunch(
+                merge, (rows, 4), (256,),
+                (a["partial_out"], a["partial_lse"], a["out"], a["lse"], np.int32(rows), np.int32(plan.splits)),
+                device=device))
 
     def __call__(self, *, merge: bool = True):
         """Enqueue the kernel and, with several splits, the merge (merge=False: timing breakdowns)."""
-        from . import cuda
-        stream = cuda.current_stream()
-        for function, grid, block, args, shared_mem in self._calls[:None if merge else 1]:
-            function(grid, block, args, shared_mem=shared_mem, stream=stream)
+        for launch in self._calls if merge else self._calls[:1]:
+            launch()
         return self.out, self.lse
 
     def with_cache(self, cache) -> "VerifyLaunch":

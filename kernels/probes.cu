@@ -9,6 +9,7 @@
 //                     tensor pipe full.
 //   launch_floor:     an empty kernel: what one launch costs under the benchmarks' timing, a floor
 //                     under every call's time however little work it does.
+//   launch_params:    the host's side of a launch: parameter packing and its cost (see below).
 // The copy-bandwidth ceiling is torch's device-to-device copy (bench/ceilings.copy_bandwidth).
 
 #include "common.cuh"
@@ -29,3 +30,19 @@ extern "C" __global__ void __launch_bounds__(256) mma_sync_ceiling(float* sink, 
 }
 
 extern "C" __global__ void launch_floor() {}
+
+// launch_params: a parameter list like the project's kernels' (scalars of every packed type and two
+// pointers). With `out` set, thread 0 writes each parameter's bits there (the packing check of
+// tests/test_cuda_launch.py: widened to 64 bits, floats as their bit patterns); with `out` null it
+// does nothing, so its launch costs what an argument list costs the host (bench/ceilings.launch_host_costs).
+extern "C" __global__ void launch_params(int a, unsigned int b, long long c, unsigned long long d, float e, double f,
+                                         const void* p, unsigned long long* out) {
+  if (out == nullptr || threadIdx.x != 0 || blockIdx.x != 0) return;
+  out[0] = static_cast<unsigned int>(a);
+  out[1] = b;
+  out[2] = static_cast<unsigned long long>(c);
+  out[3] = d;
+  out[4] = __float_as_uint(e);
+  out[5] = static_cast<unsigned long long>(__double_as_longlong(f));
+  out[6] = reinterpret_cast<unsigned long long>(p);
+}

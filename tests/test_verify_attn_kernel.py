@@ -88,15 +88,21 @@ def test_kernel_config_shared_memory_fits_its_target():
 
 
 def test_launch_enqueues_kernel_then_merge(monkeypatch):
-    """The prepared launch's grids and argument counts (CPU: the kernels are stand-ins)."""
+    """The prepared launch's grids and argument counts (CPU: the kernels and launches are stand-ins)."""
     from kdtree_lib import verify_attn
     calls = []
 
-    def stand_in(name):
-        return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, len(args),
-                                                                                 shared_mem))
-    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half: (stand_in("main"), stand_in("merge")))
-    monkeypatch.setattr(cuda, "current_stream", lambda: None)
+    class StandIn:
+        def __init__(self, function, grid, block, args, *, device, shared_mem=0):
+            self.call = (function, grid, block, len(args), shared_mem)
+
+        def __call__(self):
+            calls.append(self.call)
+
+    monkeypatch.setattr(verify_attn, "_kernel_functions", lambda config, half: ("main", "merge"))
+    monkeypatch.setattr(cuda, "PreparedLaunch", StandIn)
+    monkeypatch.setattr(cuda, "pointer", lambda x: np.uint64(0))
+    monkeypatch.setattr(cuda, "device_index", lambda x: 0)
     plan = plan_launch(2, 3 * 8, 1000, **H200, splits=3)
     arrays = dict.fromkeys(("q_latent", "q_rope", "cache", "lengths", "mask", "out", "lse", "partial_out",
                             "partial_lse"))
@@ -275,7 +281,7 @@ def test_nvcc_builds_without_spills(arch, tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", cuda.ARCHITECTURES)
 def test_nvcc_builds_the_benchmark_probes_without_spills(arch, tmp_path):
-    assert set(_ptxas_kernels(ceilings.PROBES_FILE, arch, tmp_path)) == {"mma_sync_ceiling", "launch_floor"}
+    assert set(_ptxas_kernels(ceilings.PROBES_FILE, arch, tmp_path)) == {"mma_sync_ceiling", "launch_floor", "launch_params"}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

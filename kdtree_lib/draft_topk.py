@@ -212,13 +212,15 @@ class TopKLaunch(_PreparedTopK):
 
 
 def slice_chunks(rows: int, vocab: int, multiprocessors: int) -> int:
-    """SLICE-logit chunks per v3 slice: 1 (the most CTAs, each keeping its chunk in registers) while
-    one chunk per CTA fills fewer than two waves of 4 resident CTAs per multiprocessor; up to 4 beyond,
-    so the fixed cost per CTA (the bound's sort) and the merge's candidates shrink by as much (a thread
-    re-reads only a chunk whose maximum reaches the bound). Not 8: on the H200 at 8948252, B=64 D=7
-    in a CUDA graph, k=64 took 170.7 us with 4 chunks and 228.1 us with 8 (k=8: 151.9 vs 147.3 us),
-    its re-reads then missing L2 (docs/kernel-notes.md, with v3's own measurement of the choice)."""
-    return max(1, min(MAX_CHUNKS, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
+    """SLICE-logit chunks per v3 slice: at least 3, and up to 4 once one chunk per CTA would fill two
+    waves of 4 resident CTAs per multiprocessor. Fewer chunks mean more CTAs reading at once but more
+    candidates for the row's merging CTA (about 1.1 k per slice) and one more fixed cost per CTA;
+    on the H200 at e2fc428 (v3 before its merge was cheapened), D=7 in a CUDA graph, chunks 1/2/3/4 took
+    B=1: 14.1/12.8/13.7/14.7 us (k=8) and 26.8/18.9/17.2/17.9 (k=64); B=8: 36.9/29.0/27.3/27.7 and
+    52.3/38.7/33.4/33.6; B=64: 211/161/155/151 and 261/194/176/165 (docs/kernel-notes.md has the study
+    at the committed kernel). Not 8: at 8948252 (v2), B=64 k=64 took 228.1 us with 8 chunks against
+    170.7 with 4, its re-reads then missing L2."""
+    return max(3, min(MAX_CHUNKS, rows * -(-vocab // SLICE) // (8 * multiprocessors)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,8 +18,9 @@
 //       online-softmax rule over the slices' states in a fixed order, the candidates >= max L (every
 //       slice's L is below the row's k-th largest logit) staged in shared memory, an 8-bit radix
 //       select from the staged keys' common prefix down to <= KD_TOPK_RANKED survivors, each
-//       survivor's rank counted against the others (no sort), and the ticket reset for the next
-//       launch (CUDA graph replays). (docs/kernel-notes.md: v2 -> v3 and their H200 times.)
+//       survivor's rank counted against the others by a few threads (no sort), and the ticket reset
+//       for the next launch (CUDA graph replays). L itself: each warp sorts its maxima by shuffles,
+//       and binary searches in the 8 sorted lists rank them (no block-wide sort). (docs/kernel-notes.md: v2 -> v3 and their H200 times.)
 //
 // The selected values are the logits themselves, so the ids and their order are exact (ties by
 // ascending id). The normaliser is this kernel's own float32 sum, which differs from torch's
@@ -45,14 +46,15 @@
 #define KD_TOPK_MERGE_BITS 8       // the merge's radix digit: one bin per thread of the CTA
 #define KD_TOPK_MERGE_STAGED 3840  // a row's candidates staged in shared memory (30 KB)
 #define KD_TOPK_MAX_SLICES 1024    // slices per row (draft_topk.TopKLaunch checks it)
-#define KD_TOPK_RANKED 256         // survivors ranked by counting (>= KD_TOPK_FAST_MAX_K)
+#define KD_TOPK_RANKED 128         // survivors ranked by counting (>= KD_TOPK_FAST_MAX_K)
 #define KD_TOPK_BAD_NAN 1u
 #define KD_TOPK_BAD_POS_INF 2u
 #define KD_TOPK_BAD_ALL_NEG_INF 4u
 
 static_assert(KD_TOPK_BINS % KD_TOPK_THREADS == 0, "each thread scans whole bins");
 static_assert((1 << KD_TOPK_MERGE_BITS) == KD_TOPK_SLICE_THREADS, "the merge's bins: one per thread");
-static_assert(KD_TOPK_RANKED <= KD_TOPK_SLICE_THREADS && KD_TOPK_FAST_MAX_K <= KD_TOPK_RANKED, "one survivor per thread");
+static_assert(KD_TOPK_RANKED <= KD_TOPK_SLICE_THREADS && KD_TOPK_FAST_MAX_K <= KD_TOPK_RANKED, "a survivor per thread");
+static_assert(KD_TOPK_SLICE_THREADS == 8 * KD_WARP_SIZE, "the bound's rank search: 8 warps");
 
 
 // A 64-bit key that orders (larger value first, then smaller id first) as an unsigned integer:
@@ -284,28 +286,54 @@ draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __res
 // ------------------------------------------------------------------------------------------------
 // v3: slices, the last CTA of each row merging it
 
-// Bitonic sort of one float per thread across a block of KD_TOPK_SLICE_THREADS: thread t returns the
-// t-th largest. Strides below a warp go through shuffles, the rest through `exchange`.
-__device__ float block_sort_descending(float x, float* exchange) {
-    const int t = threadIdx.x;
+// Bitonic sort of one float per lane across a warp, by shuffles: lane i returns the i-th largest.
+__device__ __forceinline__ float warp_sort_descending(float x) {
+    const int lane = kd_lane();
 #pragma unroll
-    for (int size = 2; size <= KD_TOPK_SLICE_THREADS; size <<= 1) {
+    for (int size = 2; size <= KD_WARP_SIZE; size <<= 1) {
 #pragma unroll
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            float other;
-            if (stride >= KD_WARP_SIZE) {
-                exchange[t] = x;
-                __syncthreads();
-                other = exchange[t ^ stride];
-                __syncthreads();
-            } else {
-                other = __shfl_xor_sync(KD_FULL_MASK, x, stride);
-            }
-            const bool keep_max = ((t & stride) == 0) == ((t & size) == 0);
+            const float other = __shfl_xor_sync(KD_FULL_MASK, x, stride);
+            const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
             x = keep_max ? fmaxf(x, other) : fminf(x, other);
         }
     }
     return x;
+}
+
+// How many of a descending list of 32 floats are > x (kAtOrAbove: >= x): a prefix, found by halving.
+template <bool kAtOrAbove>
+__device__ __forceinline__ int count_before(const float* list, float x) {
+    int n = 0;
+#pragma unroll
+    for (int step = KD_WARP_SIZE / 2; step > 0; step >>= 1) {
+        const float v = list[n + step - 1];
+        n += (kAtOrAbove ? v >= x : v > x) ? step : 0;
+    }
+    const float v = list[n];
+    return n + ((kAtOrAbove ? v >= x : v > x) ? 1 : 0);
+}
+
+// The k-th largest (1 <= k <= 256) of one float per thread of a KD_TOPK_SLICE_THREADS block, returned
+// to every thread: each warp sorts its 32 values, then a lane < k counts the values above and at or
+// above its own in the 8 sorted lists; the value with above < k <= at-or-above is the k-th (a lane
+// >= k has k values of its warp at or above it, so a lane < k holds the same value). sorted: shared
+// [8][32]; result: shared.
+__device__ float block_kth_largest(float x, int k, float (*sorted)[KD_WARP_SIZE], float& result) {
+    const float mine = warp_sort_descending(x);
+    sorted[kd_warp()][kd_lane()] = mine;
+    __syncthreads();
+    if (kd_lane() < k) {
+        int above = 0, at_or_above = 0;
+#pragma unroll
+        for (int w = 0; w < KD_TOPK_SLICE_THREADS / KD_WARP_SIZE; ++w) {
+            above += count_before<false>(sorted[w], mine);
+            at_or_above += count_before<true>(sorted[w], mine);
+        }
+        if (above < k && k <= at_or_above) result = mine;  // every such lane writes the same value
+    }
+    __syncthreads();
+    return result;
 }
 
 // Chunk `chunk` of a row (KD_TOPK_SLICE logits from `first`) into this thread's registers: element e
@@ -338,7 +366,7 @@ __device__ __forceinline__ int chunk_id(int first, int e) {
 union FusedScratch {
     struct {
         RadixScratch<> radix;
-        float exchange[KD_TOPK_SLICE_THREADS];
+        float sorted[KD_TOPK_SLICE_THREADS / KD_WARP_SIZE][KD_WARP_SIZE];  // each warp's thread maxima
     } slice;
     struct {
         unsigned long long staged[KD_TOPK_MERGE_STAGED];
@@ -447,14 +475,19 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
     const unsigned flags = sh.merge.flags | (total.max == kd_neg_inf_f() ? KD_TOPK_BAD_ALL_NEG_INF : 0u);
     const float log_z = logf(total.sum) + total.max;
     const long long out = (long long)row * k;
-    if (t < (int)survivors) {
-        const unsigned long long mine = sh.merge.ranked[t];
-        int rank = 0;
-        for (int j = 0; j < (int)survivors; ++j) rank += sh.merge.ranked[j] > mine;
-        if (rank < k) {
-            out_logp[out + rank] = flags ? kd_nan_f() : topk_key_value(mine) - log_z;
-            out_ids[out + rank] = topk_key_id(mine);
-        }
+    // `per` threads (consecutive lanes) per survivor, each comparing it with every per-th other
+    int per = 1;
+    while (per < KD_WARP_SIZE && 2 * per * (int)survivors <= (int)blockDim.x) per <<= 1;  // block-uniform
+    const int i = t / per;
+    const unsigned long long mine = i < (int)survivors ? sh.merge.ranked[i] : 0ull;
+    int rank = 0;
+    if (i < (int)survivors) {
+        for (int j = t % per; j < (int)survivors; j += per) rank += sh.merge.ranked[j] > mine;
+    }
+    for (int offset = per / 2; offset > 0; offset >>= 1) rank += __shfl_xor_sync(KD_FULL_MASK, rank, offset);
+    if (i < (int)survivors && t % per == 0 && rank < k) {
+        out_logp[out + rank] = flags ? kd_nan_f() : topk_key_value(mine) - log_z;
+        out_ids[out + rank] = topk_key_id(mine);
     }
     for (int j = (int)survivors + t; j < k; j += blockDim.x) {  // fewer than k: a row of NaN (flagged)
         out_logp[out + j] = kd_nan_f();
@@ -532,10 +565,7 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     }
 
     // L: the k-th largest per-thread maximum (k distinct logits are >= L)
-    const float ranked = block_sort_descending(thread_max, sh.slice.exchange);
-    if (t == k - 1) s_bound = ranked;
-    __syncthreads();
-    const float bound = s_bound;
+    const float bound = block_kth_largest(thread_max, k, sh.slice.sorted, s_bound);
     if (t == 0) states[cell] = make_float4(total.max, total.sum, bound, 0.0f);
     unsigned long long* slots = cand_keys + cell * cap;
     unsigned count = 0u;

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_lib.draft_topk import FAST_MAX_K, TopKLaunch, draft_topk, prepare_draft_topk
+from kdtree_lib.contracts import DraftTopK
+from kdtree_lib.draft_topk import FAST_MAX_K, MAX_CHUNKS, TopKLaunch, draft_topk, prepare_draft_topk
 from kdtree_lib.tree_build import build_tree
 
 OFFICIAL_DIR = os.environ.get("KDTREE_OFFICIAL_DIR")
@@ -303,6 +304,26 @@ def test_fused_topk_slices_of_several_chunks(style, vocab):
         got = launch()
         torch.cuda.synchronize()
         assert_fused_matches(got, logits, k, f"seed={seed} {style} V={vocab} k={k} chunks={launch.chunks}", reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["normal", "integer_ties"])
+def test_fused_topk_at_every_slicing(style):
+    """v3 at each slicing (1 to MAX_CHUNKS chunks per slice: a chunk kept in registers, or re-read),
+    whatever slice_chunks would pick for the shape."""
+    seed = fresh_seed()
+    logits = styled_logits(style, 2, 7, 163_840, seed)
+    reference = reference_topk(logits, 64)
+    device_logits = torch.from_numpy(logits).cuda()
+    for chunks in range(1, MAX_CHUNKS + 1):
+        for k in (8, 64):
+            out = DraftTopK(logp=torch.full((2, 7, k), float("nan"), device="cuda"),
+                            ids=torch.full((2, 7, k), -7, dtype=torch.int32, device="cuda"))
+            launch = TopKLaunch(device_logits, k, out, chunks=chunks)
+            assert launch.path == "fused_v3" and launch.chunks == chunks
+            got = launch()
+            torch.cuda.synchronize()
+            assert_fused_matches(got, logits, k, f"seed={seed} {style} chunks={chunks} k={k}", reference)
 
 
 @pytest.mark.gpu

@@ -19,8 +19,7 @@
 //       slice's L is below the row's k-th largest logit) staged in shared memory, an 8-bit radix
 //       select from the staged keys' common prefix down to <= KD_TOPK_RANKED survivors, each
 //       survivor's rank counted against the others by a few threads (no sort), and the ticket reset
-//       for the next launch (CUDA graph replays). L itself: each warp sorts its maxima by shuffles,
-//       and binary searches in the 8 sorted lists rank them (no block-wide sort). (docs/kernel-notes.md: v2 -> v3 and their H200 times.)
+//       for the next launch (CUDA graph replays). (docs/kernel-notes.md: v2 -> v3 and their H200 times.)
 //
 // The selected values are the logits themselves, so the ids and their order are exact (ties by
 // ascending id). The normaliser is this kernel's own float32 sum, which differs from torch's
@@ -54,7 +53,6 @@
 static_assert(KD_TOPK_BINS % KD_TOPK_THREADS == 0, "each thread scans whole bins");
 static_assert((1 << KD_TOPK_MERGE_BITS) == KD_TOPK_SLICE_THREADS, "the merge's bins: one per thread");
 static_assert(KD_TOPK_RANKED <= KD_TOPK_SLICE_THREADS && KD_TOPK_FAST_MAX_K <= KD_TOPK_RANKED, "a survivor per thread");
-static_assert(KD_TOPK_SLICE_THREADS == 8 * KD_WARP_SIZE, "the bound's rank search: 8 warps");
 
 
 // A 64-bit key that orders (larger value first, then smaller id first) as an unsigned integer:
@@ -286,54 +284,28 @@ draft_topk_vec1(const float* __restrict__ logits, int vocab, int k, float* __res
 // ------------------------------------------------------------------------------------------------
 // v3: slices, the last CTA of each row merging it
 
-// Bitonic sort of one float per lane across a warp, by shuffles: lane i returns the i-th largest.
-__device__ __forceinline__ float warp_sort_descending(float x) {
-    const int lane = kd_lane();
+// Bitonic sort of one float per thread across a block of KD_TOPK_SLICE_THREADS: thread t returns the
+// t-th largest. Strides below a warp go through shuffles, the rest through `exchange`.
+__device__ float block_sort_descending(float x, float* exchange) {
+    const int t = threadIdx.x;
 #pragma unroll
-    for (int size = 2; size <= KD_WARP_SIZE; size <<= 1) {
+    for (int size = 2; size <= KD_TOPK_SLICE_THREADS; size <<= 1) {
 #pragma unroll
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            const float other = __shfl_xor_sync(KD_FULL_MASK, x, stride);
-            const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
+            float other;
+            if (stride >= KD_WARP_SIZE) {
+                exchange[t] = x;
+                __syncthreads();
+                other = exchange[t ^ stride];
+                __syncthreads();
+            } else {
+                other = __shfl_xor_sync(KD_FULL_MASK, x, stride);
+            }
+            const bool keep_max = ((t & stride) == 0) == ((t & size) == 0);
             x = keep_max ? fmaxf(x, other) : fminf(x, other);
         }
     }
     return x;
-}
-
-// How many of a descending list of 32 floats are > x (kAtOrAbove: >= x): a prefix, found by halving.
-template <bool kAtOrAbove>
-__device__ __forceinline__ int count_before(const float* list, float x) {
-    int n = 0;
-#pragma unroll
-    for (int step = KD_WARP_SIZE / 2; step > 0; step >>= 1) {
-        const float v = list[n + step - 1];
-        n += (kAtOrAbove ? v >= x : v > x) ? step : 0;
-    }
-    const float v = list[n];
-    return n + ((kAtOrAbove ? v >= x : v > x) ? 1 : 0);
-}
-
-// The k-th largest (1 <= k <= 256) of one float per thread of a KD_TOPK_SLICE_THREADS block, returned
-// to every thread: each warp sorts its 32 values, then a lane < k counts the values above and at or
-// above its own in the 8 sorted lists; the value with above < k <= at-or-above is the k-th (a lane
-// >= k has k values of its warp at or above it, so a lane < k holds the same value). sorted: shared
-// [8][32]; result: shared.
-__device__ float block_kth_largest(float x, int k, float (*sorted)[KD_WARP_SIZE], float& result) {
-    const float mine = warp_sort_descending(x);
-    sorted[kd_warp()][kd_lane()] = mine;
-    __syncthreads();
-    if (kd_lane() < k) {
-        int above = 0, at_or_above = 0;
-#pragma unroll
-        for (int w = 0; w < KD_TOPK_SLICE_THREADS / KD_WARP_SIZE; ++w) {
-            above += count_before<false>(sorted[w], mine);
-            at_or_above += count_before<true>(sorted[w], mine);
-        }
-        if (above < k && k <= at_or_above) result = mine;  // every such lane writes the same value
-    }
-    __syncthreads();
-    return result;
 }
 
 // Chunk `chunk` of a row (KD_TOPK_SLICE logits from `first`) into this thread's registers: element e
@@ -366,7 +338,7 @@ __device__ __forceinline__ int chunk_id(int first, int e) {
 union FusedScratch {
     struct {
         RadixScratch<> radix;
-        float sorted[KD_TOPK_SLICE_THREADS / KD_WARP_SIZE][KD_WARP_SIZE];  // each warp's thread maxima
+        float exchange[KD_TOPK_SLICE_THREADS];
     } slice;
     struct {
         unsigned long long staged[KD_TOPK_MERGE_STAGED];
@@ -564,8 +536,13 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
         s_taken = 0u;
     }
 
-    // L: the k-th largest per-thread maximum (k distinct logits are >= L)
-    const float bound = block_kth_largest(thread_max, k, sh.slice.sorted, s_bound);
+    // L: the k-th largest per-thread maximum (k distinct logits are >= L), by a block-wide bitonic
+    // sort: warp sorts ranked across the 8 warps' lists by binary searches (two barriers) measured
+    // slower (H200, B=64 D=7 k=8, 4 chunks: 186 us at 6a36a18 against 151 at e2fc428; kernel-notes)
+    const float ranked = block_sort_descending(thread_max, sh.slice.exchange);
+    if (t == k - 1) s_bound = ranked;
+    __syncthreads();
+    const float bound = s_bound;
     if (t == 0) states[cell] = make_float4(total.max, total.sum, bound, 0.0f);
     unsigned long long* slots = cand_keys + cell * cap;
     unsigned count = 0u;

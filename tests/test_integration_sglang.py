@@ -310,6 +310,33 @@ def test_the_benchmarks_tree_stage_runs_on_the_cpu():
         assert all(r["matches_sglang"] is True for r in rows)
 
 
+def test_the_stage_takeaway_states_each_target_and_where_the_time_goes():
+    """bench.tree_build.stage_targets / stage_takeaway on a hand-made run: issue 29's targets at D=7
+    (30x at B=1, 100x at B=64 budget 8, 300x at B=64 budgets >= 32, kdtree's graph <= 20 us at B=1)."""
+    from kdtree_lib.bench.tree_build import stage_takeaway, stage_targets
+    times = {(1, 8): {"sglang": 900.0, "dropin": 30.0, "dropin_call": 25.0, "dropin_graph": 12.0,
+                      "kdtree_graph_fused": 19.5},
+             (1, 64): {"sglang": 1000.0, "dropin": 100.0, "dropin_call": 85.0, "dropin_graph": 60.0,
+                       "kdtree_graph_fused": 38.0},
+             (64, 8): {"sglang": 20_000.0, "dropin": 190.0, "dropin_topk": 150.0, "dropin_kernel": 11.0},
+             (64, 32): {"sglang": 45_000.0, "dropin": 225.0, "dropin_topk": 160.0, "dropin_kernel": 34.0},
+             (8, 32): {"sglang": 4000.0, "dropin": 100.0}}  # no target at B=8
+    rows = [dict(stage="tree_stage", depth=7, batch=batch, budget=budget, method=method, time_us=time)
+            for (batch, budget), methods in times.items() for method, time in methods.items()]
+    rows.append(dict(stage="tree_stage", depth=15, batch=1, budget=8, method="dropin", time_us=1.0))  # not D=7
+    lines = {(line["what"], line["batch"], line["budget"]): line for line in stage_targets(rows)}
+    assert set(lines) == {("dropin", 1, 8), ("dropin", 1, 64), ("dropin", 64, 8), ("dropin", 64, 32),
+                          ("kdtree_graph_fused", 1, 8), ("kdtree_graph_fused", 1, 64)}
+    assert lines["dropin", 1, 8]["met"] and lines["dropin", 1, 8]["ratio"] == 30.0
+    assert not lines["dropin", 1, 64]["met"] and lines["dropin", 64, 8]["met"] and not lines["dropin", 64, 32]["met"]
+    assert lines["kdtree_graph_fused", 1, 8]["met"] and not lines["kdtree_graph_fused", 1, 64]["met"]
+    text = stage_takeaway(rows)
+    assert "2 of 4 targets met" in text and "MISSED by 3.0x" in text and "MISSED by 1.5x" in text
+    assert "host time per call 85.0 us, its calls in a CUDA graph 60.0 us" in text
+    assert "its top-k 160.0 us, its build kernel 34.0 us" in text
+    assert "1 of 2 budgets <= 64 within 20 us" in text and "budget 64 38.0 us (over by 18.0 us)" in text
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)

@@ -466,6 +466,67 @@ def stage_summary(rows: list[dict]) -> dict:
     return summary
 
 
+STAGE_TARGET_B1 = 30.0        # issue 29: the drop-in over SGLang's path, eager, same call, B=1 (every budget)
+STAGE_TARGET_B64_SMALL = 100.0  # ... at B=64, budget 8
+STAGE_TARGET_B64_LARGE = 300.0  # ... at B=64, budgets >= 32
+STAGE_GRAPH_TARGET_US = 20.0  # kdtree's stage in a CUDA graph, B=1, D=7, budget <= 64
+
+
+def stage_targets(rows: list[dict]) -> list[dict]:
+    """Issue 29's tree-stage targets at D=7, from one run's tree_stage rows: the drop-in's speed-up over
+    SGLang's path (B=1 every budget, B=64 budget 8 and budgets >= 32) with its parts (host time per
+    eager call, its calls replayed in a CUDA graph, its top-k, its build kernel), and kdtree's stage in
+    a CUDA graph with the fused top-k at B=1, budgets <= 64; each met or not."""
+    stage = results.select(rows, stage="tree_stage", depth=7)
+
+    def time_of(method, batch, budget):
+        found = results.select(stage, method=method, batch=batch, budget=budget)
+        return found[0]["time_us"] if found else None
+
+    lines = []
+    for r in sorted(results.select(stage, method="dropin"), key=lambda r: (r["batch"], r["budget"])):
+        batch, budget = r["batch"], r["budget"]
+        target = (STAGE_TARGET_B1 if batch == 1 else STAGE_TARGET_B64_SMALL if batch == 64 and budget == 8
+                  else STAGE_TARGET_B64_LARGE if batch == 64 and budget >= 32 else None)
+        sglang = time_of("sglang", batch, budget)
+        if target is None or sglang is None:
+            continue
+        ratio = sglang / r["time_us"]
+        lines.append(dict(what="dropin", batch=batch, budget=budget, time_us=r["time_us"], sglang_us=sglang,
+                          ratio=round(ratio, 1), target=target, met=ratio >= target,
+                          host_us=time_of("dropin_call", batch, budget), graph_us=time_of("dropin_graph", batch, budget),
+                          topk_us=time_of("dropin_topk", batch, budget), kernel_us=time_of("dropin_kernel", batch, budget)))
+    for r in sorted(results.select(stage, method="kdtree_graph_fused", batch=1), key=lambda r: r["budget"]):
+        if r["budget"] <= 64:
+            lines.append(dict(what="kdtree_graph_fused", batch=1, budget=r["budget"], time_us=r["time_us"],
+                              target=STAGE_GRAPH_TARGET_US, met=r["time_us"] <= STAGE_GRAPH_TARGET_US))
+    return lines
+
+
+def stage_takeaway(rows: list[dict]) -> str:
+    """The lines notebook 04 prints under its tree-stage plots, from the same rows as stage_targets:
+    each target met or missed and by how much, and where the drop-in's time goes (host time per call
+    against its launches in a graph at B=1; its top-k and build kernel at B=64)."""
+    lines = stage_targets(rows)
+    dropin = [line for line in lines if line["what"] == "dropin"]
+    graph = [line for line in lines if line["what"] == "kdtree_graph_fused"]
+    text = [f"the drop-in over SGLang's path (eager, same call, D=7): {sum(l['met'] for l in dropin)} of "
+            f"{len(dropin)} targets met"]
+    for line in dropin:
+        verdict = "met" if line["met"] else f"MISSED by {line['target'] / line['ratio']:.1f}x"
+        where = (f"host time per call {line['host_us']:.1f} us, its calls in a CUDA graph {line['graph_us']:.1f} us"
+                 if line["batch"] == 1 else f"its top-k {line['topk_us']:.1f} us, its build kernel {line['kernel_us']:.1f} us")
+        text.append(f"  B={line['batch']:2d} budget {line['budget']:3d}: {line['time_us']:.1f} vs {line['sglang_us']:.1f} us "
+                    f"= {line['ratio']}x (target {line['target']:.0f}x: {verdict}); {where}")
+    if graph:
+        text.append(f"kdtree's stage in a CUDA graph (fused top-k), B=1 D=7: {sum(l['met'] for l in graph)} of "
+                    f"{len(graph)} budgets <= 64 within {STAGE_GRAPH_TARGET_US:.0f} us: " + ", ".join(
+                        f"budget {l['budget']} {l['time_us']:.1f} us" + ("" if l["met"] else
+                                                                        f" (over by {l['time_us'] - l['target']:.1f} us)")
+                        for l in graph))
+    return "\n".join(text)
+
+
 PARTS = ("build", "topk", "stage")
 
 

@@ -465,7 +465,8 @@ def test_the_engine_keeps_one_decoder_per_shape_across_batches(monkeypatch, one_
     engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=BUDGET, max_batch=2))
     service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=())
     answered = engine_answers(service, batches, max_new_tokens=8)
-    assert engine.batches == 2 and len(built) == 1, f"{len(built)} Decoders built for 2 batches of one shape"
+    # the second batch either starts anew (reset) or joins the first's rows as they free up (admit)
+    assert engine.batches + engine.admitted // 2 == 2 and len(built) == 1, f"{len(built)} Decoders built for one shape"
     for results, reference in zip(answered, expected):
         for (kind, ids, meta), tokens, rounds in zip(results, reference.tokens, reference.acceptance):
             assert kind == "done" and ids == tokens.tolist() and meta["batch_size"] == 2, (kind, ids, meta)

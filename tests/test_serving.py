@@ -16,11 +16,12 @@ from tokenizers import Tokenizer, decoders, models
 
 from kdtree_lib import decode
 from kdtree_lib.decode import generate
-from kdtree_lib.pairs import random_pair
+from kdtree_lib.pairs import pair_with_prompts, random_pair
 from kdtree_lib.results import read_rows
 from kdtree_lib.serving import client
 from kdtree_lib.serving.engine import Engine, EngineSettings, RequestError
 from kdtree_lib.serving.server import Service, running_server
+from test_decode import HostReads, dense_pair
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
 SHARPNESS, BUDGET, MAX_BATCH = 0.3, 32, 4
@@ -187,9 +188,10 @@ def test_under_load_every_request_is_answered_and_memory_returns(server, tmp_pat
     assert growth < 32 * 2**20, f"the server kept {growth / 2**20:.1f} MiB after the load"
 
 
-def engine_answers(service: Service, batches, *, max_new_tokens: int) -> list[list[tuple]]:
-    """Each batch of prompts submitted at once (one decode batch), after the previous one was answered:
-    per batch, per request (the final update's kind, the streamed ids, its value)."""
+def engine_answers(service: Service, batches, *, max_new_tokens: int, submitted=None) -> list[list[tuple]]:
+    """Each batch of prompts submitted at once (up to max_batch of them one decode batch, the rest
+    joining its rows as they free up), after the previous one was answered: per batch, per request
+    (the final update's kind, the streamed ids, its value). `submitted` (a list) receives the Jobs."""
     engine = service.engine
 
     async def answers():
@@ -200,6 +202,8 @@ def engine_answers(service: Service, batches, *, max_new_tokens: int) -> list[li
                     for p in prompts]
             for job in jobs:
                 engine.submit(job)
+            if submitted is not None:
+                submitted.extend(jobs)
             results = []
             for job in jobs:
                 ids, (kind, value) = [], await asyncio.wait_for(job.updates.get(), 60)
@@ -472,4 +476,118 @@ def test_the_engine_keeps_one_decoder_per_shape_across_batches(monkeypatch, one_
             assert kind == "done" and ids == tokens.tolist() and meta["batch_size"] == 2, (kind, ids, meta)
             assert meta["spec_verify_ct"] == len(rounds)
     assert sum(len(ids) for results in answered for _, ids, _ in results) == 32
+    decode.clear_decoders()
+
+
+# ----------------------------------------------------------------------------------------------
+# continuous batching: rows refilled between rounds, the Decoder kept
+
+@pytest.fixture(scope="module")
+def stand_in():
+    """The trained stand-in pair in fp32 on the CPU (its drafts are accepted as a real pair's are)."""
+    chosen = pair_with_prompts(8, prompts_per_package=3, prompt_tokens=24)
+    if not chosen.stand_in:
+        pytest.skip("the stand-in pair's checkpoints are not in data/models")
+    return chosen
+
+
+def test_requests_join_a_running_batch_and_decode_as_generate_alone(stand_in, monkeypatch, one_thread):
+    """Five requests at once, two rows: two start the batch (reset), three join it as rows free up
+    (Decoder.admit) while the other row decodes on; one Decoder, reset once, nothing rebuilt; every
+    request's tokens and rounds equal generate's for its prompt alone, whatever row it got."""
+    target, drafter, prompts = stand_in.target, stand_in.drafter, [p.tolist() for p in stand_in.prompts[:5]]
+    built, resets, admits = [], [], []
+
+    class CountedDecoder(decode.Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def reset(self, *args, **kwargs):
+            resets.append(1)
+            return super().reset(*args, **kwargs)
+
+        def admit(self, row, prompt, **kwargs):
+            admits.append((row, bool(self.active.any())))  # another row decoding as it joins (a test's read)
+            return super().admit(row, prompt, **kwargs)
+
+    decode.clear_decoders()
+    monkeypatch.setattr(decode, "Decoder", CountedDecoder)
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=8, max_batch=2))
+    service = Service(engine, model_name="stand-in", context_length=4096, stop_tokens=())
+    [results] = engine_answers(service, [prompts], max_new_tokens=16)
+    assert len(built) == 1 and len(resets) == 1 and engine.batches == 1, "one Decoder, one reset, for five requests"
+    assert engine.admitted == len(admits) == 3 and any(mid_flight for _, mid_flight in admits), admits
+    for prompt, (kind, ids, meta) in zip(prompts, results):
+        alone = generate(target, drafter, [prompt], budget=8, max_new_tokens=16)
+        assert kind == "done" and ids == alone.tokens[0].tolist(), (kind, ids, meta)
+        assert meta["spec_verify_ct"] == len(alone.acceptance[0]) and meta["batch_size"] == 2
+    assert max(meta["spec_accept_length"] for _, _, meta in results) > 2, "the stand-in's drafts are accepted"
+    decode.clear_decoders()
+
+
+def test_a_cancelled_requests_row_is_refilled(monkeypatch, one_thread):
+    """A client that leaves after its request's first round frees the row at once: the waiting request
+    takes it (admitted mid-flight) and decodes as generate alone, as does the request beside it."""
+    target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
+    prompts = [[3, 4, 11, 60, 5, 13], [8, 12, 15, 14], [9, 2, 2, 40, 7]]
+    jobs, rounds = [], decode.Decoder.rounds
+
+    def rounds_then_leave(self, **kwargs):
+        for count, update in enumerate(rounds(self, **kwargs)):
+            if count == 0:
+                jobs[0].cancelled = True  # as the server marks a request whose connection closed
+            yield update
+
+    monkeypatch.setattr(decode.Decoder, "rounds", rounds_then_leave)
+    decode.clear_decoders()
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=BUDGET, max_batch=2))
+    service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=())
+    [results] = engine_answers(service, [prompts], max_new_tokens=16, submitted=jobs)
+    assert results[0][0] == "cancelled" and engine.states()["cancelled"] == 1 and engine.admitted == 1
+    for prompt, (kind, ids, meta) in zip(prompts[1:], results[1:]):
+        alone = generate(target, drafter, [prompt], budget=BUDGET, max_new_tokens=16)
+        assert kind == "done" and ids == alone.tokens[0].tolist() and meta["spec_verify_ct"] == len(alone.acceptance[0])
+    decode.clear_decoders()
+
+
+def test_an_engine_round_reads_the_host_once(monkeypatch, one_thread):
+    """Per round the engine makes one read, Decoder.rounds' (_read); the rest of its round (posting
+    tokens, stop checks, choosing requests to admit) works on that copy. Reset and admission (their
+    prefills) lie outside the rounds; an AR target with dense layers reads nothing in its steps."""
+    target, _ = dense_pair(vocab=len(ALPHABET))
+    marks, spans, reads_seen = {}, [], []
+    engine = Engine(target, None, EngineSettings(method="ar", max_batch=2))
+    serve = engine._serve
+
+    def counted_serve(rows, loop):
+        with HostReads() as reads:
+            marks["reads"] = reads
+            serve(rows, loop)
+
+    class Spans(decode.Decoder):
+        def reset(self, *args, **kwargs):
+            super().reset(*args, **kwargs)
+            marks["after_reset"] = len(marks["reads"].calls)
+
+        def admit(self, *args, **kwargs):
+            start = len(marks["reads"].calls)
+            super().admit(*args, **kwargs)
+            spans.append((start, len(marks["reads"].calls)))
+
+        def _read(self, *args, **kwargs):
+            reads_seen.append(1)
+            return super()._read(*args, **kwargs)
+
+    decode.clear_decoders()
+    monkeypatch.setattr(decode, "Decoder", Spans)
+    monkeypatch.setattr(engine, "_serve", counted_serve)
+    service = Service(engine, model_name="dense", context_length=CONTEXT, stop_tokens=())
+    prompts = [[3, 4, 11, 60], [8, 12], [9, 2, 2, 40, 7]]
+    [results] = engine_answers(service, [prompts], max_new_tokens=6)
+    assert all(kind == "done" and len(ids) == 6 for kind, ids, _ in results) and engine.admitted == 1
+    calls = marks["reads"].calls
+    inside_admit = {i for start, end in spans for i in range(start, end)}
+    in_rounds = [name for i, name in enumerate(calls) if i >= marks["after_reset"] and i not in inside_admit]
+    assert in_rounds == ["tolist"] * len(reads_seen) and len(reads_seen) >= 6, (in_rounds, len(reads_seen))
     decode.clear_decoders()

@@ -591,3 +591,36 @@ def test_an_engine_round_reads_the_host_once(monkeypatch, one_thread):
     in_rounds = [name for i, name in enumerate(calls) if i >= marks["after_reset"] and i not in inside_admit]
     assert in_rounds == ["tolist"] * len(reads_seen) and len(reads_seen) >= 6, (in_rounds, len(reads_seen))
     decode.clear_decoders()
+
+
+# ----------------------------------------------------------------------------------------------
+# the server against generate, measured (python -m kdtree_lib.bench.serving_vs_generate)
+
+def test_serving_vs_generate_writes_a_stamped_row_per_step(tmp_path, one_thread):
+    """On the CPU with the tiny random pair (no checkpoints in --models-dir): one row per distinct step
+    (chain's budgets 8 and 32 are one step of the drafter's depth), stamped, tokens equal through both
+    paths; the ratio is the engine's tokens/s over generate's."""
+    from kdtree_lib.bench import serving_vs_generate
+    code = serving_vs_generate.main(["--device", "cpu", "--models-dir", str(tmp_path / "none"), "--methods", "ar,chain",
+                                     "--budgets", "8,32", "--new-tokens", "8", "--prompt-tokens", "6",
+                                     "--prompts-per-package", "1", "--repeats", "2", "--results-dir", str(tmp_path)])
+    rows = read_rows(serving_vs_generate.TOPIC, results_dir=tmp_path)
+    assert code == 0 and [(row["method"], row["budget"]) for row in rows] == [("ar", "1"), ("chain", "7")]
+    for row in rows:
+        assert row["date"] and row["commit"] and row["device"] and row["same_tokens"] == "True", row
+        assert row["requests"] == "2" and row["concurrency"] == "1" and row["pair"].startswith("random")
+        speeds = [float(row[key]) for key in ("generate_tokens_per_second", "engine_tokens_per_second", "ratio")]
+        assert all(speed > 0 for speed in speeds) and speeds[2] == pytest.approx(speeds[1] / speeds[0])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--methods", "ddtree,beam"], "argument --methods: expected a comma-separated list of ar, chain, ddtree"),
+    (["--budgets", "8,0"], "argument --budgets: expected an integer in 1.."),
+    (["--device", "tpu"], "argument --device: invalid choice"),
+])
+def test_serving_vs_generate_refuses_a_bad_argument_in_one_line(arguments, message, tmp_path, capsys):
+    from kdtree_lib.bench import serving_vs_generate
+    code = serving_vs_generate.main([*arguments, "--results-dir", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert code == 2 and message in error and error.count("\n") == 1, error
+    assert not list(tmp_path.iterdir()), "nothing measured, nothing written"

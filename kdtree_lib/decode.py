@@ -36,8 +36,10 @@ kernels every launch (PreparedStep: draft top-k, tree build, per layer the verif
 INT4 MoE, accept, compaction). A step only enqueues work and updates those buffers in place (the
 caches' lengths too), with no host synchronisation, eagerly or captured once in a CUDA graph and
 replayed. The loop (Decoder.rounds, what generate, the server and the benches drive) reads
-`active` back every `sync_every` steps. Finished requests keep running in lockstep and change
-nothing. docs/DESIGN.md "The step as built" lists what is prepared when and where the host is touched.
+`active` (and, streaming, the new tokens) back in one copy every `sync_every` steps. Finished
+requests keep running in lockstep and change nothing, until Decoder.admit starts a new request in
+their row between two rounds (the server's continuous batching). docs/DESIGN.md "The step as
+built" lists what is prepared when and where the host is touched.
 
 Tensor parallel: decode_tp.generate_tp spawns the ranks of a sharded target, each runs generate in
 lockstep with the others (no per-step broadcast); `python -m kdtree_lib.decode` is the launcher,
@@ -541,44 +543,59 @@ class Decoder:
 
     @torch.no_grad()
     def rounds(self, *, cuda_graph: bool = False, timer=None, sync_every: int = 4, max_rounds: int | None = None,
-               stream: bool = False):
+               stream: bool = False, overlap: bool = False):
         """The decode loop, after reset: run rounds (eager steps, or replays of the step's CUDA graph,
         captured on first use) and every `sync_every` rounds yield a RoundsUpdate; stop when no
         request is active or after max_rounds (default max_new_tokens + sync_every) rounds.
 
-        Between yields nothing is read back; at a yield the host makes one copy (`_read`, the loop's
-        one synchronisation): `active`, and with stream=True each request's tokens committed since
-        the last read (handed out cut as generate cuts them, emitted_tokens) and its round count.
-        A consumer that stops early (cancelled requests) just stops iterating; one that admits
-        requests between two yields (admit) may call rounds again once this loop has ended.
+        Between yields nothing is read back; each update is one copy to the host (`_pack`, then
+        `_unpack`, the loop's one synchronisation): `active`, and with stream=True each request's
+        tokens committed since the last read (handed out cut as generate cuts them, emitted_tokens)
+        and its round count. overlap=True enqueues the next sync_every rounds before waiting for
+        that copy, so the host's work on an update (the server's) overlaps the device's next rounds;
+        the loop then runs sync_every rounds past the last request's end, changing nothing. A
+        consumer that stops early (cancelled requests) just stops iterating; one that admits
+        requests between two yields (admit) calls rounds again once this loop has ended. With
+        overlap the rounds already enqueued run before an admission, the admitted row idle in them.
         """
         sync_every = check_positive_int("sync_every", sync_every)
         limit = self.max_new_tokens + sync_every if max_rounds is None else check_positive_int("max_rounds", max_rounds)
-        done = unread = 0
+        ran = unread = 0  # rounds run; of them, since the last pack
         self.capture_seconds = 0.0
         if cuda_graph and self.graph is None:
-            done += WARMUP_STEPS
-            unread += WARMUP_STEPS
+            ran = unread = WARMUP_STEPS
             self.capture()
-        while done < limit:
+
+        def advance():
+            nonlocal ran, unread
             for _ in range(sync_every):
                 if cuda_graph:
                     self.graph.replay()
                 else:
                     self.step(timer)
-            done += sync_every
+            ran += sync_every
             unread += sync_every
-            update = self._read(done, unread if stream else 0)
+
+        advance()
+        while True:
+            pending = self._pack(ran, unread if stream else 0)
             unread = 0
+            if overlap and ran < limit:
+                advance()  # enqueued ahead of the wait for `pending`
+            update = self._unpack(pending)
             yield update
             if not update.active.any():
                 break
+            if not unread:
+                if ran >= limit:
+                    break
+                advance()
 
-    def _read(self, done: int, unread: int) -> RoundsUpdate:
-        """The loop's one read: `active` and the NaN flag, and (unread > 0: streaming) per request its
-        out_len at the previous read and now, its round count, and the output columns after the
-        previous read that `unread` rounds can have filled (D+1 tokens each at most), packed on the
-        device into one small tensor and copied to the host at once."""
+    def _pack(self, done: int, unread: int) -> tuple:
+        """Enqueue the loop's one read: `active` and the NaN flag, and (unread > 0: streaming) per
+        request its out_len at the previous read and now, its round count, and the output columns
+        after the previous read that `unread` rounds can have filled (D+1 tokens each at most), packed
+        into one small tensor; on a GPU its copy to pinned host memory is enqueued too, with an event."""
         parts = [self.active.long(), self.bad_logits.long().view(1)]
         if unread:
             columns = self.read_len[:, None] + torch.arange(unread * self.columns.numel(), device=self.device)
@@ -587,7 +604,20 @@ class Decoder:
         packed = torch.cat(parts)
         if unread:
             self.read_len.copy_(self.out_len)  # after the pack, in stream order
-        values = np.array(packed.tolist(), np.int64)  # the one copy to the host
+        if packed.device.type != "cuda":
+            return done, unread, packed, None
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return done, unread, host, event
+
+    def _unpack(self, pending: tuple) -> RoundsUpdate:
+        """Wait for a pack's copy (not for rounds enqueued after it) and hand out what it holds."""
+        done, unread, host, event = pending
+        if event is not None:
+            event.synchronize()
+        values = np.array(host.tolist(), np.int64)  # the one copy to the host (on a CPU, the one read)
         batch = self.batch
         active = values[:batch].astype(bool)
         if values[batch]:

@@ -654,7 +654,7 @@ def test_gpu_int4_moe_layers_run_prepared_launches_without_synchronising():
 # ----------------------------------------------------------------------------------------------
 # continuous batching: a request admitted into a row mid-flight decodes as it does alone
 
-def decode_with_refills(decoder, prompts, *, max_new_tokens, stop_tokens=(), cuda_graph=False):
+def decode_with_refills(decoder, prompts, *, max_new_tokens, stop_tokens=(), cuda_graph=False, overlap=False):
     """Decoder-level continuous batching: the first B prompts by reset, each later one admitted
     (Decoder.admit) into the first row that frees up, between two rounds. Per prompt: its streamed
     tokens, its acceptance log, its rounds, and (admitted ones) the row it got and whether another
@@ -664,7 +664,7 @@ def decode_with_refills(decoder, prompts, *, max_new_tokens, stop_tokens=(), cud
     rows, waiting = list(range(batch)), list(range(batch, len(prompts)))
     tokens, logs, rounds, joined = {i: [] for i in range(len(prompts))}, {}, {}, {}
     while any(index is not None for index in rows):
-        for update in decoder.rounds(sync_every=1, stream=True, cuda_graph=cuda_graph):
+        for update in decoder.rounds(sync_every=1, stream=True, cuda_graph=cuda_graph, overlap=overlap):
             for row, index in enumerate(rows):
                 if index is None:
                     continue
@@ -680,10 +680,11 @@ def decode_with_refills(decoder, prompts, *, max_new_tokens, stop_tokens=(), cud
     return tokens, logs, rounds, joined
 
 
-def test_requests_admitted_mid_flight_decode_as_generate_alone(pair):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_admitted_mid_flight_decode_as_generate_alone(pair, overlap):
     """Seven prompts through two rows: each admitted one joins when a row frees up, while the other
     row decodes on; every request's tokens, acceptance log and round count equal generate's for
-    its prompt alone, the other rows' too."""
+    its prompt alone, the other rows' too (overlap: the loop runs a round ahead of its reads)."""
     from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
     target, drafter = pair
     rng = np.random.default_rng(4)
@@ -691,7 +692,8 @@ def test_requests_admitted_mid_flight_decode_as_generate_alone(pair):
     budget, nodes = step_shape("ddtree", 12, drafter.config.draft_depth)
     decoder = Decoder(target, drafter, method="ddtree", budget=budget, batch=2, temperature=0.0, backend="numpy",
                       capacity=decoder_capacity(prompts, 12, nodes, drafter.config.draft_depth))
-    tokens, logs, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=12, stop_tokens=(4,))
+    tokens, logs, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=12, stop_tokens=(4,),
+                                                       overlap=overlap)
     assert sorted(joined) == [2, 3, 4, 5, 6] and any(mid_flight for _, mid_flight in joined.values()), joined
     assert {row for row, _ in joined.values()} == {0, 1}, "admitted into either row"
     for index, prompt in enumerate(prompts):
@@ -740,28 +742,31 @@ def test_admit_refuses_what_it_cannot_take():
 
 
 def test_a_round_reads_the_host_once(monkeypatch):
-    """Decoder.rounds reads the device once per yield (`_read`: a single small copy, .tolist), streaming
-    or not, whatever rows were admitted between yields; the steps themselves read nothing (an AR
-    target with dense layers: see test_a_step_reads_nothing_back_on_the_cpu_path)."""
+    """Decoder.rounds reads the device once per yield (`_pack`/`_unpack`: a single small copy, .tolist),
+    streaming or not, overlapping or not, whatever rows were admitted between yields; the steps
+    themselves read nothing (an AR target with dense layers: see
+    test_a_step_reads_nothing_back_on_the_cpu_path)."""
     from kdtree_lib.decode import Decoder
     target, _ = dense_pair()
     decoder = Decoder(target, None, method="ar", budget=1, batch=2, capacity=64, temperature=0.0, backend="numpy")
     prompts = [np.array([5, 9, 2, 30]), np.array([17, 3]), np.array([8, 8, 1])]
-    for stream in (False, True):
-        decoder.reset(prompts[:2], max_new_tokens=6)
-        loop, per_round, admitted = decoder.rounds(sync_every=1, stream=stream), [], False
-        while True:
-            with HostReads() as reads:
-                update = next(loop, None)
-            if update is None:
-                break
-            per_round.append(reads.calls)
-            if not admitted:  # admitting (a prefill) lies between two rounds, outside them
-                decoder.admit(1, prompts[2])
-                admitted = True
-        assert per_round and all(calls == ["tolist"] for calls in per_round), per_round
     expected = generate(target, None, [prompts[0], prompts[2]], method="ar", max_new_tokens=6)
-    assert [t.tolist() for t in decoder.emitted()] == tokens_of(expected)
+    for stream, overlap in ((False, False), (True, False), (True, True)):
+        decoder.reset(prompts[:2], max_new_tokens=6)
+        per_round, admitted = [], False
+        while not per_round or bool(decoder.active.any()):  # a row admitted late needs the loop again
+            loop = decoder.rounds(sync_every=1, stream=stream, overlap=overlap)
+            while True:
+                with HostReads() as reads:
+                    update = next(loop, None)
+                if update is None:
+                    break
+                per_round.append(reads.calls)
+                if not admitted:  # admitting (a prefill) lies between two rounds, outside them
+                    decoder.admit(1, prompts[2])
+                    admitted = True
+        assert per_round and all(calls == ["tolist"] for calls in per_round), per_round
+        assert [t.tolist() for t in decoder.emitted()] == tokens_of(expected)
 
 
 @gpu
@@ -786,7 +791,8 @@ def test_gpu_admission_keeps_the_prepared_step_and_the_graph():
         decoder.reset(prompts[:2], max_new_tokens=32)
         next(decoder.rounds(cuda_graph=True, sync_every=1, stream=True))  # captures (its rounds are real)
         graph = decoder.graph
-        tokens, _, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=32, cuda_graph=True)
+        tokens, _, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=32, cuda_graph=True,
+                                                        overlap=True)
     finally:
         decode.PreparedStep.__init__ = original
     assert built == [] and decoder.prepared is prepared and decoder.graph is graph

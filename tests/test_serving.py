@@ -552,7 +552,7 @@ def test_a_cancelled_requests_row_is_refilled(monkeypatch, one_thread):
 
 
 def test_an_engine_round_reads_the_host_once(monkeypatch, one_thread):
-    """Per round the engine makes one read, Decoder.rounds' (_read); the rest of its round (posting
+    """Per round the engine makes one read, Decoder.rounds' (_pack/_unpack); the rest of its round (posting
     tokens, stop checks, choosing requests to admit) works on that copy. Reset and admission (their
     prefills) lie outside the rounds; an AR target with dense layers reads nothing in its steps."""
     target, _ = dense_pair(vocab=len(ALPHABET))
@@ -575,9 +575,9 @@ def test_an_engine_round_reads_the_host_once(monkeypatch, one_thread):
             super().admit(*args, **kwargs)
             spans.append((start, len(marks["reads"].calls)))
 
-        def _read(self, *args, **kwargs):
+        def _unpack(self, *args, **kwargs):
             reads_seen.append(1)
-            return super()._read(*args, **kwargs)
+            return super()._unpack(*args, **kwargs)
 
     decode.clear_decoders()
     monkeypatch.setattr(decode, "Decoder", Spans)

@@ -235,8 +235,9 @@ class Engine:
         decoder.reset(prompts, max_new_tokens=sampling.max_new_tokens, stop_tokens=sampling.stop_tokens,
                       seed=self.batches, should_stop=lambda: self._stopping or all(job.cancelled for job in rows))
         while any(rows):
-            # rounds ends once no row is active on the device; rows admitted at its last round need it again
-            for update in decoder.rounds(cuda_graph=self.cuda_graph, sync_every=1, stream=True):
+            # rounds ends once no row is active on the device; rows admitted at its last round need it again.
+            # overlap: the device runs the next round while this thread hands out the last one's tokens
+            for update in decoder.rounds(cuda_graph=self.cuda_graph, sync_every=1, stream=True, overlap=True):
                 for row, job in enumerate(rows):
                     if job is None:
                         continue

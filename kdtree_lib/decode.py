@@ -607,9 +607,9 @@ class Decoder:
         if packed.device.type != "cuda":
             return done, unread, packed, None
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
+        host.copy_(packed, non_blocking=True)  # on the decoder's device's current stream, after the rounds
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # that stream, whichever device this thread is on
         return done, unread, host, event
 
     def _unpack(self, pending: tuple) -> RoundsUpdate:

@@ -493,10 +493,17 @@ def stand_in():
 
 def test_requests_join_a_running_batch_and_decode_as_generate_alone(stand_in, monkeypatch, one_thread):
     """Five requests at once, two rows: two start the batch (reset), three join it as rows free up
-    (Decoder.admit) while the other row decodes on; one Decoder, reset once, nothing rebuilt; every
-    request's tokens and rounds equal generate's for its prompt alone, whatever row it got."""
+    (Decoder.admit) while the other row decodes on; one Decoder, reset once, nothing rebuilt or
+    reallocated (every buffer a prepared step or a graph reads keeps its address); every request's
+    tokens and rounds equal generate's for its prompt alone, whatever row it got."""
     target, drafter, prompts = stand_in.target, stand_in.drafter, [p.tolist() for p in stand_in.prompts[:5]]
-    built, resets, admits = [], [], []
+    built, resets, admits, addresses = [], [], [], []
+
+    def buffers(d):
+        tensors = [d.cache.lengths, *d.cache.kv, d.draft_cache.lengths, *d.draft_cache.keys, *d.draft_cache.values,
+                   d.root, d.features, d.n_features, d.active, d.out, d.out_len, d.max_new, d.accepted, d.round,
+                   d.read_len, d.posterior]
+        return [t.data_ptr() for t in tensors]
 
     class CountedDecoder(decode.Decoder):
         def __init__(self, *args, **kwargs):
@@ -505,11 +512,13 @@ def test_requests_join_a_running_batch_and_decode_as_generate_alone(stand_in, mo
 
         def reset(self, *args, **kwargs):
             resets.append(1)
-            return super().reset(*args, **kwargs)
+            super().reset(*args, **kwargs)
+            addresses.append(buffers(self))
 
         def admit(self, row, prompt, **kwargs):
             admits.append((row, bool(self.active.any())))  # another row decoding as it joins (a test's read)
-            return super().admit(row, prompt, **kwargs)
+            super().admit(row, prompt, **kwargs)
+            addresses.append(buffers(self))
 
     decode.clear_decoders()
     monkeypatch.setattr(decode, "Decoder", CountedDecoder)
@@ -518,6 +527,7 @@ def test_requests_join_a_running_batch_and_decode_as_generate_alone(stand_in, mo
     [results] = engine_answers(service, [prompts], max_new_tokens=16)
     assert len(built) == 1 and len(resets) == 1 and engine.batches == 1, "one Decoder, one reset, for five requests"
     assert engine.admitted == len(admits) == 3 and any(mid_flight for _, mid_flight in admits), admits
+    assert len(addresses) == 4 and all(each == addresses[0] for each in addresses)
     for prompt, (kind, ids, meta) in zip(prompts, results):
         alone = generate(target, drafter, [prompt], budget=8, max_new_tokens=16)
         assert kind == "done" and ids == alone.tokens[0].tolist(), (kind, ids, meta)

@@ -688,8 +688,8 @@ def test_requests_admitted_mid_flight_decode_as_generate_alone(pair, overlap):
     from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
     target, drafter = pair
     rng = np.random.default_rng(4)
-    prompts = PROMPTS + [rng.integers(0, VOCAB, size=n) for n in (2, 12, 5, 9)]
-    budget, nodes = step_shape("ddtree", 12, drafter.config.draft_depth)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]] + [rng.integers(0, VOCAB, size=n) for n in (2, 12, 5, 9)]
+    budget, nodes = step_shape("ddtree", 12, drafter.config.draft_depth)  # PROMPTS[1]: one token, nothing to prefill
     decoder = Decoder(target, drafter, method="ddtree", budget=budget, batch=2, temperature=0.0, backend="numpy",
                       capacity=decoder_capacity(prompts, 12, nodes, drafter.config.draft_depth))
     tokens, logs, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=12, stop_tokens=(4,),

@@ -21,7 +21,7 @@ from kdtree_lib.results import read_rows
 from kdtree_lib.serving import client
 from kdtree_lib.serving.engine import Engine, EngineSettings, RequestError
 from kdtree_lib.serving.server import Service, running_server
-from test_decode import HostReads, dense_pair
+from test_decode import HostReads, assert_equal_or_near_tie, dense_pair
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
 SHARPNESS, BUDGET, MAX_BATCH = 0.3, 32, 4
@@ -533,6 +533,27 @@ def test_requests_join_a_running_batch_and_decode_as_generate_alone(stand_in, mo
         assert kind == "done" and ids == alone.tokens[0].tolist(), (kind, ids, meta)
         assert meta["spec_verify_ct"] == len(alone.acceptance[0]) and meta["batch_size"] == 2
     assert max(meta["spec_accept_length"] for _, _, meta in results) > 2, "the stand-in's drafts are accepted"
+    decode.clear_decoders()
+
+
+@pytest.mark.gpu
+def test_gpu_engine_refills_rows_of_a_captured_step_and_decodes_as_generate():
+    """On a GPU with the kernels: the engine's step is a CUDA graph, five requests go through two rows
+    (three admitted into the graph's rows), and each request's tokens equal generate's for its prompt
+    alone up to bf16 near ties (stand-in pair)."""
+    chosen = pair_with_prompts(8, prompts_per_package=3, prompt_tokens=32, device="cuda", dtype=torch.bfloat16)
+    if not chosen.stand_in:
+        pytest.skip("the stand-in pair's checkpoints are not in data/models")
+    target, drafter, prompts = chosen.target, chosen.drafter, [p.tolist() for p in chosen.prompts[:5]]
+    decode.clear_decoders()
+    # first, so that the kernels are compiled before the engine's updates are waited for
+    alone = [generate(target, drafter, [p], budget=8, max_new_tokens=32).tokens[0].tolist() for p in prompts]
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=8, max_batch=2))
+    assert engine.cuda_graph and engine.backend == "cupy"
+    service = Service(engine, model_name="stand-in", context_length=4096, stop_tokens=())
+    [results] = engine_answers(service, [prompts], max_new_tokens=32)
+    assert all(kind == "done" for kind, _, _ in results) and engine.admitted == 3
+    assert_equal_or_near_tie(target, prompts, alone, [ids for _, ids, _ in results])
     decode.clear_decoders()
 
 

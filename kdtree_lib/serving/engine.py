@@ -203,8 +203,10 @@ class Engine:
         request. Each round's new tokens go out as they come, then each request's meta_info."""
         rows: list[Job | None] = list(batch)
         self.batch = list(batch)
+        device = self.target.device  # a thread starts on GPU 0: a graph's capture stream must be the model's GPU's
         try:
-            self._serve(rows, loop)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                self._serve(rows, loop)
         except PrefillCancelled:  # the batch's own prefill, every request of it gone
             for job in rows:
                 if job is not None:

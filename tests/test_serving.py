@@ -629,14 +629,16 @@ def test_an_engine_round_reads_the_host_once(monkeypatch, one_thread):
 
 def test_serving_vs_generate_writes_a_stamped_row_per_step(tmp_path, one_thread):
     """On the CPU with the tiny random pair (no checkpoints in --models-dir): one row per distinct step
-    (chain's budgets 8 and 32 are one step of the drafter's depth), stamped, tokens equal through both
-    paths; the ratio is the engine's tokens/s over generate's."""
+    (chain's budgets 8 and 32 are one step of the drafter's depth) and batch wait, stamped, tokens
+    equal through both paths; the ratio is the engine's tokens/s over generate's."""
     from kdtree_lib.bench import serving_vs_generate
     code = serving_vs_generate.main(["--device", "cpu", "--models-dir", str(tmp_path / "none"), "--methods", "ar,chain",
                                      "--budgets", "8,32", "--new-tokens", "8", "--prompt-tokens", "6",
-                                     "--prompts-per-package", "1", "--repeats", "2", "--results-dir", str(tmp_path)])
+                                     "--prompts-per-package", "1", "--repeats", "2", "--batch-wait-ms", "5,0",
+                                     "--results-dir", str(tmp_path)])
     rows = read_rows(serving_vs_generate.TOPIC, results_dir=tmp_path)
-    assert code == 0 and [(row["method"], row["budget"]) for row in rows] == [("ar", "1"), ("chain", "7")]
+    assert code == 0 and [(row["method"], row["budget"], row["batch_wait_s"]) for row in rows] == [
+        ("ar", "1", "0.005"), ("ar", "1", "0.0"), ("chain", "7", "0.005"), ("chain", "7", "0.0")]
     for row in rows:
         assert row["date"] and row["commit"] and row["device"] and row["same_tokens"] == "True", row
         assert row["requests"] == "2" and row["concurrency"] == "1" and row["pair"].startswith("random")
@@ -648,6 +650,7 @@ def test_serving_vs_generate_writes_a_stamped_row_per_step(tmp_path, one_thread)
     (["--methods", "ddtree,beam"], "argument --methods: expected a comma-separated list of ar, chain, ddtree"),
     (["--budgets", "8,0"], "argument --budgets: expected an integer in 1.."),
     (["--device", "tpu"], "argument --device: invalid choice"),
+    (["--batch-wait-ms", "5,-1"], "argument --batch-wait-ms: expected a finite number >= 0, got '-1'"),
 ])
 def test_serving_vs_generate_refuses_a_bad_argument_in_one_line(arguments, message, tmp_path, capsys):
     from kdtree_lib.bench import serving_vs_generate

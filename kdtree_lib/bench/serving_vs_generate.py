@@ -17,7 +17,8 @@ One row per (method, budget) goes to data/results/serving_vs_generate.csv; `same
 every request's tokens were equal through both paths.
 
     python -m kdtree_lib.bench.serving_vs_generate --device cuda                       # ddtree, budget 8
-    python -m kdtree_lib.bench.serving_vs_generate --device cuda --methods ar,chain,ddtree --budgets 8,32
+    python -m kdtree_lib.bench.serving_vs_generate --device cuda --methods ar,chain,ddtree --budgets 8,32 \
+        --batch-wait-ms 5,0            # the server's default wait for batch partners, and none
 """
 from __future__ import annotations
 
@@ -117,24 +118,25 @@ def measure(target, drafter, prompts, *, method: str, budget: int, new_tokens: i
 
 
 def run(*, methods=("ddtree",), budgets=(8,), device: str = "cuda", new_tokens: int = 128, prompt_tokens: int = 128,
-        prompts_per_package: int = 4, repeats: int = 3, block_size: int = 8, batch_wait_s: float | None = None,
+        prompts_per_package: int = 4, repeats: int = 3, block_size: int = 8, batch_waits_s=None,
         models_dir=None, results_dir=None, progress: bool = True, log=print) -> list[dict]:
-    """Every (method, budget) of the grid (AR once, whatever the budgets); appends the rows and returns them."""
+    """Every (method, budget, batch wait) of the grid (AR once, whatever the budgets; batch_waits_s None:
+    the server's default wait); appends the rows and returns them."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     chosen = pair_with_prompts(block_size, prompts_per_package=prompts_per_package, prompt_tokens=prompt_tokens,
                                models_dir=models_dir, device=device, dtype=dtype)
     log(f"pair: {chosen.description}")
-    wait = EngineSettings().batch_wait_s if batch_wait_s is None else batch_wait_s
+    waits = [EngineSettings().batch_wait_s] if batch_waits_s is None else list(batch_waits_s)
     depth = chosen.drafter.config.draft_depth
     # one row per distinct step: AR has no budget, the chain drafts at most the drafter's depth
     grid = list(dict.fromkeys((method, step_shape(method, budget, depth)[0]) for method in methods for budget in budgets))
     rows = []
-    for method, budget in grid:
+    for (method, budget), wait in ((step, wait) for step in grid for wait in waits):
         row = measure(chosen.target, chosen.drafter, chosen.prompts, method=method, budget=budget,
                       new_tokens=new_tokens, repeats=repeats, batch_wait_s=wait, progress=progress)
         rows.append({**row, "pair": chosen.name, "dtype": str(dtype).removeprefix("torch."),
                      "prompt_tokens": prompt_tokens, "block_size": block_size})
-        log(f"{method} budget {row['budget']}: generate {row['generate_tokens_per_second']:.1f} tok/s, engine "
+        log(f"{method} budget {row['budget']}, batch wait {1e3 * wait:g} ms: generate {row['generate_tokens_per_second']:.1f} tok/s, engine "
             f"{row['engine_tokens_per_second']:.1f} tok/s, ratio {row['ratio']:.3f} (target >= {TARGET_RATIO}), "
             f"same tokens: {row['same_tokens']}")
     results.append_rows(TOPIC, rows, results_dir=results_dir)
@@ -169,8 +171,9 @@ def main(argv=None) -> int:
                         help="held-out prompts of each package (the requests)")
     parser.add_argument("--repeats", type=cli.positive_int, default=3)
     parser.add_argument("--block-size", type=int, choices=(8, 16), default=8)
-    parser.add_argument("--batch-wait-ms", type=cli.nonnegative_float, default=None,
-                        help="the engine's wait for requests to share a batch (default: the server's)")
+    parser.add_argument("--batch-wait-ms", type=_choices(cli.nonnegative_float), default=None,
+                        help="comma-separated waits of the engine's scheduler for requests to share a batch, a row "
+                             "each (default: the server's)")
     parser.add_argument("--models-dir", type=Path, default=None,
                         help="where the stand-in pair's folders are (default data/models; without them: a tiny "
                              "random pair)")
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     results.check_writable(args.results_dir, topics=(TOPIC,))
     run(methods=args.methods, budgets=args.budgets, device=args.device, new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens, prompts_per_package=args.prompts_per_package, repeats=args.repeats,
-        block_size=args.block_size, batch_wait_s=None if args.batch_wait_ms is None else args.batch_wait_ms / 1e3,
+        block_size=args.block_size,
+        batch_waits_s=None if args.batch_wait_ms is None else [ms / 1e3 for ms in args.batch_wait_ms],
         models_dir=args.models_dir, results_dir=args.results_dir)
     return 0
 

@@ -496,6 +496,7 @@ class Decoder:
         return prompt_tokens - 1 + max_new_tokens + self.capacity_margin <= self.capacity
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, name: str = "prompts") -> None:
+        """fits, or a ValueError naming the argument `name` (reset's prompts, admit's prompt)."""
         if not self.fits(prompt_tokens, max_new_tokens):
             raise ValueError(f"{name}: {prompt_tokens - 1} prompt tokens + {max_new_tokens} new tokens do not "
                              f"fit this decoder's capacity {self.capacity}")

@@ -77,7 +77,9 @@ def launch_host_costs(*, batches: int = 25) -> list[dict]:
     device drained between batches) of kernels/probes.cu's launch_floor (no parameters) and
     launch_params (8: six scalars, two pointers, doing nothing), on torch's current stream, two ways:
     "cupy_call" as the launchers called CuPy before cuda.PreparedLaunch (a CuPy Stream wrapped around
-    torch's per launch, CuPy converting each argument) and "prepared" (cuda.PreparedLaunch)."""
+    torch's per launch, CuPy converting each argument) and "prepared" (cuda.PreparedLaunch); and, for
+    scale, one small torch op (`add_` on one element: kernel "torch_add_", path "torch"), the unit an
+    eager model step pays per op."""
     _check_positive("batches", batches)
     import torch
     from .. import cuda
@@ -87,10 +89,12 @@ def launch_host_costs(*, batches: int = 25) -> list[dict]:
     params = cuda.device_function(PROBES_FILE, "launch_params", device)
     args = (np.int32(1), np.uint32(2), np.int64(3), np.uint64(4), np.float32(5), np.float64(6), np.uint64(0),
             np.uint64(0))
+    one = torch.zeros(1, device=f"cuda:{device}")
     cases = {("launch_floor", 0, "cupy_call"): lambda: floor((1,), (32,), (), stream=cuda.current_stream()),
              ("launch_floor", 0, "prepared"): cuda.PreparedLaunch(floor, (1,), (32,), (), device=device),
              ("launch_params", 8, "cupy_call"): lambda: params((1,), (32,), args, stream=cuda.current_stream()),
-             ("launch_params", 8, "prepared"): cuda.PreparedLaunch(params, (1,), (32,), args, device=device)}
+             ("launch_params", 8, "prepared"): cuda.PreparedLaunch(params, (1,), (32,), args, device=device),
+             ("torch_add_", 1, "torch"): lambda: one.add_(1)}
     rows = []
     for (kernel, n_args, path), call in cases.items():
         times = []

@@ -7,7 +7,8 @@ warm-up compiles the kernels and captures the graph), with the same prompts and 
 - impl "kdtree": kdtree_lib.decode.generate with the kernels (backend "cupy"), graph and eager;
   every row also carries the step measured on its own Decoder (step_profile), after that shape's
   warm-up (kernels compiled, lazy init done, so no stage time holds a compilation): per-stage
-  milliseconds per step (draft, tree, verify, accept; CUDA events on eager steps), the eager step's
+  milliseconds per step (draft, tree, verify, accept; CUDA events on eager steps; <stage>_host_ms: the
+  host's milliseconds enqueueing each stage, the split that matters when the host bounds), the eager step's
   and the graph replay's milliseconds, and their ratio (eager_vs_graph), and the host's milliseconds
   to enqueue one eager step (eager_host_ms: above the graph replay, the eager step is host-bound);
   with --profile-dir, a cProfile of PROFILE_STEPS eager steps of each shape goes there too
@@ -171,6 +172,7 @@ def step_profile(target, drafter, prompts, *, method: str, budget: int, new_toke
     for _ in range(STEP_REPEATS):
         decoder.step(timer)
     stages = {stage: 1e3 * seconds / STEP_REPEATS for stage, seconds in timer.totals().items()}
+    host_stages = {stage: 1e3 * seconds / STEP_REPEATS for stage, seconds in timer.host_totals().items()}
     eager = 1e3 * gpu_seconds(decoder.step, reps=STEP_REPEATS, warmup=1, flush="none")
     host = 1e3 * host_seconds(decoder.step, STEP_REPEATS)
     if profile_dir is not None:
@@ -178,6 +180,7 @@ def step_profile(target, drafter, prompts, *, method: str, budget: int, new_toke
     decoder.capture()
     graph = 1e3 * gpu_seconds(decoder.graph.replay, reps=STEP_REPEATS, warmup=1, flush="none")
     return {**{f"{stage}_ms_per_round": ms for stage, ms in stages.items()},  # a step is one round
+            **{f"{stage}_host_ms": ms for stage, ms in host_stages.items()},
             "eager_step_ms": eager, "graph_step_ms": graph, "eager_vs_graph": eager / graph, "eager_host_ms": host}
 
 
@@ -209,7 +212,33 @@ def profile_host(call, repeats: int, stem: Path) -> None:
     text.write(f"{repeats} eager steps\n")
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(60)
+    text.write(launch_counts(call, 5))
     stem.with_suffix(".txt").write_text(text.getvalue())
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def launch_counts(call, repeats: int) -> str:
+    """Per call of call(): top-level host ops (torch.profiler's CPU events without a parent), kernel
+    launches (the CUDA API's launch calls) and kernels run, and the ops by count."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                call()
+            torch.cuda.synchronize()
+        events = prof.events()
+    except Exception as error:  # a profiler that cannot start here says why instead
+        return f"torch.profiler: {type(error).__name__}: {error}\n"
+    top = Counter(e.name for e in events if e.cpu_parent is None and e.device_type.name == "CPU")
+    launches = sum(1 for e in events if e.name in LAUNCH_CALLS)
+    kernels = sum(1 for e in events if e.device_type.name == "CUDA")
+    lines = [f"per step: {sum(top.values()) / repeats:.1f} top-level host ops, {launches / repeats:.1f} kernel "
+             f"launches, {kernels / repeats:.1f} device events (kernels, copies)"]
+    lines += [f"{count / repeats:8.1f}  {name}" for name, count in top.most_common(40)]
+    return "\n".join(lines) + "\n"
 
 
 def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str, prompt_tokens: int,

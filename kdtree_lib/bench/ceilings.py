@@ -52,20 +52,26 @@ def mma_sync_rate(iters: int = 8192) -> float:
     _check_positive("iters", iters)
     import cupy
     from .. import cuda
-    kernel = cuda.get_function(PROBES_FILE, "mma_sync_ceiling")
+    device = cupy.cuda.Device().id
     blocks = 2 * cupy.cuda.Device().attributes["MultiProcessorCount"]
     sink = cupy.zeros(1, cupy.float32)
-    seconds = gpu_seconds(lambda: kernel((blocks,), (256,), (sink, np.int32(iters)), stream=cuda.current_stream()),
-                          reps=5, flush_bytes=SMALL_FLUSH)
+    launch = cuda.PreparedLaunch(cuda.device_function(PROBES_FILE, "mma_sync_ceiling", device), (blocks,), (256,),
+                                 (cuda.pointer(sink), np.int32(iters)), device=device)
+    seconds = gpu_seconds(launch, reps=5, flush_bytes=SMALL_FLUSH)
     return blocks * 8 * iters * 8 * FLOPS_PER_MMA / seconds
 
 
 def launch_floor_seconds() -> float:
     """Median time of an empty kernel under gpu_seconds (events around the call, L2 flushed first): the
-    fixed cost of one launch, which every kernel pays (a split verify call pays it for its merge too)."""
+    fixed cost of one launch, which every kernel pays (a split verify call pays it for its merge too).
+    Launched as every kernel of the project is, through cuda.PreparedLaunch (rows before it launched
+    through CuPy's call, whose host cost could fall inside the events)."""
+    import torch
     from .. import cuda
-    kernel = cuda.get_function(PROBES_FILE, "launch_floor")
-    return gpu_seconds(lambda: kernel((1,), (32,), (), stream=cuda.current_stream()), reps=30)
+    device = torch.cuda.current_device()
+    launch = cuda.PreparedLaunch(cuda.device_function(PROBES_FILE, "launch_floor", device), (1,), (32,), (),
+                                 device=device)
+    return gpu_seconds(launch, reps=30)
 
 
 LAUNCH_HOST_TOPIC = "launch_host"

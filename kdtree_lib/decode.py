@@ -417,7 +417,7 @@ class Decoder:
 
     def _commit(self, tree_tokens, features, path, n_accepted, bonus, new_lengths) -> None:
         """Emit the accepted drafts and the bonus, log the round, stop, and feed the drafter."""
-        live = self.active.clone()                                                       # (B,)
+        live = self.active  # (B,): updated in place only by the last line, after every read
         drafts = tree_tokens.gather(1, path[:, 1:].clamp(min=0))                         # (B, D) junk past n_acc-1
         emitted = torch.cat([drafts, bonus[:, None]], dim=1)                             # (B, D+1)
         emitted.scatter_(1, (n_accepted - 1)[:, None], bonus[:, None])                   # the bonus ends the run
@@ -790,25 +790,32 @@ def sample_posterior(logits, temperature: float, generator=None, *, out=None) ->
 # stage times
 
 class StageTimer:
-    """Per-stage times: CUDA events on a GPU (read once, at the end), the host clock on a CPU."""
+    """Per-stage times: CUDA events on a GPU (read once, at the end), the host clock on a CPU; and on
+    either, the host's own seconds in each stage (`host_totals`: the clock around the enqueueing, no
+    synchronisation), which is where an eager step's time goes when the host, not the device, bounds it."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
         self.events: list[tuple[str, object, object]] = []
         self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.host_seconds = dict.fromkeys(STAGES, 0.0)
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             yield
+            self.host_seconds[stage] += time.perf_counter() - begin
             end.record()
             self.events.append((stage, start, end))
         else:
             begin = time.perf_counter()
             yield
-            self.seconds[stage] += time.perf_counter() - begin
+            elapsed = time.perf_counter() - begin
+            self.seconds[stage] += elapsed
+            self.host_seconds[stage] += elapsed
 
     def totals(self) -> dict[str, float]:
         if self.events:
@@ -817,6 +824,9 @@ class StageTimer:
                 self.seconds[stage] += start.elapsed_time(end) / 1e3
             self.events.clear()
         return dict(self.seconds)
+
+    def host_totals(self) -> dict[str, float]:
+        return dict(self.host_seconds)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,9 @@
 - torch tensors are viewed zero-copy (bf16 as int16, which CuPy can hold; the kernel reads it as
   `__nv_bfloat16`), and kernels run on torch's current stream so no extra synchronisation is
   needed between torch ops and ours.
+- Every launch is a `PreparedLaunch`: parameters packed once (`KernelParams`), then per call only
+  torch's current raw stream is read and cuLaunchKernel called (CuPy's per-call argument conversion
+  and Stream wrapping cost several times the launch itself on a slow host).
 - `nvcc_compile` builds a kernel file for a given architecture without a GPU (CI checks sm_90 and
   sm_120 this way, sm_90a for the wgmma kernel); `ptxas_report` reads each kernel's registers,
   spills and static shared memory from that build.
@@ -98,7 +101,8 @@ def as_cupy(x):
 
 
 def current_stream():
-    """torch's current CUDA stream as a CuPy stream (CuPy's own when torch is not in use)."""
+    """torch's current CUDA stream as a CuPy stream (CuPy's own when torch is not in use), for CuPy's
+    own array operations (`with current_stream():`); launches read `stream_pointer` instead."""
     import sys
     import cupy
     torch = sys.modules.get("torch")
@@ -311,6 +315,7 @@ class PreparedLaunch:
     launch: calling it enqueues nothing. Dynamic shared memory above 48 KB is opted in here, on the
     function for this device. Called while another device is current, it launches on its own device
     (and restores the caller's). A launch the driver refuses raises LaunchError naming the kernel.
+    Not for several threads at once: `set` and the call share the parameter buffer.
     """
 
     __slots__ = ("name", "device", "grid", "block", "shared_mem", "params", "_function", "_ptr", "_context",

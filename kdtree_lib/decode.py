@@ -36,8 +36,10 @@ kernels every launch (PreparedStep: draft top-k, tree build, per layer the verif
 INT4 MoE, accept, compaction). A step only enqueues work and updates those buffers in place (the
 caches' lengths too), with no host synchronisation, eagerly or captured once in a CUDA graph and
 replayed. The loop (Decoder.rounds, what generate, the server and the benches drive) reads
-`active` back every `sync_every` steps. Finished requests keep running in lockstep and change
-nothing. docs/DESIGN.md "The step as built" lists what is prepared when and where the host is touched.
+`active` (and, streaming, the new tokens) back in one copy every `sync_every` steps. Finished
+requests keep running in lockstep and change nothing, until Decoder.admit starts a new request in
+their row between two rounds (the server's continuous batching). docs/DESIGN.md "The step as
+built" lists what is prepared when and where the host is touched.
 
 Tensor parallel: decode_tp.generate_tp spawns the ranks of a sharded target, each runs generate in
 lockstep with the others (no per-step broadcast); `python -m kdtree_lib.decode` is the launcher,
@@ -50,7 +52,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -343,7 +345,8 @@ class Decoder:
         self.max_new = torch.zeros(batch, **long)
         self.stop_table = torch.full((MAX_STOP_TOKENS,), -1, **long)
         self.accepted = torch.zeros(batch, capacity + 64, **long)              # per round; last column: overflow
-        self.round = torch.zeros((), **long)
+        self.round = torch.zeros(batch, **long)                                # rounds each request took part in
+        self.read_len = torch.zeros(batch, **long)                             # out_len at the loop's last read
         # set on the device when a step's target logits hold NaN (an argmax would return a NaN's index as
         # a token); read at the loop's synchronisation, so a step itself reads nothing back
         self.bad_logits = torch.zeros((), dtype=torch.bool, device=device)
@@ -356,6 +359,7 @@ class Decoder:
         self.graph = None
         self.capture_seconds = 0.0                                             # the last capture's
         self.max_new_tokens, self.stop_tokens = 0, ()
+        self.handed = np.zeros(batch, np.int64)                                # host: tokens streamed per request
         self.prepared = PreparedStep(self) if backend == "cupy" else None
 
     def check_shape(self, *, batch: int, budget: int | None = None, capacity: int | None = None) -> None:
@@ -413,7 +417,7 @@ class Decoder:
 
     def _commit(self, tree_tokens, features, path, n_accepted, bonus, new_lengths) -> None:
         """Emit the accepted drafts and the bonus, log the round, stop, and feed the drafter."""
-        live = self.active.clone()                                                       # (B,)
+        live = self.active  # (B,): updated in place only by the last line, after every read
         drafts = tree_tokens.gather(1, path[:, 1:].clamp(min=0))                         # (B, D) junk past n_acc-1
         emitted = torch.cat([drafts, bonus[:, None]], dim=1)                             # (B, D+1)
         emitted.scatter_(1, (n_accepted - 1)[:, None], bonus[:, None])                   # the bonus ends the run
@@ -421,9 +425,10 @@ class Decoder:
         discard = self.out.shape[1] - 1
         self.out.scatter_(1, torch.where(valid, self.out_len[:, None] + self.columns, discard), emitted)
         committed = torch.where(live, n_accepted, 0)
-        column = self.round.clamp(max=self.accepted.shape[1] - 1).view(1)
-        self.accepted.index_copy_(1, column, committed[:, None])
-        self.round += 1
+        # each request's own round count indexes its log, so a request admitted mid-flight logs from column 0
+        column = self.round.clamp(max=self.accepted.shape[1] - 1)
+        self.accepted.scatter_(1, column[:, None], committed[:, None])
+        self.round += live
         stopped = (valid[..., None] & (emitted[..., None] == self.stop_table)).flatten(1).any(dim=1)
         self.out_len += committed
         self.cache.lengths.copy_(torch.where(live, new_lengths, self.cache.lengths))
@@ -447,44 +452,81 @@ class Decoder:
         first, so a stopped prefill leaves nothing the next reset would read)."""
         if len(prompts) != self.batch:
             raise ValueError(f"prompts: this decoder holds {self.batch} requests, got {len(prompts)}")
-        device = self.device
-        committed = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        longest = max(len(p) for p in prompts) - 1
-        if longest + max_new_tokens + self.capacity_margin > self.capacity:
-            raise ValueError(f"prompts: {longest} prompt tokens + {max_new_tokens} new tokens do not "
-                             f"fit this decoder's capacity {self.capacity}")
-        self._prefill(prompts, committed, should_stop)
-        self.root.copy_(torch.tensor([int(p[-1]) for p in prompts], device=device))
-        if self.drafting:
-            self.features.zero_()
-        self.n_features.zero_()
-        self.active.fill_(True)
-        self.out.zero_()
-        self.out_len.zero_()
-        self.max_new.fill_(max_new_tokens)
+        self.check_fits(max(len(p) for p in prompts), max_new_tokens)
+        self.active.fill_(False)  # a stopped prefill leaves no request running
+        self.max_new_tokens, self.stop_tokens = max_new_tokens, tuple(stop_tokens)
+        self._prefill(prompts, self.cache, self.draft_cache, should_stop)
+        self._start_rows(slice(None), torch.tensor([int(p[-1]) for p in prompts]))
         self.stop_table.fill_(-1)
         if stop_tokens:
-            self.stop_table[:len(stop_tokens)] = torch.tensor(stop_tokens, device=device)
-        self.accepted.zero_()
-        self.round.zero_()
+            self.stop_table[:len(stop_tokens)] = torch.tensor(stop_tokens, device=self.device)
         self.bad_logits.zero_()
         self.generator.manual_seed(seed)
-        self.max_new_tokens, self.stop_tokens = max_new_tokens, tuple(stop_tokens)
 
-    def _prefill(self, prompts: list[np.ndarray], committed: torch.Tensor,
-                 should_stop: Callable[[], bool] | None = None) -> None:
-        """Commit prompt[:-1] to the target's cache in chunks (no logits: the last prompt token is
-        the first root) and each chunk's features to the drafter's context. Both caches update their
-        length buffers in place, so they stay the decoder's own (the prepared launches and a
-        captured graph read them)."""
-        self.cache.lengths.zero_()
+    @torch.no_grad()
+    def admit(self, row: int, prompt, *, should_stop: Callable[[], bool] | None = None) -> None:
+        """Start a new request in `row` between two rounds (continuous batching), the other rows
+        untouched: its prompt[:-1] is prefilled into that row of both caches alone (a batch-1 view of
+        the row: its lengths restart at 0), its per-request buffers start as reset starts them, and
+        it joins the next step. It shares the batch's max_new_tokens, stop tokens and temperature
+        (set by reset). Nothing is re-prepared: the step's launches and a captured graph read the
+        same buffers. Whatever the row held is dropped (a finished or cancelled request's).
+        should_stop: as reset's, for this request; a stopped admission leaves the row idle."""
+        if not self.max_new_tokens:
+            raise ValueError("admit: reset the decoder with a batch first (it sets the max_new_tokens and stop "
+                             "tokens an admitted request shares)")
+        if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.batch:
+            raise ValueError(f"row: expected a row index in 0..{self.batch - 1}, got {row!r}")
+        [prompt] = prompt_list([prompt], self.target.config.vocab_size)
+        _check_positions([prompt], self.max_new_tokens, self.target.config.max_position_embeddings)
+        self.check_fits(len(prompt), self.max_new_tokens, "prompt")
+        rows = slice(row, row + 1)
+        self.active[rows] = False  # idle until its prefill is done
+        cache = replace(self.cache, kv=[kv[rows] for kv in self.cache.kv], lengths=self.cache.lengths[rows])
+        draft_cache = None
         if self.drafting:
-            self.draft_cache.lengths.zero_()
-        width = int(committed.max())
-        tokens = torch.zeros(self.batch, width, dtype=torch.long)
+            d = self.draft_cache
+            draft_cache = replace(d, keys=[k[rows] for k in d.keys], values=[v[rows] for v in d.values],
+                                  lengths=d.lengths[rows])
+        self._prefill([prompt], cache, draft_cache, should_stop)
+        self._start_rows(rows, torch.tensor([int(prompt[-1])]))
+
+    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """A request of this many prompt tokens and new tokens fits the caches (with a step's margin)."""
+        return prompt_tokens - 1 + max_new_tokens + self.capacity_margin <= self.capacity
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, name: str = "prompts") -> None:
+        """fits, or a ValueError naming the argument `name` (reset's prompts, admit's prompt)."""
+        if not self.fits(prompt_tokens, max_new_tokens):
+            raise ValueError(f"{name}: {prompt_tokens - 1} prompt tokens + {max_new_tokens} new tokens do not "
+                             f"fit this decoder's capacity {self.capacity}")
+
+    def _start_rows(self, rows: slice, roots: torch.Tensor) -> None:
+        """The per-request buffers of `rows` as a new request finds them (reset: every row; admit: one):
+        roots, no features yet, empty output and acceptance log, active."""
+        self.root[rows] = roots.to(self.device)
+        if self.drafting:
+            self.features[rows] = 0
+        for buffer in (self.n_features, self.out, self.out_len, self.accepted, self.round, self.read_len):
+            buffer[rows] = 0
+        self.max_new[rows] = self.max_new_tokens
+        self.handed[rows] = 0
+        self.active[rows] = True
+
+    def _prefill(self, prompts: list[np.ndarray], cache, draft_cache, should_stop: Callable[[], bool] | None) -> None:
+        """Commit prompt[:-1] to the target's cache in chunks (no logits: the last prompt token is
+        the first root) and each chunk's features to the drafter's context; `cache`/`draft_cache`
+        are the decoder's, or one row's view of them (admit). Both caches update their length
+        buffers in place, so they stay the decoder's own (the prepared launches and a captured
+        graph read them)."""
+        cache.lengths.zero_()
+        if self.drafting:
+            draft_cache.lengths.zero_()
+        committed = torch.tensor([len(p) - 1 for p in prompts])
+        tokens = torch.zeros(len(prompts), max(len(p) for p in prompts) - 1, dtype=torch.long)
         for b, prompt in enumerate(prompts):
             tokens[b, :len(prompt) - 1] = torch.from_numpy(prompt[:-1])
-        chunks = self.target.prefill_chunks(tokens, self.cache, n_valid=committed.to(torch.int32),
+        chunks = self.target.prefill_chunks(tokens, cache, n_valid=committed.to(torch.int32),
                                             feature_layers=self.feature_layers, chunk=self.prefill_chunk)
         with contextlib.closing(chunks):  # a stopped prefill ends the target's generator at once
             while should_stop is None or not should_stop():
@@ -492,7 +534,7 @@ class Decoder:
                 if chunk is None:
                     return
                 if self.drafting:
-                    self.drafter.extend(self.draft_cache, chunk.features, chunk.committed)
+                    self.drafter.extend(draft_cache, chunk.features, chunk.committed)
         raise PrefillCancelled("should_stop: the batch was given up during its prefill")
 
     @property
@@ -502,42 +544,96 @@ class Decoder:
 
     @torch.no_grad()
     def rounds(self, *, cuda_graph: bool = False, timer=None, sync_every: int = 4, max_rounds: int | None = None,
-               stream: bool = False):
+               stream: bool = False, overlap: bool = False):
         """The decode loop, after reset: run rounds (eager steps, or replays of the step's CUDA graph,
         captured on first use) and every `sync_every` rounds yield a RoundsUpdate; stop when no
         request is active or after max_rounds (default max_new_tokens + sync_every) rounds.
 
-        Between yields nothing is read back; at a yield the host reads `active` (the loop's one
-        synchronisation) and, with stream=True, each request's tokens so far (one more copy), handing
-        out only the new ones, cut as generate cuts them (emitted_tokens). A consumer that stops
-        early (cancelled requests) just stops iterating.
+        Between yields nothing is read back; each update is one copy to the host (`_pack`, then
+        `_unpack`, the loop's one synchronisation): `active`, and with stream=True each request's
+        tokens committed since the last read (handed out cut as generate cuts them, emitted_tokens)
+        and its round count. overlap=True enqueues the next sync_every rounds before waiting for
+        that copy, so the host's work on an update (the server's) overlaps the device's next rounds;
+        the loop then runs sync_every rounds past the last request's end, changing nothing. A
+        consumer that stops early (cancelled requests) just stops iterating; one that admits
+        requests between two yields (admit) calls rounds again once this loop has ended. With
+        overlap the rounds already enqueued run before an admission, the admitted row idle in them.
         """
         sync_every = check_positive_int("sync_every", sync_every)
         limit = self.max_new_tokens + sync_every if max_rounds is None else check_positive_int("max_rounds", max_rounds)
-        done, sent = 0, [0] * self.batch
+        ran = unread = 0  # rounds run; of them, since the last pack
         self.capture_seconds = 0.0
         if cuda_graph and self.graph is None:
-            done += WARMUP_STEPS
+            ran = unread = WARMUP_STEPS
             self.capture()
-        while done < limit:
+
+        def advance():
+            nonlocal ran, unread
             for _ in range(sync_every):
                 if cuda_graph:
                     self.graph.replay()
                 else:
                     self.step(timer)
-            done += sync_every
-            active = self.active.cpu().numpy()  # the loop's one synchronisation
-            if bool(self.bad_logits.cpu()):  # after that synchronisation: a copy, no further wait
-                raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index "
-                                 "as a token)")
-            new = None
-            if stream:
-                tokens = self.emitted()
-                new = [t[s:] for t, s in zip(tokens, sent)]
-                sent = [len(t) for t in tokens]
-            yield RoundsUpdate(rounds=done, active=active, new_tokens=new)
-            if not active.any():
+            ran += sync_every
+            unread += sync_every
+
+        advance()
+        while True:
+            pending = self._pack(ran, unread if stream else 0)
+            unread = 0
+            if overlap and ran < limit:
+                advance()  # enqueued ahead of the wait for `pending`
+            update = self._unpack(pending)
+            yield update
+            if not update.active.any():
                 break
+            if not unread:
+                if ran >= limit:
+                    break
+                advance()
+
+    def _pack(self, done: int, unread: int) -> tuple:
+        """Enqueue the loop's one read: `active` and the NaN flag, and (unread > 0: streaming) per
+        request its out_len at the previous read and now, its round count, and the output columns
+        after the previous read that `unread` rounds can have filled (D+1 tokens each at most), packed
+        into one small tensor; on a GPU its copy to pinned host memory is enqueued too, with an event."""
+        parts = [self.active.long(), self.bad_logits.long().view(1)]
+        if unread:
+            columns = self.read_len[:, None] + torch.arange(unread * self.columns.numel(), device=self.device)
+            window = self.out.gather(1, columns.clamp(max=self.out.shape[1] - 1))
+            parts += [self.read_len, self.out_len, self.round, window.flatten()]
+        packed = torch.cat(parts)
+        if unread:
+            self.read_len.copy_(self.out_len)  # after the pack, in stream order
+        if packed.device.type != "cuda":
+            return done, unread, packed, None
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)  # on the decoder's device's current stream, after the rounds
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))  # that stream, whichever device this thread is on
+        return done, unread, host, event
+
+    def _unpack(self, pending: tuple) -> RoundsUpdate:
+        """Wait for a pack's copy (not for rounds enqueued after it) and hand out what it holds."""
+        done, unread, host, event = pending
+        if event is not None:
+            event.synchronize()
+        values = np.array(host.tolist(), np.int64)  # the one copy to the host (on a CPU, the one read)
+        batch = self.batch
+        active = values[:batch].astype(bool)
+        if values[batch]:
+            raise ValueError("logits: the target's logits contain NaN (an argmax would return a NaN's index as a token)")
+        if not unread:
+            return RoundsUpdate(rounds=done, active=active, new_tokens=None)
+        before, now, request_rounds, window = np.split(values[batch + 1:], [batch, 2 * batch, 3 * batch])
+        window = window.reshape(batch, -1)
+        new = []
+        for b in range(batch):
+            tokens = emitted_tokens(window[b], now[b] - before[b], self.max_new_tokens - self.handed[b],
+                                    self.stop_tokens)
+            self.handed[b] += len(tokens)
+            new.append(tokens)
+        return RoundsUpdate(rounds=done, active=active, new_tokens=new, request_rounds=request_rounds)
 
     def emitted(self) -> list[np.ndarray]:
         """Each request's new tokens so far, as generate returns them (a read of the output buffer)."""
@@ -612,6 +708,7 @@ class RoundsUpdate:
     rounds: int                            # rounds run since reset (warm-up rounds of a first capture included)
     active: np.ndarray                     # bool [B]: requests still decoding
     new_tokens: list[np.ndarray] | None    # per request, tokens emitted since the previous update (stream=True)
+    request_rounds: np.ndarray | None = None  # per request, rounds it took part in since reset/admit (stream=True)
 
 
 def emitted_tokens(row: np.ndarray, length: int, max_new_tokens: int, stop_tokens) -> np.ndarray:
@@ -693,25 +790,32 @@ def sample_posterior(logits, temperature: float, generator=None, *, out=None) ->
 # stage times
 
 class StageTimer:
-    """Per-stage times: CUDA events on a GPU (read once, at the end), the host clock on a CPU."""
+    """Per-stage times: CUDA events on a GPU (read once, at the end), the host clock on a CPU; and on
+    either, the host's own seconds in each stage (`host_totals`: the clock around the enqueueing, no
+    synchronisation), which is where an eager step's time goes when the host, not the device, bounds it."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
         self.events: list[tuple[str, object, object]] = []
         self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.host_seconds = dict.fromkeys(STAGES, 0.0)
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             yield
+            self.host_seconds[stage] += time.perf_counter() - begin
             end.record()
             self.events.append((stage, start, end))
         else:
             begin = time.perf_counter()
             yield
-            self.seconds[stage] += time.perf_counter() - begin
+            elapsed = time.perf_counter() - begin
+            self.seconds[stage] += elapsed
+            self.host_seconds[stage] += elapsed
 
     def totals(self) -> dict[str, float]:
         if self.events:
@@ -720,6 +824,9 @@ class StageTimer:
                 self.seconds[stage] += start.elapsed_time(end) / 1e3
             self.events.clear()
         return dict(self.seconds)
+
+    def host_totals(self) -> dict[str, float]:
+        return dict(self.host_seconds)
 
 
 @contextlib.contextmanager

@@ -649,3 +649,153 @@ def test_gpu_int4_moe_layers_run_prepared_launches_without_synchronising():
     experts = target.layers[2].mlp.experts
     got = decoder.prepared.verify.moe[2](x, ids, weights).clone()
     assert torch.equal(got, moe_forward(x, ids, weights, experts.int4_experts(), backend="cupy"))
+
+
+# ----------------------------------------------------------------------------------------------
+# continuous batching: a request admitted into a row mid-flight decodes as it does alone
+
+def decode_with_refills(decoder, prompts, *, max_new_tokens, stop_tokens=(), cuda_graph=False, overlap=False):
+    """Decoder-level continuous batching: the first B prompts by reset, each later one admitted
+    (Decoder.admit) into the first row that frees up, between two rounds. Per prompt: its streamed
+    tokens, its acceptance log, its rounds, and (admitted ones) the row it got and whether another
+    row was still decoding when it joined."""
+    batch = decoder.batch
+    decoder.reset(prompts[:batch], max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+    rows, waiting = list(range(batch)), list(range(batch, len(prompts)))
+    tokens, logs, rounds, joined = {i: [] for i in range(len(prompts))}, {}, {}, {}
+    while any(index is not None for index in rows):
+        for update in decoder.rounds(sync_every=1, stream=True, cuda_graph=cuda_graph, overlap=overlap):
+            for row, index in enumerate(rows):
+                if index is None:
+                    continue
+                tokens[index] += update.new_tokens[row].tolist()
+                if update.active[row]:
+                    continue
+                rounds[index], logs[index] = int(update.request_rounds[row]), decoder.acceptance(10**6)[row].tolist()
+                rows[row] = None
+                if waiting:
+                    rows[row] = index = waiting.pop(0)
+                    joined[index] = (row, bool(update.active.any()))
+                    decoder.admit(row, prompts[index])
+    return tokens, logs, rounds, joined
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_admitted_mid_flight_decode_as_generate_alone(pair, overlap):
+    """Seven prompts through two rows: each admitted one joins when a row frees up, while the other
+    row decodes on; every request's tokens, acceptance log and round count equal generate's for
+    its prompt alone, the other rows' too (overlap: the loop runs a round ahead of its reads)."""
+    from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
+    target, drafter = pair
+    rng = np.random.default_rng(4)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]] + [rng.integers(0, VOCAB, size=n) for n in (2, 12, 5, 9)]
+    budget, nodes = step_shape("ddtree", 12, drafter.config.draft_depth)  # PROMPTS[1]: one token, nothing to prefill
+    decoder = Decoder(target, drafter, method="ddtree", budget=budget, batch=2, temperature=0.0, backend="numpy",
+                      capacity=decoder_capacity(prompts, 12, nodes, drafter.config.draft_depth))
+    tokens, logs, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=12, stop_tokens=(4,),
+                                                       overlap=overlap)
+    assert sorted(joined) == [2, 3, 4, 5, 6] and any(mid_flight for _, mid_flight in joined.values()), joined
+    assert {row for row, _ in joined.values()} == {0, 1}, "admitted into either row"
+    for index, prompt in enumerate(prompts):
+        alone = generate(target, drafter, [prompt], budget=12, max_new_tokens=12, stop_tokens=(4,))
+        assert tokens[index] == alone.tokens[0].tolist(), index
+        assert logs[index] == alone.acceptance[0].tolist() and rounds[index] == len(alone.acceptance[0]), index
+    assert max(max(log) for log in logs.values()) > 1, "drafts are accepted: the trees matter"
+
+
+def test_admit_replaces_a_running_request_and_the_loop_runs_on(pair):
+    """A row admitted while its request still runs (the server's cancelled client) drops that request;
+    the same rounds loop carries on with the newcomer, which decodes as alone; the other row is untouched."""
+    from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
+    target, drafter = pair
+    first, newcomer = [PROMPTS[0], PROMPTS[2]], np.array([8, 1, 19, 19, 3])
+    budget, nodes = step_shape("chain", 12, drafter.config.draft_depth)
+    decoder = Decoder(target, drafter, method="chain", budget=budget, batch=2, temperature=0.0, backend="numpy",
+                      capacity=decoder_capacity(first + [newcomer], 16, nodes, drafter.config.draft_depth))
+    decoder.reset(first, max_new_tokens=16)
+    loop = decoder.rounds(sync_every=1, stream=True)
+    streamed = [next(loop).new_tokens[0].tolist()]
+    decoder.admit(1, newcomer)
+    mine = []
+    for update in loop:
+        streamed.append(update.new_tokens[0].tolist())
+        mine += update.new_tokens[1].tolist()
+    alone = [generate(target, drafter, [p], method="chain", budget=12, max_new_tokens=16).tokens[0].tolist()
+             for p in (first[0], newcomer)]
+    assert sum(streamed, []) == alone[0] and mine == alone[1]
+
+
+def test_admit_refuses_what_it_cannot_take():
+    from kdtree_lib.decode import Decoder
+    target, _ = dense_pair()
+    decoder = Decoder(target, None, method="ar", budget=1, batch=2, capacity=64, temperature=0.0, backend="numpy")
+    with pytest.raises(ValueError, match="^admit: reset the decoder with a batch first"):
+        decoder.admit(0, [1, 2])
+    decoder.reset([np.array([1, 2])] * 2, max_new_tokens=8)
+    for row in (2, -1, True, 0.5):
+        with pytest.raises(ValueError, match=r"^row: expected a row index in 0\.\.1"):
+            decoder.admit(row, [1, 2])
+    with pytest.raises(ValueError, match="^prompt: 59 prompt tokens \\+ 8 new tokens do not fit this decoder's capacity"):
+        decoder.admit(0, [1] * 60)
+    with pytest.raises(ValueError, match=r"^prompt_ids\[0\]: ids must lie in 0\.\."):
+        decoder.admit(0, [VOCAB])
+
+
+def test_a_round_reads_the_host_once(monkeypatch):
+    """Decoder.rounds reads the device once per yield (`_pack`/`_unpack`: a single small copy, .tolist),
+    streaming or not, overlapping or not, whatever rows were admitted between yields; the steps
+    themselves read nothing (an AR target with dense layers: see
+    test_a_step_reads_nothing_back_on_the_cpu_path)."""
+    from kdtree_lib.decode import Decoder
+    target, _ = dense_pair()
+    decoder = Decoder(target, None, method="ar", budget=1, batch=2, capacity=64, temperature=0.0, backend="numpy")
+    prompts = [np.array([5, 9, 2, 30]), np.array([17, 3]), np.array([8, 8, 1])]
+    expected = generate(target, None, [prompts[0], prompts[2]], method="ar", max_new_tokens=6)
+    for stream, overlap in ((False, False), (True, False), (True, True)):
+        decoder.reset(prompts[:2], max_new_tokens=6)
+        per_round, admitted = [], False
+        while not per_round or bool(decoder.active.any()):  # a row admitted late needs the loop again
+            loop = decoder.rounds(sync_every=1, stream=stream, overlap=overlap)
+            while True:
+                with HostReads() as reads:
+                    update = next(loop, None)
+                if update is None:
+                    break
+                per_round.append(reads.calls)
+                if not admitted:  # admitting (a prefill) lies between two rounds, outside them
+                    decoder.admit(1, prompts[2])
+                    admitted = True
+        assert per_round and all(calls == ["tolist"] for calls in per_round), per_round
+        assert [t.tolist() for t in decoder.emitted()] == tokens_of(expected)
+
+
+@gpu
+def test_gpu_admission_keeps_the_prepared_step_and_the_graph():
+    """On the kernels with a captured graph: admitting requests into freed rows builds no PreparedStep
+    and no graph (the same objects replay), and each request's tokens equal generate's for its
+    prompt alone up to bf16 near ties (stand-in pair)."""
+    from kdtree_lib import decode
+    require_gpu()
+    chosen = pair_with_prompts(8, prompts_per_package=3, prompt_tokens=32, device="cuda", dtype=torch.bfloat16)
+    if not chosen.stand_in:
+        pytest.skip("the stand-in pair's checkpoints are not in data/models")
+    target, drafter, prompts = chosen.target, chosen.drafter, chosen.prompts[:5]
+    budget, nodes = decode.step_shape("ddtree", 8, drafter.config.draft_depth)
+    decoder = decode.Decoder(target, drafter, method="ddtree", budget=budget, batch=2, temperature=0.0,
+                             backend="cupy", capacity=decode.decoder_capacity(prompts, 32, nodes,
+                                                                              drafter.config.draft_depth))
+    prepared, built = decoder.prepared, []
+    original = decode.PreparedStep.__init__
+    decode.PreparedStep.__init__ = lambda self, d: built.append(d) or original(self, d)
+    try:
+        decoder.reset(prompts[:2], max_new_tokens=32)
+        next(decoder.rounds(cuda_graph=True, sync_every=1, stream=True))  # captures (its rounds are real)
+        graph = decoder.graph
+        tokens, _, rounds, joined = decode_with_refills(decoder, prompts, max_new_tokens=32, cuda_graph=True,
+                                                        overlap=True)
+    finally:
+        decode.PreparedStep.__init__ = original
+    assert built == [] and decoder.prepared is prepared and decoder.graph is graph
+    assert sorted(joined) == [2, 3, 4]
+    alone = [generate(target, drafter, [p], budget=8, max_new_tokens=32).tokens[0].tolist() for p in prompts]
+    assert_equal_or_near_tie(target, prompts, alone, [tokens[i] for i in range(len(prompts))])

@@ -16,11 +16,12 @@ from tokenizers import Tokenizer, decoders, models
 
 from kdtree_lib import decode
 from kdtree_lib.decode import generate
-from kdtree_lib.pairs import random_pair
+from kdtree_lib.pairs import pair_with_prompts, random_pair
 from kdtree_lib.results import read_rows
 from kdtree_lib.serving import client
 from kdtree_lib.serving.engine import Engine, EngineSettings, RequestError
 from kdtree_lib.serving.server import Service, running_server
+from test_decode import HostReads, assert_equal_or_near_tie, dense_pair
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 :\n?"  # 64 ids; the last is the mask
 SHARPNESS, BUDGET, MAX_BATCH = 0.3, 32, 4
@@ -187,9 +188,10 @@ def test_under_load_every_request_is_answered_and_memory_returns(server, tmp_pat
     assert growth < 32 * 2**20, f"the server kept {growth / 2**20:.1f} MiB after the load"
 
 
-def engine_answers(service: Service, batches, *, max_new_tokens: int) -> list[list[tuple]]:
-    """Each batch of prompts submitted at once (one decode batch), after the previous one was answered:
-    per batch, per request (the final update's kind, the streamed ids, its value)."""
+def engine_answers(service: Service, batches, *, max_new_tokens: int, submitted=None) -> list[list[tuple]]:
+    """Each batch of prompts submitted at once (up to max_batch of them one decode batch, the rest
+    joining its rows as they free up), after the previous one was answered: per batch, per request
+    (the final update's kind, the streamed ids, its value). `submitted` (a list) receives the Jobs."""
     engine = service.engine
 
     async def answers():
@@ -200,6 +202,8 @@ def engine_answers(service: Service, batches, *, max_new_tokens: int) -> list[li
                     for p in prompts]
             for job in jobs:
                 engine.submit(job)
+            if submitted is not None:
+                submitted.extend(jobs)
             results = []
             for job in jobs:
                 ids, (kind, value) = [], await asyncio.wait_for(job.updates.get(), 60)
@@ -465,10 +469,192 @@ def test_the_engine_keeps_one_decoder_per_shape_across_batches(monkeypatch, one_
     engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=BUDGET, max_batch=2))
     service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=())
     answered = engine_answers(service, batches, max_new_tokens=8)
-    assert engine.batches == 2 and len(built) == 1, f"{len(built)} Decoders built for 2 batches of one shape"
+    # the second batch either starts anew (reset) or joins the first's rows as they free up (admit)
+    assert engine.batches + engine.admitted // 2 == 2 and len(built) == 1, f"{len(built)} Decoders built for one shape"
     for results, reference in zip(answered, expected):
         for (kind, ids, meta), tokens, rounds in zip(results, reference.tokens, reference.acceptance):
             assert kind == "done" and ids == tokens.tolist() and meta["batch_size"] == 2, (kind, ids, meta)
             assert meta["spec_verify_ct"] == len(rounds)
     assert sum(len(ids) for results in answered for _, ids, _ in results) == 32
     decode.clear_decoders()
+
+
+# ----------------------------------------------------------------------------------------------
+# continuous batching: rows refilled between rounds, the Decoder kept
+
+@pytest.fixture(scope="module")
+def stand_in():
+    """The trained stand-in pair in fp32 on the CPU (its drafts are accepted as a real pair's are)."""
+    chosen = pair_with_prompts(8, prompts_per_package=3, prompt_tokens=24)
+    if not chosen.stand_in:
+        pytest.skip("the stand-in pair's checkpoints are not in data/models")
+    return chosen
+
+
+def test_requests_join_a_running_batch_and_decode_as_generate_alone(stand_in, monkeypatch, one_thread):
+    """Five requests at once, two rows: two start the batch (reset), three join it as rows free up
+    (Decoder.admit) while the other row decodes on; one Decoder, reset once, nothing rebuilt or
+    reallocated (every buffer a prepared step or a graph reads keeps its address); every request's
+    tokens and rounds equal generate's for its prompt alone, whatever row it got."""
+    target, drafter, prompts = stand_in.target, stand_in.drafter, [p.tolist() for p in stand_in.prompts[:5]]
+    built, resets, admits, addresses = [], [], [], []
+
+    def buffers(d):
+        tensors = [d.cache.lengths, *d.cache.kv, d.draft_cache.lengths, *d.draft_cache.keys, *d.draft_cache.values,
+                   d.root, d.features, d.n_features, d.active, d.out, d.out_len, d.max_new, d.accepted, d.round,
+                   d.read_len, d.posterior]
+        return [t.data_ptr() for t in tensors]
+
+    class CountedDecoder(decode.Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def reset(self, *args, **kwargs):
+            resets.append(1)
+            super().reset(*args, **kwargs)
+            addresses.append(buffers(self))
+
+        def admit(self, row, prompt, **kwargs):
+            admits.append((row, bool(self.active.any())))  # another row decoding as it joins (a test's read)
+            super().admit(row, prompt, **kwargs)
+            addresses.append(buffers(self))
+
+    decode.clear_decoders()
+    monkeypatch.setattr(decode, "Decoder", CountedDecoder)
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=8, max_batch=2))
+    service = Service(engine, model_name="stand-in", context_length=4096, stop_tokens=())
+    [results] = engine_answers(service, [prompts], max_new_tokens=16)
+    assert len(built) == 1 and len(resets) == 1 and engine.batches == 1, "one Decoder, one reset, for five requests"
+    assert engine.admitted == len(admits) == 3 and any(mid_flight for _, mid_flight in admits), admits
+    assert len(addresses) == 4 and all(each == addresses[0] for each in addresses)
+    for prompt, (kind, ids, meta) in zip(prompts, results):
+        alone = generate(target, drafter, [prompt], budget=8, max_new_tokens=16)
+        assert kind == "done" and ids == alone.tokens[0].tolist(), (kind, ids, meta)
+        assert meta["spec_verify_ct"] == len(alone.acceptance[0]) and meta["batch_size"] == 2
+    assert max(meta["spec_accept_length"] for _, _, meta in results) > 2, "the stand-in's drafts are accepted"
+    decode.clear_decoders()
+
+
+@pytest.mark.gpu
+def test_gpu_engine_refills_rows_of_a_captured_step_and_decodes_as_generate():
+    """On a GPU with the kernels: the engine's step is a CUDA graph, five requests go through two rows
+    (three admitted into the graph's rows), and each request's tokens equal generate's for its prompt
+    alone up to bf16 near ties (stand-in pair)."""
+    chosen = pair_with_prompts(8, prompts_per_package=3, prompt_tokens=32, device="cuda", dtype=torch.bfloat16)
+    if not chosen.stand_in:
+        pytest.skip("the stand-in pair's checkpoints are not in data/models")
+    target, drafter, prompts = chosen.target, chosen.drafter, [p.tolist() for p in chosen.prompts[:5]]
+    decode.clear_decoders()
+    # first, so that the kernels are compiled before the engine's updates are waited for
+    alone = [generate(target, drafter, [p], budget=8, max_new_tokens=32).tokens[0].tolist() for p in prompts]
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=8, max_batch=2))
+    assert engine.cuda_graph and engine.backend == "cupy"
+    service = Service(engine, model_name="stand-in", context_length=4096, stop_tokens=())
+    [results] = engine_answers(service, [prompts], max_new_tokens=32)
+    assert all(kind == "done" for kind, _, _ in results) and engine.admitted == 3
+    assert_equal_or_near_tie(target, prompts, alone, [ids for _, ids, _ in results])
+    decode.clear_decoders()
+
+
+def test_a_cancelled_requests_row_is_refilled(monkeypatch, one_thread):
+    """A client that leaves after its request's first round frees the row at once: the waiting request
+    takes it (admitted mid-flight) and decodes as generate alone, as does the request beside it."""
+    target, drafter = random_pair(vocab=len(ALPHABET), draft_sharpness=SHARPNESS)
+    prompts = [[3, 4, 11, 60, 5, 13], [8, 12, 15, 14], [9, 2, 2, 40, 7]]
+    jobs, rounds = [], decode.Decoder.rounds
+
+    def rounds_then_leave(self, **kwargs):
+        for count, update in enumerate(rounds(self, **kwargs)):
+            if count == 0:
+                jobs[0].cancelled = True  # as the server marks a request whose connection closed
+            yield update
+
+    monkeypatch.setattr(decode.Decoder, "rounds", rounds_then_leave)
+    decode.clear_decoders()
+    engine = Engine(target, drafter, EngineSettings(method="ddtree", budget=BUDGET, max_batch=2))
+    service = Service(engine, model_name="random", context_length=CONTEXT, stop_tokens=())
+    [results] = engine_answers(service, [prompts], max_new_tokens=16, submitted=jobs)
+    assert results[0][0] == "cancelled" and engine.states()["cancelled"] == 1 and engine.admitted == 1
+    for prompt, (kind, ids, meta) in zip(prompts[1:], results[1:]):
+        alone = generate(target, drafter, [prompt], budget=BUDGET, max_new_tokens=16)
+        assert kind == "done" and ids == alone.tokens[0].tolist() and meta["spec_verify_ct"] == len(alone.acceptance[0])
+    decode.clear_decoders()
+
+
+def test_an_engine_round_reads_the_host_once(monkeypatch, one_thread):
+    """Per round the engine makes one read, Decoder.rounds' (_pack/_unpack); the rest of its round (posting
+    tokens, stop checks, choosing requests to admit) works on that copy. Reset and admission (their
+    prefills) lie outside the rounds; an AR target with dense layers reads nothing in its steps."""
+    target, _ = dense_pair(vocab=len(ALPHABET))
+    marks, spans, reads_seen = {}, [], []
+    engine = Engine(target, None, EngineSettings(method="ar", max_batch=2))
+    serve = engine._serve
+
+    def counted_serve(rows, loop):
+        with HostReads() as reads:
+            marks["reads"] = reads
+            serve(rows, loop)
+
+    class Spans(decode.Decoder):
+        def reset(self, *args, **kwargs):
+            super().reset(*args, **kwargs)
+            marks["after_reset"] = len(marks["reads"].calls)
+
+        def admit(self, *args, **kwargs):
+            start = len(marks["reads"].calls)
+            super().admit(*args, **kwargs)
+            spans.append((start, len(marks["reads"].calls)))
+
+        def _unpack(self, *args, **kwargs):
+            reads_seen.append(1)
+            return super()._unpack(*args, **kwargs)
+
+    decode.clear_decoders()
+    monkeypatch.setattr(decode, "Decoder", Spans)
+    monkeypatch.setattr(engine, "_serve", counted_serve)
+    service = Service(engine, model_name="dense", context_length=CONTEXT, stop_tokens=())
+    prompts = [[3, 4, 11, 60], [8, 12], [9, 2, 2, 40, 7]]
+    [results] = engine_answers(service, [prompts], max_new_tokens=6)
+    assert all(kind == "done" and len(ids) == 6 for kind, ids, _ in results) and engine.admitted == 1
+    calls = marks["reads"].calls
+    inside_admit = {i for start, end in spans for i in range(start, end)}
+    in_rounds = [name for i, name in enumerate(calls) if i >= marks["after_reset"] and i not in inside_admit]
+    assert in_rounds == ["tolist"] * len(reads_seen) and len(reads_seen) >= 6, (in_rounds, len(reads_seen))
+    decode.clear_decoders()
+
+
+# ----------------------------------------------------------------------------------------------
+# the server against generate, measured (python -m kdtree_lib.bench.serving_vs_generate)
+
+def test_serving_vs_generate_writes_a_stamped_row_per_step(tmp_path, one_thread):
+    """On the CPU with the tiny random pair (no checkpoints in --models-dir): one row per distinct step
+    (chain's budgets 8 and 32 are one step of the drafter's depth) and batch wait, stamped, tokens
+    equal through both paths; the ratio is the engine's tokens/s over generate's."""
+    from kdtree_lib.bench import serving_vs_generate
+    code = serving_vs_generate.main(["--device", "cpu", "--models-dir", str(tmp_path / "none"), "--methods", "ar,chain",
+                                     "--budgets", "8,32", "--new-tokens", "8", "--prompt-tokens", "6",
+                                     "--prompts-per-package", "1", "--repeats", "2", "--batch-wait-ms", "5,0",
+                                     "--results-dir", str(tmp_path)])
+    rows = read_rows(serving_vs_generate.TOPIC, results_dir=tmp_path)
+    assert code == 0 and [(row["method"], row["budget"], row["batch_wait_s"]) for row in rows] == [
+        ("ar", "1", "0.005"), ("ar", "1", "0.0"), ("chain", "7", "0.005"), ("chain", "7", "0.0")]
+    for row in rows:
+        assert row["date"] and row["commit"] and row["device"] and row["same_tokens"] == "True", row
+        assert row["requests"] == "2" and row["concurrency"] == "1" and row["pair"].startswith("random")
+        speeds = [float(row[key]) for key in ("generate_tokens_per_second", "engine_tokens_per_second", "ratio")]
+        assert all(speed > 0 for speed in speeds) and speeds[2] == pytest.approx(speeds[1] / speeds[0])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--methods", "ddtree,beam"], "argument --methods: expected a comma-separated list of ar, chain, ddtree"),
+    (["--budgets", "8,0"], "argument --budgets: expected an integer in 1.."),
+    (["--device", "tpu"], "argument --device: invalid choice"),
+    (["--batch-wait-ms", "5,-1"], "argument --batch-wait-ms: expected a finite number >= 0, got '-1'"),
+])
+def test_serving_vs_generate_refuses_a_bad_argument_in_one_line(arguments, message, tmp_path, capsys):
+    from kdtree_lib.bench import serving_vs_generate
+    code = serving_vs_generate.main([*arguments, "--results-dir", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert code == 2 and message in error and error.count("\n") == 1, error
+    assert not list(tmp_path.iterdir()), "nothing measured, nothing written"

@@ -7,8 +7,12 @@ warm-up compiles the kernels and captures the graph), with the same prompts and 
 - impl "kdtree": kdtree_lib.decode.generate with the kernels (backend "cupy"), graph and eager;
   every row also carries the step measured on its own Decoder (step_profile), after that shape's
   warm-up (kernels compiled, lazy init done, so no stage time holds a compilation): per-stage
-  milliseconds per step (draft, tree, verify, accept; CUDA events on eager steps), the eager step's
-  and the graph replay's milliseconds, and their ratio (eager_vs_graph);
+  milliseconds per step (draft, tree, verify, accept; CUDA events on eager steps; <stage>_host_ms: the
+  host's milliseconds enqueueing each stage, the split that matters when the host bounds), the eager step's
+  and the graph replay's milliseconds, and their ratio (eager_vs_graph), and the host's milliseconds
+  to enqueue one eager step (eager_host_ms: above the graph replay, the eager step is host-bound);
+  with --profile-dir, a cProfile of PROFILE_STEPS eager steps of each shape goes there too
+  (<method>-b<batch>-<budget>.pstats and .txt: the host cost by function);
 - impl "host_tree": the same loop with the reference tree ops on the host (backend "numpy"):
   what a serving worker that builds trees with a Python heap per request pays;
 - impl "reference_style": OUR re-implementation, in the style of the DDTree paper's reference code
@@ -18,7 +22,8 @@ warm-up compiles the kernels and captures the graph), with the same prompts and 
 - impl "official": the paper's official code itself (github.com/liranringel/ddtree), imported from
   a local copy named by --official (never committed), on the same pair, prompt and budgets, batch 1.
 
-    python -m kdtree_lib.bench.decode [--quick] [--official DIR] [--results-dir DIR]    # on a GPU
+    python -m kdtree_lib.bench.decode [--quick] [--batches 1 8] [--budgets 8 32] [--no-host-tree]
+        [--profile-dir DIR] [--official DIR] [--results-dir DIR]    # on a GPU
 
 The summary checks two bars from the rows: DDTree >= 5x the reference implementation's
 tokens/s at the same budget (batch 1; the official code's rows, and the reference style's), and
@@ -26,6 +31,9 @@ DDTree's speedup over AR >= 0.8 x its mean acceptance length.
 """
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -142,9 +150,11 @@ def measure(call, repeats: int) -> tuple[DecodeResult, float]:
 
 STEP_WARMUP = 3   # eager steps of a shape before its step is timed (kernel compilation, lazy init)
 STEP_REPEATS = 10
+PROFILE_STEPS = 20
 
 
-def step_profile(target, drafter, prompts, *, method: str, budget: int, new_tokens: int) -> dict:
+def step_profile(target, drafter, prompts, *, method: str, budget: int, new_tokens: int,
+                 profile_dir: Path | None = None) -> dict:
     """The step of one shape, measured on its own Decoder (backend "cupy") after STEP_WARMUP eager
     steps of that shape: per-stage ms per step over STEP_REPEATS eager steps (CUDA events), the
     eager step's median ms and the graph replay's (bench.timing.gpu_seconds, L2 kept), and
@@ -162,11 +172,73 @@ def step_profile(target, drafter, prompts, *, method: str, budget: int, new_toke
     for _ in range(STEP_REPEATS):
         decoder.step(timer)
     stages = {stage: 1e3 * seconds / STEP_REPEATS for stage, seconds in timer.totals().items()}
+    host_stages = {stage: 1e3 * seconds / STEP_REPEATS for stage, seconds in timer.host_totals().items()}
     eager = 1e3 * gpu_seconds(decoder.step, reps=STEP_REPEATS, warmup=1, flush="none")
+    host = 1e3 * host_seconds(decoder.step, STEP_REPEATS)
+    if profile_dir is not None:
+        profile_host(decoder.step, PROFILE_STEPS, Path(profile_dir) / f"{method}-b{len(prompts)}-{budget}")
     decoder.capture()
     graph = 1e3 * gpu_seconds(decoder.graph.replay, reps=STEP_REPEATS, warmup=1, flush="none")
     return {**{f"{stage}_ms_per_round": ms for stage, ms in stages.items()},  # a step is one round
-            "eager_step_ms": eager, "graph_step_ms": graph, "eager_vs_graph": eager / graph}
+            **{f"{stage}_host_ms": ms for stage, ms in host_stages.items()},
+            "eager_step_ms": eager, "graph_step_ms": graph, "eager_vs_graph": eager / graph, "eager_host_ms": host}
+
+
+def host_seconds(call, repeats: int) -> float:
+    """Median host seconds of call() (enqueueing only: the device is drained before each, not after)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def profile_host(call, repeats: int, stem: Path) -> None:
+    """cProfile of `repeats` calls of call() (the device drained once at the end): <stem>.pstats, and
+    <stem>.txt with the functions by own time and by cumulative time."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    profiler.dump_stats(str(stem.with_suffix(".pstats")))
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"{repeats} eager steps\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
+    text.write(launch_counts(call, 5))
+    stem.with_suffix(".txt").write_text(text.getvalue())
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def launch_counts(call, repeats: int) -> str:
+    """Per call of call(): top-level host ops (torch.profiler's CPU events without a parent), kernel
+    launches (the CUDA API's launch calls) and kernels run, and the ops by count."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                call()
+            torch.cuda.synchronize()
+        events = prof.events()
+    except Exception as error:  # a profiler that cannot start here says why instead
+        return f"torch.profiler: {type(error).__name__}: {error}\n"
+    top = Counter(e.name for e in events if e.cpu_parent is None and e.device_type.name == "CPU")
+    launches = sum(1 for e in events if e.name in LAUNCH_CALLS)
+    kernels = sum(1 for e in events if e.device_type.name == "CUDA")
+    lines = [f"per step: {sum(top.values()) / repeats:.1f} top-level host ops, {launches / repeats:.1f} kernel "
+             f"launches, {kernels / repeats:.1f} device events (kernels, copies)"]
+    lines += [f"{count / repeats:8.1f}  {name}" for name, count in top.most_common(40)]
+    return "\n".join(lines) + "\n"
 
 
 def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str, prompt_tokens: int,
@@ -184,7 +256,7 @@ def row(result: DecodeResult, tokens_per_second: float, *, impl: str, pair: str,
 
 def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_tokens: int = 128, repeats: int = 3,
         block_size: int = 8, kdtree: bool = True, reference_style: bool = True, host_tree: bool = True,
-        official_dir=None, results_dir=None, log=print) -> list[dict]:
+        official_dir=None, results_dir=None, profile_dir=None, log=print) -> list[dict]:
     """Every measurement of the module docstring (the official code's rows too when official_dir
     names a local copy of it); appends the rows and returns them."""
     chosen = pair_with_prompts(block_size, prompts_per_package=max(batches), prompt_tokens=prompt_tokens,
@@ -198,7 +270,8 @@ def run(*, batches=BATCHES, budgets=BUDGETS, new_tokens: int = 128, prompt_token
         prompts = batch_prompts(chosen, batch)
         settings = [("ar", 1), ("chain", chain_budget)] + [("ddtree", b) for b in budgets]
         for method, budget in settings:
-            step = step_profile(target, drafter, prompts, method=method, budget=budget, new_tokens=new_tokens)
+            step = step_profile(target, drafter, prompts, method=method, budget=budget, new_tokens=new_tokens,
+                                profile_dir=profile_dir)
             for graph in (True, False):
                 def call():
                     return generate(target, drafter, prompts, method=method, budget=budget, max_new_tokens=new_tokens,
@@ -310,7 +383,7 @@ def run_official(official_dir, budgets, prompt, *, new_tokens: int, block_size: 
 
 def _line(r: dict) -> str:
     graph = "graph" if r["cuda_graph"] is True else "eager"
-    step = (f"  step eager {r['eager_step_ms']:.2f} / graph {r['graph_step_ms']:.2f} ms"
+    step = (f"  step eager {r['eager_step_ms']:.2f} (host {r['eager_host_ms']:.2f}) / graph {r['graph_step_ms']:.2f} ms"
             if "eager_step_ms" in r else "")
     return (f"{r['impl']:15s} {r['method']:6s} B={r['batch']:<2d} budget={r['budget']:<4d} {graph:5s} "
             f"{r['tokens_per_second']:9.1f} tok/s  accept {r['mean_acceptance']:.2f}  {r['ms_per_round']:.2f} ms/round"
@@ -433,14 +506,21 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=cli.positive_int, default=8)
     parser.add_argument("--no-reference-style", action="store_true")
     parser.add_argument("--no-kdtree", action="store_true", help="only the baselines")
+    parser.add_argument("--batches", type=cli.positive_int, nargs="+", default=None, help=f"default {BATCHES}")
+    parser.add_argument("--budgets", type=cli.positive_int, nargs="+", default=None,
+                        help=f"DDTree budgets (default {BUDGETS}; --quick: {QUICK_BUDGETS})")
+    parser.add_argument("--no-host-tree", action="store_true", help="skip the host-tree rows")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="write a cProfile of each shape's eager steps here")
     parser.add_argument("--official", type=Path, default=None,
                         help="a local (uncommitted) copy of github.com/liranringel/ddtree: also time the official code")
     args = parser.parse_args(argv)
     cli.require_cuda()
-    rows = run(budgets=QUICK_BUDGETS if args.quick else BUDGETS, repeats=1 if args.quick else 3,
-               new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
-               kdtree=not args.no_kdtree, reference_style=not args.no_reference_style, official_dir=args.official,
-               results_dir=args.results_dir)
+    rows = run(budgets=args.budgets or (QUICK_BUDGETS if args.quick else BUDGETS), batches=args.batches or BATCHES,
+               repeats=1 if args.quick else 3, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+               block_size=args.block_size, kdtree=not args.no_kdtree, reference_style=not args.no_reference_style,
+               host_tree=not args.no_host_tree, official_dir=args.official, results_dir=args.results_dir,
+               profile_dir=args.profile_dir)
     for line in summary(rows):
         print(line)
     return 0

@@ -106,8 +106,9 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, yarn_mscale(factor)
 
 
-def apply_rope(x, cos, sin, interleave: bool):
-    """Rotate pairs of x [..., rope] by the angles in cos/sin [..., rope/2] (broadcast).
+def apply_rope(x, cos, sin, interleave: bool, out=None):
+    """Rotate pairs of x [..., rope] by the angles in cos/sin [..., rope/2] (broadcast), into `out`
+    when given (a prepared launch's query buffer).
 
     Interleaved checkpoints pair (0,1), (2,3), ...; the output holds the rotated pairs as
     [first halves | second halves], for queries and keys alike, so their dot products are right.
@@ -116,7 +117,7 @@ def apply_rope(x, cos, sin, interleave: bool):
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1, out=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class Step:
     visible: int           # slots any token may see: max(lengths) + T
     mask: torch.Tensor | None  # bool [B, T, visible]: for the naive path and the absorbed torch reference
                                # (once per step, on the device), None where the kernel attends
+    rows: torch.Tensor | None = None  # int64 [B, 1]: each request's row, for the cache writes (once per step)
     prepared: "PreparedVerify | None" = None  # the step's launches, made once (Transformer.prepare_verify)
 
 
@@ -209,12 +211,15 @@ class Attention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.heads, -1)  # (B, T, H, 192)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)                            # (B, T, H, 128|64)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)  # (B, T, 512|64)
-        q_rope = apply_rope(q_rope, step.cos[:, :, None], step.sin[:, :, None], self.interleave)
+        prepared = step.prepared if step.prepared is not None and step.prepared.attention[layer] is not None else None
+        q_rope = apply_rope(q_rope, step.cos[:, :, None], step.sin[:, :, None], self.interleave,
+                            out=None if prepared is None else prepared.q_rope)  # straight into the launch's buffer
         k_rope = apply_rope(k_rope, step.cos, step.sin, self.interleave)
         entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)                   # (B, T, 576)
-        kv[torch.arange(B, device=x.device)[:, None], step.slots] = entries.to(kv.dtype)
-        if step.prepared is not None and step.prepared.attention[layer] is not None:
-            o = self.attend_prepared(q_nope, q_rope, step.prepared, layer)
+        rows = torch.arange(B, device=x.device)[:, None] if step.rows is None else step.rows
+        kv[rows, step.slots] = entries.to(kv.dtype)
+        if prepared is not None:
+            o = self.attend_prepared(q_nope, q_rope, prepared, layer)
         else:
             attend = self.attend_absorbed if path == "absorbed" else self.attend_naive
             o = attend(q_nope, q_rope, kv, step, backend)                                   # (B, T, H, 128)
@@ -241,7 +246,8 @@ class Attention(nn.Module):
         queries go into the launch's buffers (the copy a kernel call makes of a strided query anyway)."""
         w_uk, w_uv = self._absorption()
         prepared.q_latent.copy_(absorb_query(q_nope, w_uk))
-        prepared.q_rope.copy_(q_rope)
+        if q_rope is not prepared.q_rope:  # forward rotates it there already
+            prepared.q_rope.copy_(q_rope)
         o_latent, _ = prepared.attention[layer]()
         return project_output(o_latent, w_uv)
 
@@ -412,7 +418,7 @@ class Experts(nn.Module):
         mine = (local >= 0) & (local < experts)
         key = torch.where(mine, local, experts).flatten()                  # (N*k,) other ranks' experts sort last
         order = torch.argsort(key, stable=True)
-        token = torch.arange(len(x), device=x.device).repeat_interleave(ids.shape[1])[order]
+        token = order // ids.shape[1]                                      # assignment n*k + j is token n
         ends = torch.searchsorted(key[order], torch.arange(experts, device=x.device), right=True).to(torch.int32)
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # (N*k, D)
@@ -621,8 +627,7 @@ class Transformer(nn.Module):
         tree = tree.to_torch(self.device)
         if prepared is not None:
             prepared.check(tree, cache)
-        step = self.step(tree, cache, static=static)
-        step.prepared = prepared
+        step = self.step(tree, cache, static=static, prepared=prepared)
         x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
         outputs = {}
         for i, layer in enumerate(self.layers):
@@ -632,9 +637,11 @@ class Transformer(nn.Module):
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return x, features
 
-    def step(self, tree: Tree, cache: KVCache, *, static: bool = False) -> Step:
+    def step(self, tree: Tree, cache: KVCache, *, static: bool = False,
+             prepared: "PreparedVerify | None" = None) -> Step:
         """static=True: fixed shapes and no host synchronisation (what a CUDA graph captures): keys
-        span the whole cache and the caller guarantees max(lengths) + T <= L_max."""
+        span the whole cache and the caller guarantees max(lengths) + T <= L_max. prepared: the
+        step's launches (they decided once whether the attention kernel runs)."""
         lengths = cache.lengths
         batch, nodes = tree.tokens.shape
         if static:
@@ -650,10 +657,15 @@ class Transformer(nn.Module):
         angles = (lengths[:, None] + tree.depths).float()[..., None] * self.inv_freq            # (B, T, rope/2)
         dtype = self.embed_tokens.weight.dtype
         cos, sin = ((f(angles) * self.rope_scale).to(dtype) for f in (torch.cos, torch.sin))
-        kernel = self.attention == "absorbed" and _backend.resolve(
-            self.attention_backend, ("torch", "numpy", "cupy"), cache.kv[0], kernel_dtypes=KERNEL_DTYPES) == "cupy"
+        if prepared is not None:
+            kernel = prepared.attention[0] is not None
+        else:
+            kernel = self.attention == "absorbed" and _backend.resolve(
+                self.attention_backend, ("torch", "numpy", "cupy"), cache.kv[0], kernel_dtypes=KERNEL_DTYPES) == "cupy"
         mask = None if kernel else key_mask(lengths, tree, visible, device=self.device)
-        return Step(tree=tree, lengths=lengths, slots=slots, cos=cos, sin=sin, visible=visible, mask=mask)
+        rows = torch.arange(batch, device=self.device)[:, None]
+        return Step(tree=tree, lengths=lengths, slots=slots, cos=cos, sin=sin, visible=visible, mask=mask, rows=rows,
+                    prepared=prepared)
 
 
 # ----------------------------------------------------------------------------------------------

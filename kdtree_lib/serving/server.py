@@ -118,6 +118,7 @@ class Service:
                 "max_running_requests": settings.max_batch, "max_queued_requests": settings.max_queue,
                 "context_length": self.context_length, "max_prompt_tokens": self.max_prompt_tokens,
                 "max_body_bytes": self.max_body_bytes, "backend": self.engine.backend,
+                "cuda_graph": self.engine.cuda_graph,
                 "version": f"kdtree {__version__}", "internal_states": [self.engine.states()]}
 
     async def make_job(self, prompt, **fields) -> Job:

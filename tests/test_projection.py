@@ -409,26 +409,69 @@ def test_a_topk_row_faster_than_reading_its_logits_is_refused():
 # ----------------------------------------------------------------------------------------------
 # where the tree's tokens come from, the external lines and the takeaway
 
-def test_depth_structure_splits_rank0_nodes_from_siblings():
-    """A record where depth 1's right token is always the drafter's second choice and deeper ones its first: the
-    chain accepts the root alone, a full tree the root, the sibling and two rank-0 nodes after it."""
+def sibling_record(positions: int = 12, depth: int = 3, topk: int = 2):
+    """An oracle record where depth 1's right token is always the drafter's second choice and deeper ones its
+    first; ranks from 2 on are tokens off the truth, far less likely (log-probability -10 and below)."""
     from kdtree_lib.acceptance import OracleRecord
     from kdtree_lib.contracts import DraftTopK
-    positions, depth = 12, 3
     tokens = np.arange(1, positions + depth + 2, dtype=np.int32)
-    ids = np.zeros((positions, depth, 2), np.int32)
+    ids = np.zeros((positions, depth, topk), np.int32)
+    logp = np.zeros((positions, depth, topk), np.float32)
+    logp[..., :2] = [-0.1, -2.5]
+    logp[..., 2:] = -10.0 - np.arange(topk - 2)
     for t in range(positions):
         right = tokens[t + 1:t + 1 + depth]
-        ids[t, 0] = [1000 + t, right[0]]
+        ids[t, 0, :2] = [1000 + t, right[0]]
         ids[t, 1:, 0], ids[t, 1:, 1] = right[1:], 2000 + t
-    logp = np.tile(np.array([-0.1, -2.5], np.float32), (positions, depth, 1))
-    record = OracleRecord(DraftTopK(logp, ids), tokens)
+        ids[t, :, 2:] = 5000 + np.arange(topk - 2)
+    return OracleRecord(DraftTopK(logp, ids), tokens)
+
+
+def test_depth_structure_splits_rank0_nodes_from_siblings():
+    """The chain accepts the root alone, a full tree the root, the sibling and two rank-0 nodes after it."""
+    record = sibling_record()
     s = projection.depth_structure([record], 14, chain_depth=3)
     assert (s.tree_mean, s.prefix_mean, s.sibling_mean, s.chain_mean) == (4.0, 0.0, 3.0, 1.0)
-    assert s.rounds == positions // 4 and s.sibling_share_of_gain == 1.0
+    assert s.rounds == 12 // 4 and s.sibling_share_of_gain == 1.0
     assert s.sibling[1] == s.rounds and s.rank0[1] == 0 and s.rank0[2] == s.rank0[3] == s.rounds
     assert s.after_sibling[2] == (s.rounds, s.rounds) and s.after_rank0[3] == (s.rounds, s.rounds)
     assert "100% of the tree's gain over the chain" in s.lines()[0]
+
+
+def test_depth_rows_hold_the_structure_and_packages_add_up(tmp_path):
+    """acceptance.depth_rows writes counts a reader turns back into the same structure; two packages' rows of
+    one run combine (counts add, means stay); the biggest run is the one read; the projection's line says how
+    much of the gain over the chain the siblings give, from those rows."""
+    from kdtree_lib import acceptance, results
+    record = sibling_record(topk=16)  # budget 14 is within the recorded top-k: an exact tree
+    rows = acceptance.depth_rows([record], (4, 14, 32), package="a", block_size=4, pair="toy", n_new_tokens=12,
+                                 progress=False)
+    assert [int(r["budget"]) for r in rows] == [4, 14], "no row past the recorded top-k"
+    direct = projection.depth_structure([record], 14, chain_depth=3)
+    for package in ("a", "b"):
+        results.append_rows(acceptance.DEPTH_TOPIC, [{**r, "package": package, "run": "big"} for r in rows],
+                            results_dir=tmp_path)
+    small = acceptance.depth_rows([sibling_record(positions=4, topk=16)], (14,), package="a", block_size=4,
+                                  pair="toy", n_new_tokens=4, progress=False)
+    results.append_rows(acceptance.DEPTH_TOPIC, [{**r, "run": "small"} for r in small], results_dir=tmp_path)
+    on_disk = results.read_rows(acceptance.DEPTH_TOPIC, results_dir=tmp_path)
+    assert projection.DepthStructure.from_row(on_disk[1]) == direct
+    combined = projection.depth_structures(on_disk, block_size=4)
+    assert sorted(combined) == [4, 14], "the small run appended later is not the one read"
+    both = combined[14]
+    assert both.rounds == 2 * direct.rounds and both.sibling[1] == 2 * direct.sibling[1]
+    assert both.after_sibling[2] == tuple(2 * v for v in direct.after_sibling[2])
+    assert (both.tree_mean, both.sibling_mean, both.chain_mean) == (direct.tree_mean, direct.sibling_mean, direct.chain_mean)
+    source = projection.depth_source("toy pair", "acceptance_depth.csv", on_disk, block_size=4)
+    assert source.at(16).budget == 14 and source.at(9).budget == 4  # nearest, the smaller on a tie
+    line = source.gain_line(16)
+    assert line.startswith("toy pair, budget 14 (the rows' nearest to 16): siblings give 100% of DDTree's gain over the chain")
+    assert "chain of 3 1.00 tokens per round" in line and "acceptance_depth.csv" in line
+    assert projection.depth_source("none", "x.csv", []) is None
+    with pytest.raises(ValueError, match="lacks"):
+        projection.DepthStructure.from_row({"budget": "4"})
+    with pytest.raises(ValueError, match="one budget"):
+        projection.DepthStructure.combine([combined[4], combined[14]])
 
 
 def test_takeaway_and_reference_lines_come_from_the_table():

@@ -7,7 +7,7 @@ One module per job:
   calibration  efficiencies and kernel times fitted to measured rows
   rows         which rows of data/results/ are read (the newest runs of the kernels the box runs)
   inputs       the box's inputs, each measured (with its rows) or a labelled ASSUMPTION
-  acceptance   acceptance sources, the external reference lines and the depth structure of oracle records
+  acceptance   acceptance sources and the depth structure read from depth rows (siblings' share of the gain)
   table        the projection table, its best budgets, band and headline
   stop         the latency-aware stop against the best fixed budget
 Every public name is re-exported here, so `projection.X` reads the same whichever module owns X.
@@ -26,8 +26,8 @@ from .rows import (BOX_MOE_PROVIDER, COMPONENTS, PORTABLE_VERIFY_CONFIGS, TREE_K
 from .inputs import (Input, KernelInputs, allreduce_inputs, assumed, box_efficiency, hardware_inputs,  # noqa: F401
                      kernel_fit, moe_kernel_inputs, row_seconds_by_batch, rows_source, tree_stage_cost,
                      verify_kernel_inputs)
-from .acceptance import (SERVICE_OBSERVED, AcceptanceSource, DepthStructure, acceptance_curve,  # noqa: F401
-                         depth_structure, measured_acceptance, service_acceptance)
+from .acceptance import (SERVICE_OBSERVED, AcceptanceSource, DepthSource, DepthStructure, acceptance_curve,  # noqa: F401
+                         depth_source, depth_structure, depth_structures, measured_acceptance, service_acceptance)
 from .table import (EXTERNAL_REFERENCES, EXTERNAL_SOURCE, OVERLAPS, Reference, best_table, headline,  # noqa: F401
                     nearest_overlap, projection_table, reference_lines, references, round_rows, speedup_band,
                     takeaway_lines)

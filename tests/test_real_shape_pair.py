@@ -1,8 +1,10 @@
 """A real-shape pair made directly on the device (bench.inputs.real_shape_pair): no checkpoint on disk, INT4
 experts in the kernel layout, the real drafter's shapes. On the CPU at small shapes: its INT4 weights are the
 slices of one full tensor whatever the TP degree, their scale gives std 1/sqrt(fan-in), and the pair decodes
-losslessly through generate (DDTree and the chain equal AR)."""
+losslessly through generate (DDTree and the chain equal AR). On a GPU (-m gpu): K2.6's layer shapes decode, a
+CUDA graph equal to eager, stage times per budget after that budget's warm-up, peak memory within the plan."""
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -70,3 +72,42 @@ def test_the_tp_step_bench_times_int4_experts_as_the_box_holds_them():
     # the segmented step is still the model's verify, INT4 experts included (float32 sums in two orders)
     torch.testing.assert_close(run["check"]["segmented"], run["check"]["verify"], rtol=0,
                                atol=logit_bound(config, run["check"]["verify"]))
+
+
+@pytest.mark.gpu
+def test_real_shapes_decode_on_one_gpu(tmp_path):
+    """K2.6 at its layer shapes (KDTREE_REAL_LAYERS layers, default 3: one dense, then MoE with INT4
+    experts resident) and the real drafter's shapes, random weights made directly on the GPU
+    (bench.inputs.real_shape_pair: no checkpoint written, so a host with little free disk runs it):
+    DDTree as a CUDA graph equals eager; step time by stage vs budget and peak memory vs the plan, as
+    rows (tmp_path, or data/results/real_shape_decode.csv with KDTREE_APPEND_RESULTS=1). Each budget is
+    decoded once untimed before its stage split is taken: its kernels' first-call compilation (NVRTC, per
+    shape) would otherwise land in the first budget's stage times."""
+    from kdtree_lib import results
+    from kdtree_lib.memory import GIB, plan
+    layers = int(os.environ.get("KDTREE_REAL_LAYERS", "3"))
+    torch.cuda.reset_peak_memory_stats()
+    target, drafter = real_shape_pair(layers, device="cuda", dtype=torch.bfloat16)
+    prompts = [np.random.default_rng(b).integers(0, 163584, 512) for b in range(2)]
+    budgets, new_tokens = (8, 32, 128), 32
+    memory = plan(target.config, 1, len(prompts), 512 + new_tokens, max(budgets), drafter.config)
+    rows = []
+    for budget in budgets:
+        def decode(**options):
+            return generate(target, drafter, prompts, budget=budget, max_new_tokens=new_tokens, **options)
+        decode(cuda_graph=False)  # the warm-up: this budget's shapes compiled and its decoder made, untimed
+        eager = decode(cuda_graph=False, profile_stages=True)
+        graph = decode(cuda_graph=True)
+        assert [t.tolist() for t in graph.tokens] == [t.tolist() for t in eager.tokens]
+        rows.append({"layers": layers, "budget": budget, "batch": len(prompts), "prompt_tokens": 512, "warmed_up": True,
+                     "graph_step_ms": 1e3 * graph.decode_seconds / graph.rounds,
+                     **{f"{stage}_ms": 1e3 * seconds / eager.rounds for stage, seconds in eager.stage_seconds.items()}})
+    peak = torch.cuda.max_memory_allocated()
+    for row in rows:
+        row.update(peak_gib=peak / GIB, plan_gib=memory.total / GIB)
+    append = os.environ.get("KDTREE_APPEND_RESULTS") == "1"
+    print(results.append_rows("real_shape_decode", rows, results_dir=None if append else tmp_path))
+    for row in rows:
+        print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    print(memory.table(), f"\nmeasured peak {peak / GIB:.2f} GiB")
+    assert peak <= memory.total

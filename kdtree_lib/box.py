@@ -315,14 +315,20 @@ def load_kit_pair(tp: TensorParallel, settings: KitSettings, device: torch.devic
         config, drafter_config = kit_configs(settings)
         target, drafter = real_shape_pair(settings.real_shapes, device=device, dtype=dtype, tp=tp, config=config,
                                           drafter_config=drafter_config)
-        names = [Path(path).stem if path else default for path, default in
-                 ((settings.target, "kimi-k2.6"), (settings.drafter, "kimi-k2.6-dflash"))]
-        return target, drafter, f"real-shapes-{settings.real_shapes}L:{names[0]}+{names[1]}"
+        return target, drafter, real_shape_pair_name(settings)
     from .dflash import load_drafter
     from .model import load_target
     target = load_target(settings.target, device=device, dtype=dtype, tp_group=tp.group)
     drafter = load_drafter(settings.drafter, target, placement=settings.drafter_placement)
     return target, drafter, f"{Path(settings.target).name}+{Path(settings.drafter).name}"
+
+
+def real_shape_pair_name(settings: KitSettings) -> str:
+    """The rows' pair column of a real-shape run: "real-shapes-<layers>L:<target config>+<drafter config>", the
+    names K2.6's defaults end with (projection.K26_REAL_SHAPES, the rows the projection calibrates on)."""
+    names = [Path(path).stem if path else default for path, default in
+             ((settings.target, "kimi-k2.6"), (settings.drafter, "kimi-k2.6-dflash"))]
+    return f"real-shapes-{settings.real_shapes}L:{names[0]}+{names[1]}"
 
 
 def kit_configs(settings: KitSettings):

@@ -512,3 +512,90 @@ def test_growth_is_judged_against_the_layers_spread():
     moe, attention = projection.growth_lines(rows, rounds, graph=True, components=("moe", "attention"))
     assert moe.endswith("flat within the rows' spread") and "+3% against the layers' spread 9.5%" in moe
     assert attention.endswith("still grows") and "x2.00" in attention
+
+
+# ----------------------------------------------------------------------------------------------
+# the box kit's real-shape timing rows: what notebook 13 calibrates on when they land
+
+KIT_TRUTH = dict(attention=0.4, moe=0.7, rest=0.5, drafter=0.3)  # the efficiencies the fixture rows are made with
+KIT_HARDWARE = projection.measured_hardware([{"device": "NVIDIA H200", "copy_bandwidth": "4.2e12",
+                                              "matmul_flops": "7.9e14"}], tp=1)
+
+
+def kit_real_shape_rows(*, pair: str = "real-shapes-4L:kimi-k2.6+kimi-k2.6-dflash", ceilings: bool = True) -> list[dict]:
+    """Fixture rows in the box kit's box_verify_step format (bench.tp_step's segments, the kit's stamps) of a
+    one-GPU real-shape run with INT4 experts, timed as K2.6 at the KIT_TRUTH efficiencies would time them."""
+    stamp = {"date": "2026-12-02T07:00:00Z", "commit": "f1x7ure", "device": "NVIDIA H200", "run": "2026-12-02T06:58:00Z",
+             "pair": pair, "tp": "1", "gpus": "1", "drafter_placement": "sharded", "real_shape": "True", "layers": "4",
+             "dtype": "bfloat16", "expert_bits": "4.5",
+             **({"copy_bandwidth": "4.2e12", "matmul_flops": "7.9e14"} if ceilings else {})}
+    drafter = projection.real_drafter_config(K26)
+    rows = []
+    for context in (4096, 32768):
+        for batch in (1, 8):
+            for nodes in (1, 8, 32, 128):
+                where = {**stamp, "batch": str(batch), "nodes": str(nodes), "context": str(context)}
+                for graph in ("False", "True"):
+                    for layer in range(4):
+                        moe = layer >= K26.first_k_dense_replace
+                        ideal = layer_costs(K26, KIT_HARDWARE, batch=batch, nodes=nodes, context=context, moe_layer=moe,
+                                            expert_bits=4.5)
+                        rows.append({**where, "graph": graph, "scope": "layer", "layer": str(layer), "moe_layer": str(moe),
+                                     "attention_seconds": str(ideal["attention"] / KIT_TRUTH["attention"]),
+                                     "moe_seconds": str(ideal["moe"] / KIT_TRUTH["moe"]), "allreduce_seconds": "0.0",
+                                     "rest_seconds": "1e-05"})
+                    head = step_costs(K26, KIT_HARDWARE, batch=batch, nodes=nodes, context=context)["rest"]
+                    rows.append({**where, "graph": graph, "scope": "step", "head_seconds": str(head / KIT_TRUTH["rest"]),
+                                 "step_seconds": "0.01"})
+                if nodes > 1:
+                    seconds = projection.drafter_seconds(drafter, KIT_HARDWARE, batch=batch, context=context, head_shards=1)
+                    rows.append({**where, "scope": "draft", "drafter_seconds": str(2 * seconds / KIT_TRUTH["drafter"]),
+                                 "drafter_graph_seconds": str(seconds / KIT_TRUTH["drafter"]), "draft_topk_seconds": "2e-05",
+                                 "tree_build_seconds": "1e-05", "accept_compact_seconds": "1e-05", "tree_timing": "cuda_graph"})
+    return rows
+
+
+def test_the_kits_real_shape_rows_replace_the_sweeps_for_calibration_and_the_drafter():
+    """K2.6's real-shape rows measured on a GPU are the rows read; the experts' width is the rows' (INT4 here: read as
+    bf16 the MoE efficiency would come out wrong); the drafter is fitted as the real drafter's shapes. Rows of a CPU dry
+    run (no ceilings) or of other shapes are not read: the sweep's rows stay."""
+    sweep = read_rows("tp_verify_step")
+    kit = kit_real_shape_rows()
+    timing = projection.timing_rows(sweep, kit + kit_real_shape_rows(ceilings=False)[:3],
+                                    kit_file="runs/box/box_verify_step.csv")
+    assert timing.real_drafter and timing.source.startswith("runs/box/box_verify_step.csv: the box kit's real-shape run")
+    assert "4 layers of K2.6" in timing.source and "expert_bits 4.5" in timing.source
+    assert len(timing.rows) == len(kit)
+    efficiency, hardware, used = projection.calibrate_on_rows(timing.rows, K26, graph=True)
+    assert (efficiency.attention, efficiency.moe, efficiency.rest) == pytest.approx(
+        (KIT_TRUTH["attention"], KIT_TRUTH["moe"], KIT_TRUTH["rest"]))
+    assert projection.rows_expert_bits(used) == 4.5 and hardware.gpus == 1
+    check = projection.calibration_fit(used, K26, hardware, efficiency)  # the rows' own width, so it reproduces them
+    assert all(abs(fit["residual_low"]) < 1e-9 and abs(fit["residual_high"]) < 1e-9 for fit in check.values()), check
+    drafts = projection.select_rows(timing.rows, "draft")
+    fitted = projection.drafter_efficiency(drafts, projection.real_drafter_config(K26), hardware)
+    assert fitted == pytest.approx(KIT_TRUTH["drafter"])  # the graph time, what a captured decode pays
+    for others in ([], kit_real_shape_rows(ceilings=False), kit_real_shape_rows(pair="real-shapes-2L:target+drafter")):
+        fallback = projection.timing_rows(sweep, others, kit_file="runs/box/box_verify_step.csv")
+        assert not fallback.real_drafter and fallback.rows == projection.latest_rows(sweep)
+        assert fallback.source.startswith("data/results/tp_verify_step.csv")
+    with pytest.raises(ValueError, match="several expert_bits"):
+        projection.rows_expert_bits([{"expert_bits": "4.5"}, {"expert_bits": "16"}])
+
+
+def test_notebook_13_reads_the_kits_real_shape_rows(tmp_path):
+    """Notebook 13 run with box_results_dir holding the fixture rows: it calibrates on them (their efficiencies
+    come back), fits the drafter as the real one's, and says so."""
+    from kdtree_lib import results
+    from kdtree_lib.notebooks import discover, read_record, run_notebook
+    box_dir = tmp_path / "box"
+    results.append_rows("box_verify_step", kit_real_shape_rows(), results_dir=box_dir)
+    path = discover(only=["13"])[0]
+    run = run_notebook(path, tmp_path / "run", {"box_results_dir": str(box_dir), "depth_budgets": [8],
+                                                "stop_rule_tokens": 16}, cell_timeout=1800)
+    assert run.ok, f"{path.name} failed (executed copy: {run.output}): {run.error}"
+    values = read_record(tmp_path / "run", path.stem)
+    assert values["timing_from_kit"] and values["timing_source"].startswith(f"{box_dir}/box_verify_step.csv")
+    assert values["calibrated"] and values["efficiency"]["attention"] == pytest.approx(KIT_TRUTH["attention"])
+    assert values["efficiency"]["moe"] == pytest.approx(KIT_TRUTH["moe"])
+    assert values["drafter_efficiency"] == pytest.approx(KIT_TRUTH["drafter"])

@@ -18,11 +18,11 @@ from .roofline import (CT200, HARDWARE_UNITS, Efficiency, Hardware, KernelTime, 
                        projected_speedup, real_drafter_config, step_costs)
 from .physics import Refusal, Unphysical, check_efficiency, check_fraction, check_rows, row_label  # noqa: F401
 from .calibration import (calibrate, calibrate_on_rows, drafter_efficiency, fit_kernel_time, fit_residuals,  # noqa: F401
-                          calibration_fit, measured_hardware)
+                          calibration_fit, measured_hardware, rows_expert_bits)
 from .rows import (BOX_MOE_PROVIDER, COMPONENTS, PORTABLE_VERIFY_CONFIGS, TREE_KERNEL_COLUMNS, box_build_rows,  # noqa: F401
                    box_topk_rows, draft_round_seconds, latest_rows, moe_layer_split, portable_verify_rows,
                    select_rows, touched_vs_uniform, whole_model_rows, COUNT_RESOLUTION, growth_lines, layer_spread,
-                   uniform_sides)
+                   uniform_sides, K26_REAL_SHAPES, TimingRows, real_shape_rows, timing_rows)
 from .inputs import (Input, KernelInputs, allreduce_inputs, assumed, box_efficiency, hardware_inputs,  # noqa: F401
                      kernel_fit, moe_kernel_inputs, row_seconds_by_batch, rows_source, tree_stage_cost,
                      verify_kernel_inputs)

@@ -47,7 +47,8 @@ import torch
 
 from . import cli, results
 from .acceptance import DEPTH_BUDGETS, depth_rows, live_rows, oracle_rows, record_oracle
-from .bench.inputs import random_cache, real_shape_configs, real_shape_pair, shape_configs, synthetic_tree
+from .bench.inputs import (random_cache, real_shape_configs, real_shape_name, real_shape_pair, shape_configs,
+                           synthetic_tree)
 from .bench.timing import Clock
 from .bench.tp_step import BenchSettings, time_drafter, time_tree_kernels, time_verify_step
 from .corpus import PROMPTS_PATH
@@ -315,20 +316,12 @@ def load_kit_pair(tp: TensorParallel, settings: KitSettings, device: torch.devic
         config, drafter_config = kit_configs(settings)
         target, drafter = real_shape_pair(settings.real_shapes, device=device, dtype=dtype, tp=tp, config=config,
                                           drafter_config=drafter_config)
-        return target, drafter, real_shape_pair_name(settings)
+        return target, drafter, real_shape_name(settings.real_shapes, settings.target, settings.drafter)
     from .dflash import load_drafter
     from .model import load_target
     target = load_target(settings.target, device=device, dtype=dtype, tp_group=tp.group)
     drafter = load_drafter(settings.drafter, target, placement=settings.drafter_placement)
     return target, drafter, f"{Path(settings.target).name}+{Path(settings.drafter).name}"
-
-
-def real_shape_pair_name(settings: KitSettings) -> str:
-    """The rows' pair column of a real-shape run: "real-shapes-<layers>L:<target config>+<drafter config>", the
-    names K2.6's defaults end with (projection.K26_REAL_SHAPES, the rows the projection calibrates on)."""
-    names = [Path(path).stem if path else default for path, default in
-             ((settings.target, "kimi-k2.6"), (settings.drafter, "kimi-k2.6-dflash"))]
-    return f"real-shapes-{settings.real_shapes}L:{names[0]}+{names[1]}"
 
 
 def kit_configs(settings: KitSettings):

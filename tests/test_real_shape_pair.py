@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdtree_lib.bench import tp_step
-from kdtree_lib.bench.inputs import INT4_CODE_STD, RandomWeights, real_shape_pair
+from kdtree_lib.bench.inputs import INT4_CODE_STD, RandomWeights, real_shape_pair, real_shape_pair_with_prompts
 from kdtree_lib.decode import generate
 from kdtree_lib.model import ModelConfig
 from kdtree_lib.model.checkpoint import dequantize_int4
@@ -56,6 +56,12 @@ def test_a_small_real_shape_pair_decodes_losslessly_on_the_cpu():
     assert [t.tolist() for t in tree.tokens] == expected and [t.tolist() for t in chain.tokens] == expected
     with pytest.raises(ValueError, match="layers"):
         real_shape_pair(0, device="cpu", config=config, drafter_config=drafter_config)
+    chosen = real_shape_pair_with_prompts(3, prompts_per_package=2, prompt_tokens=12, device="cpu", dtype=torch.float32,
+                                          config=config, drafter_config=drafter_config)
+    assert chosen.name == "real-shapes-3L:kimi-k2.6+kimi-k2.6-dflash" and not chosen.stand_in
+    assert list(chosen.packages) == ["random"] and len(chosen.prompts) == 4
+    assert all(len(p) == 12 and 0 <= p.min() and p.max() < config.vocab_size for p in chosen.prompts)
+    assert "acceptance means nothing" in chosen.description
 
 
 def test_the_tp_step_bench_times_int4_experts_as_the_box_holds_them():
@@ -111,3 +117,12 @@ def test_real_shapes_decode_on_one_gpu(tmp_path):
         print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     print(memory.table(), f"\nmeasured peak {peak / GIB:.2f} GiB")
     assert peak <= memory.total
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a host without a GPU gets")
+def test_notebook_10_refuses_real_shapes_without_a_gpu(tmp_path):
+    """real_shapes_layers asks for the real-shape pair, made on a GPU: without one the notebook stops at once,
+    naming the parameter (its headless default, 0, keeps the CPU-sized pair: tests/test_notebooks.py)."""
+    from kdtree_lib.notebooks import discover, run_notebook
+    run = run_notebook(discover(only=["10"])[0], tmp_path, {"real_shapes_layers": 2}, cell_timeout=1800)
+    assert not run.ok and "real_shapes_layers: 2 asks for the real-shape pair" in str(run.error)

@@ -101,6 +101,33 @@ def shape_configs(target=None, drafter=None) -> tuple[ModelConfig, DFlashConfig]
     return load_config(files["target"]), DFlashConfig.from_dict(read_json_object(files["drafter"]))
 
 
+K26_SHAPE_NAMES = ("kimi-k2.6", "kimi-k2.6-dflash")  # the default configs' names in a real-shape pair's name
+
+
+def real_shape_name(layers: int, target=None, drafter=None) -> str:
+    """The rows' pair column of a real-shape pair: "real-shapes-<layers>L:<target config>+<drafter config>" (the
+    configs' file or folder names; K26_SHAPE_NAMES for the defaults), so rows say what shapes ran."""
+    names = [Path(path).stem if path else default for path, default in zip((target, drafter), K26_SHAPE_NAMES)]
+    return f"real-shapes-{layers}L:{names[0]}+{names[1]}"
+
+
+def real_shape_pair_with_prompts(layers: int, *, prompts_per_package: int = 1, prompt_tokens: int = 32, device="cuda",
+                                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, **shapes):
+    """pairs.PairWithPrompts of real_shape_pair (K2.6's shapes, `layers` layers, random weights made on `device`;
+    shapes: its config / drafter_config) and random prompt ids under the package "random", as
+    pairs.pair_with_prompts gives its random pair: what notebook 10 runs its GPU sections on with
+    real_shapes_layers. Its acceptance means nothing."""
+    from ..pairs import PairWithPrompts
+    target, drafter = real_shape_pair(layers, device=device, dtype=dtype, seed=seed, **shapes)
+    rng = np.random.default_rng(seed)
+    packages = {"random": [rng.integers(0, target.config.vocab_size, size=prompt_tokens)
+                           for _ in range(2 * prompts_per_package)]}
+    description = (f"REAL-SHAPE pair: K2.6's layer shapes cut to {layers} layers (INT4 experts) and the real drafter's, "
+                   f"random weights made on {device} in {str(dtype).removeprefix('torch.')}, random prompts: timings "
+                   "and memory are the real pair's, acceptance means nothing")
+    return PairWithPrompts(target, drafter, description, real_shape_name(layers), False, packages)
+
+
 def real_shape_configs(layers: int, config: ModelConfig, drafter_config: DFlashConfig) -> tuple[ModelConfig, DFlashConfig]:
     """`config` cut to `layers` layers, and `drafter_config` reading target features from layers that exist
     (its target_layer_ids clamped to the last one)."""

@@ -22,7 +22,7 @@ from .calibration import (calibrate, calibrate_on_rows, drafter_efficiency, fit_
 from .rows import (BOX_MOE_PROVIDER, COMPONENTS, PORTABLE_VERIFY_CONFIGS, TREE_KERNEL_COLUMNS, box_build_rows,  # noqa: F401
                    box_topk_rows, draft_round_seconds, latest_rows, moe_layer_split, portable_verify_rows,
                    select_rows, touched_vs_uniform, whole_model_rows, COUNT_RESOLUTION, growth_lines, layer_spread,
-                   uniform_sides, K26_REAL_SHAPES, TimingRows, real_shape_rows, timing_rows)
+                   uniform_sides, TimingRows, real_shape_rows, timing_rows)
 from .inputs import (Input, KernelInputs, allreduce_inputs, assumed, box_efficiency, hardware_inputs,  # noqa: F401
                      kernel_fit, moe_kernel_inputs, row_seconds_by_batch, rows_source, tree_stage_cost,
                      verify_kernel_inputs)

@@ -26,11 +26,6 @@ def latest_rows(rows: list[dict]) -> list[dict]:
             + results.latest_run([r for r in rows if r.get("scope") == "draft"]))
 
 
-# the box kit's real-shape pair at K2.6's shapes and the real drafter's (box.load_kit_pair names it so): the
-# rows the projection may calibrate on in place of bench.tp_step's, whose drafter is an assumed one
-K26_REAL_SHAPES = ":kimi-k2.6+kimi-k2.6-dflash"
-
-
 @dataclass(frozen=True)
 class TimingRows:
     """The verify-step and draft rows the calibration and the drafter fit read, and what they are."""
@@ -42,8 +37,10 @@ class TimingRows:
 def real_shape_rows(rows: list[dict]) -> list[dict]:
     """The box kit's rows (box_verify_step.csv) of K2.6's real-shape pair measured on a GPU (their ceilings in
     the row), the newest run of each scope as latest_rows takes them."""
+    from ..bench.inputs import K26_SHAPE_NAMES  # a real-shape pair's name ends with its configs' (real_shape_name)
+    k26 = ":" + "+".join(K26_SHAPE_NAMES)
     return latest_rows([r for r in rows if results.matches(r.get("real_shape"), True)
-                        and str(r.get("pair", "")).endswith(K26_REAL_SHAPES) and r.get("copy_bandwidth") not in (None, "")])
+                        and str(r.get("pair", "")).endswith(k26) and r.get("copy_bandwidth") not in (None, "")])
 
 
 def timing_rows(tp_step_rows: list[dict], kit_rows: list[dict], *, kit_file: str) -> TimingRows:

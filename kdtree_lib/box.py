@@ -14,7 +14,7 @@ replicated: --drafter-placement), then, in this order:
     drafter     the drafter's forward (its placement in every row) and the tree stage (top-k, build, accept + compaction) per
                 batch, context and budget (scope "draft" rows)        -> box_verify_step.csv
 
-Each step's wall time goes to box_steps.csv. Rows are stamped (date, commit, device, run) and appended
+Each step's wall time goes to box_steps.csv (with the time the pair took to load, load_seconds). Rows are stamped (date, commit, device, run) and appended
 atomically (results.append_rows) to --results-dir after each step. On the box:
 
     torchrun --nproc-per-node 8 -m kdtree_lib.box --target /models/Kimi-K2.6 --drafter /models/Kimi-K2.6-DFlash \
@@ -176,9 +176,10 @@ def measure_acceptance(target, drafter, settings: KitSettings, pair: str, rank: 
     return {TOPICS["acceptance"]: [{**row, **sized} for row in rows], TOPICS["depth"]: [{**row, **sized} for row in depth]}
 
 
-def measure_verify_step(target, settings: KitSettings, common: dict) -> list[dict]:
-    """bench.tp_step's layer and step rows of the loaded model, per context, batch and N."""
-    bench, clock = _bench_settings(target, settings), Clock(target.device)
+def measure_verify_step(target, drafter, settings: KitSettings, common: dict) -> list[dict]:
+    """bench.tp_step's layer and step rows of the loaded model, per context, batch and N (trees as deep as the
+    drafter drafts)."""
+    bench, clock = _bench_settings(target, drafter, settings), Clock(target.device)
     graphs = settings.graphs and target.device.type == "cuda"
     rows = []
     for context in settings.contexts:
@@ -207,7 +208,7 @@ def measure_union(target, settings: KitSettings, common: dict) -> list[dict]:
 def measure_drafter(target, drafter, settings: KitSettings, common: dict) -> list[dict]:
     """Scope "draft" rows: the drafter's forward per (batch, context) and the tree stage per budget
     (the GPU kernels on CUDA; on a CPU the NumPy references, tree_timing "host_reference")."""
-    bench, clock = _bench_settings(target, settings), Clock(target.device)
+    bench, clock = _bench_settings(target, drafter, settings), Clock(target.device)
     on_gpu = target.device.type == "cuda"
     rows = []
     for context in settings.contexts:
@@ -217,7 +218,7 @@ def measure_drafter(target, drafter, settings: KitSettings, common: dict) -> lis
             cache = random_cache(target, batch, 1, 1 + max(settings.nodes)) if on_gpu else None
             for nodes in [n for n in settings.nodes if n > 1]:
                 stage = (time_tree_kernels(cache, batch, nodes, bench, target.config.vocab_size) if on_gpu else
-                         host_tree_stage(batch, nodes - 1, depth=drafter.config.draft_depth,
+                         host_tree_stage(batch, nodes - 1, depth=bench.draft_depth,
                                          vocab=min(bench.draft_vocab, target.config.vocab_size)))
                 rows.append({**common, "scope": "draft", "batch": batch, "nodes": nodes, "context": context,
                              **forward, **stage})
@@ -242,9 +243,12 @@ def host_tree_stage(batch: int, budget: int, *, depth: int, vocab: int, repeats:
     return {**{f"{name}_seconds": float(np.median(v)) for name, v in times.items()}, "tree_timing": "host_reference"}
 
 
-def _bench_settings(target, settings: KitSettings) -> BenchSettings:
+def _bench_settings(target, drafter, settings: KitSettings) -> BenchSettings:
+    """bench.tp_step's settings for the loaded pair: its layers, and drafts as deep as its drafter's (the
+    sweep's default depth is another drafter's)."""
     return BenchSettings(config=target.config, layers=target.config.num_hidden_layers, repeats=settings.repeats,
-                         warmup=settings.warmup, graphs=settings.graphs, topic=None, run=settings.run)
+                         warmup=settings.warmup, graphs=settings.graphs, topic=None, run=settings.run,
+                         draft_depth=drafter.config.draft_depth)
 
 
 def _progress(items, description: str, settings: KitSettings):
@@ -270,7 +274,11 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
         if tp.rank == 0:
             print(memory.table(), flush=True)
         memory.check()
+    begin = time.perf_counter()
     target, drafter, pair = load_kit_pair(tp, settings, device, dtype)
+    load_seconds = time.perf_counter() - begin  # kept on every box_steps row: what the operator waits before step 1
+    if tp.rank == 0:
+        print(f"pair {pair}: {'made' if settings.real_shapes else 'loaded'} in {load_seconds:.1f} s", flush=True)
     common = {"run": settings.run, "pair": pair, "tp": tp.size, "gpus": tp.size if on_gpu else 0,
               "drafter_placement": settings.drafter_placement, "real_shape": bool(settings.real_shapes),
               "layers": target.config.num_hidden_layers, "dtype": settings.dtype, "expert_bits": _expert_bits(target),
@@ -286,7 +294,7 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
                 measured = {topic: [{"run": settings.run, "tp": tp.size, **row} for row in rows]
                             for topic, rows in measure_acceptance(target, drafter, settings, pair, tp.rank).items()}
             elif step == "verify":
-                measured = {TOPICS[step]: measure_verify_step(target, settings, common)}
+                measured = {TOPICS[step]: measure_verify_step(target, drafter, settings, common)}
             elif step == "union":
                 measured = {TOPICS[step]: measure_union(target, settings, common)}
             else:
@@ -299,14 +307,35 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
             results.append_rows(TOPICS["steps"], [{"run": settings.run, "pair": pair, "tp": tp.size, "step": step,
                                                    "real_shape": bool(settings.real_shapes),
                                                    "layers": target.config.num_hidden_layers, "rows": count,
-                                                   "wall_seconds": seconds, "skipped": skipped,
+                                                   "wall_seconds": seconds, "load_seconds": load_seconds,
+                                                   "skipped": skipped,
                                                    "settings": json.dumps(asdict(settings))}],
                                 results_dir=settings.results_dir)
             print(f"{step}: skipped: {skipped}" if skipped else
                   f"{step}: {count} rows in {seconds:.1f} s -> {', '.join(map(str, paths))}", flush=True)
         for topic, rows in measured.items():
             written[topic] = written.get(topic, 0) + len(rows)
+    if tp.rank == 0:  # what docs/box-kit.md's timing table takes, as it reads there
+        runs = [r for r in results.read_rows(TOPICS["steps"], results_dir=settings.results_dir) if r["run"] == settings.run]
+        print("\n".join(steps_table(runs)), flush=True)
     return written
+
+
+def steps_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of one run's box_steps rows: the pair's load, then each step's rows and wall seconds (or why
+    it was skipped), and the total."""
+    if not rows:
+        raise ValueError("rows: expected the box_steps rows of one run")
+    first = rows[0]
+    load = float(first.get("load_seconds") or 0.0)
+    lines = [f"kit run {first['run']}, pair {first['pair']}, TP={first['tp']}, {first['device']}, commit {first['commit']}:",
+             "", "| part | rows | seconds |", "|---|---|---|",
+             f"| {'make' if results.matches(first.get('real_shape'), True) else 'load'} the pair | | {load:.1f} |"]
+    for row in rows:
+        lines.append(f"| {row['step']} | {row['rows']} | "
+                     + (f"skipped: {row['skipped']} |" if row.get("skipped") else f"{float(row['wall_seconds']):.1f} |"))
+    total = load + sum(float(r["wall_seconds"]) for r in rows)
+    return lines + [f"| total | | {total:.1f} |"]
 
 
 def load_kit_pair(tp: TensorParallel, settings: KitSettings, device: torch.device, dtype: torch.dtype):

@@ -114,12 +114,19 @@ def test_real_shapes_run_the_timing_steps_and_skip_acceptance(tmp_path, capsys):
                "--union-sequences", "2", "--union-length", "32", "--union-windows", "4", "--repeats", "1", "--warmup", "0",
                "--no-progress", "--results-dir", str(rows_dir)]
     assert box.main(["--real-shapes", "2", "--target", str(target / "config.json"), "--drafter", str(drafter)] + options) == 0
-    assert "acceptance: skipped: random weights" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "acceptance: skipped: random weights" in printed
     rows = {topic: results.read_rows(topic, results_dir=rows_dir) for topic in set(box.TOPICS.values())}
     assert not rows["box_acceptance"] and not rows["box_acceptance_depth"]
     steps = {r["step"]: r for r in rows["box_steps"]}
     assert list(steps) == list(box.STEPS) and steps["acceptance"]["skipped"].startswith("random weights")
     assert all(int(steps[s]["rows"]) > 0 and not steps[s]["skipped"] for s in box.TIMING_STEPS)
+    assert len({r["load_seconds"] for r in rows["box_steps"]}) == 1 and float(steps["verify"]["load_seconds"]) > 0
+    table = box.steps_table(rows["box_steps"])  # printed at the end of the run: docs/box-kit.md's timing table
+    assert "\n".join(table) in printed and table[4].startswith("| make the pair | | ")
+    assert table[5].startswith("| acceptance | 0 | skipped: random weights") and table[6].startswith("| verify | ")
+    total = float(steps["verify"]["load_seconds"]) + sum(float(r["wall_seconds"]) for r in rows["box_steps"])
+    assert table[-1] == f"| total | | {total:.1f} |"
     timed = rows["box_verify_step"] + rows["box_expert_union"]
     assert {(r["real_shape"], r["layers"], r["expert_bits"]) for r in timed} == {("True", "2", "4.5")}
     assert {r["pair"] for r in timed} == {"real-shapes-2L:config+drafter"}

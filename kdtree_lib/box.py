@@ -14,8 +14,9 @@ replicated: --drafter-placement), then, in this order:
     drafter     the drafter's forward (its placement in every row) and the tree stage (top-k, build, accept + compaction) per
                 batch, context and budget (scope "draft" rows)        -> box_verify_step.csv
 
-Each step's wall time goes to box_steps.csv (with the time the pair took to load, load_seconds). Rows are stamped (date, commit, device, run) and appended
-atomically (results.append_rows) to --results-dir after each step. On the box:
+Each step's wall time goes to box_steps.csv (with the pair's load time, load_seconds). Rows are stamped
+(date, commit, device, run) and appended atomically (results.append_rows) to --results-dir after each step.
+On the box:
 
     torchrun --nproc-per-node 8 -m kdtree_lib.box --target /models/Kimi-K2.6 --drafter /models/Kimi-K2.6-DFlash \
         --results-dir runs/box --device cuda
@@ -98,8 +99,9 @@ class KitSettings:
     run: str = ""                              # stamp shared by the rows of one command
 
 
-def check_settings(settings: KitSettings) -> KitSettings:
-    """ValueError naming what is wrong before anything loads: checkpoints (or configs), tokenizer, steps."""
+def check_settings(settings: KitSettings, tp: int = 1) -> KitSettings:
+    """ValueError naming what is wrong before anything loads: checkpoints (or configs), tokenizer, steps, and
+    `tp` ranks for a real-shape pair (one device's: its drafter is replicated)."""
     results.check_writable(settings.results_dir, topics=sorted(set(TOPICS.values())))  # before any step is measured
     unknown = sorted(set(settings.steps) - set(STEPS))
     if unknown or not settings.steps:
@@ -107,6 +109,8 @@ def check_settings(settings: KitSettings) -> KitSettings:
     if settings.real_shapes < 0:
         raise ValueError(f"real_shapes: expected a number of layers >= 1 (0: the checkpoints), got {settings.real_shapes}")
     if settings.real_shapes:
+        if tp > 1:
+            raise ValueError(f"tp: a real-shape pair is made on one device (its drafter replicated); got {tp} ranks")
         kit_configs(settings)  # the config files exist and parse
         if not set(settings.steps) & set(TIMING_STEPS):
             raise ValueError(f"steps: with real_shapes only {TIMING_STEPS} measure anything ({RANDOM_WEIGHTS}), "
@@ -267,8 +271,6 @@ def kit_rank(tp: TensorParallel, settings: KitSettings) -> dict[str, int]:
     on_gpu = settings.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = getattr(torch, settings.dtype)
-    if settings.real_shapes and tp.size > 1:
-        raise ValueError(f"tp: a real-shape pair is made on one device (its drafter replicated); got {tp.size} ranks")
     if on_gpu:  # refuse before loading what would not fit (the decode's memory plan at the kit's largest sizes)
         memory = memory_plan(settings, tp.size, gpu_bytes=torch.cuda.mem_get_info(device)[0])
         if tp.rank == 0:
@@ -388,9 +390,8 @@ def _ceilings() -> dict:
 
 def run_kit(settings: KitSettings, tp: int = 1) -> dict[str, int]:
     """The kit on `tp` ranks (in this process for one; spawned, gloo on CPUs or NCCL, for more)."""
-    settings = check_settings(replace(settings, run=settings.run or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
-    if settings.real_shapes and tp > 1:
-        raise ValueError(f"tp: a real-shape pair is made on one device (its drafter replicated); got tp={tp}")
+    settings = check_settings(replace(settings, run=settings.run or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
+                              tp)
     if tp == 1:
         if settings.device == "cpu":
             with one_cpu_thread():
@@ -439,7 +440,8 @@ def main(argv=None) -> int:
                            progress=not args.no_progress)
     if "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank of WORLD
         import torch.distributed as dist
-        settings = check_settings(replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+        settings = check_settings(replace(settings, run=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
+                                  int(os.environ.get("WORLD_SIZE", "1")))
         if settings.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if settings.device == "cuda" else "gloo")

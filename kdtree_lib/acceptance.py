@@ -395,7 +395,8 @@ class DepthStructure:
                 f"{self.prefix_mean:.3f} (all-rank-0 prefix) + {self.sibling_mean:.3f} (at or after the first sibling); "
                 f"chain of {self.chain_depth}: {self.chain_mean:.3f}; siblings give "
                 + (f"{self.sibling_share_of_gain:.0%} of the tree's gain over the chain ({gain:+.3f} tokens per round)"
-                   if gain > 0 else f"{self.sibling_mean:.3f} tokens, and the tree does not beat the chain here ({gain:+.3f})"))
+                   if gain > 0 else f"{self.sibling_mean:.3f} tokens, and the tree accepts no more per round than the chain "
+                                    f"here ({gain:+.3f})"))
 
     def lines(self) -> list[str]:
         """Printable: gain_line, then per depth the acceptance of rank-0 nodes and siblings, and after each."""

@@ -465,9 +465,13 @@ def test_depth_rows_hold_the_structure_and_packages_add_up(tmp_path):
     source = projection.depth_source("toy pair", "acceptance_depth.csv", on_disk, block_size=4)
     assert source.at(16).budget == 14 and source.at(9).budget == 4  # nearest, the smaller on a tie
     line = source.gain_line(16)
-    assert line.startswith("toy pair, budget 14 (the rows' nearest to 16): siblings give 100% of DDTree's gain over the chain")
+    assert line.startswith("toy pair, budget 14 (the rows' nearest to 16): siblings give 100% of DDTree's gain in tokens "
+                           "per round over the chain")
     assert "chain of 3 1.00 tokens per round" in line and "acceptance_depth.csv" in line
     assert projection.depth_source("none", "x.csv", []) is None
+    behind = replace(direct, chain_tokens=10 * direct.chain_rounds)  # a chain that accepts more per round
+    assert "the tree accepts no more tokens per round than the chain (-6.000)" in \
+        projection.DepthSource("toy", {14: behind}, "made").gain_line(14)
     with pytest.raises(ValueError, match="lacks"):
         projection.DepthStructure.from_row({"budget": "4"})
     with pytest.raises(ValueError, match="one budget"):

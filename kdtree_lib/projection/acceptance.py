@@ -94,8 +94,8 @@ class DepthSource:
         s = self.at(budget)
         where = f"budget {s.budget}" + (f" (the rows' nearest to {budget})" if s.budget != budget else "")
         gain = s.tree_mean - s.chain_mean
-        share = (f"siblings give {s.sibling_share_of_gain:.0%} of DDTree's gain over the chain" if gain > 0 else
-                 "DDTree does not beat the chain")
+        share = (f"siblings give {s.sibling_share_of_gain:.0%} of DDTree's gain in tokens per round over the chain"
+                 if gain > 0 else f"the tree accepts no more tokens per round than the chain ({gain:+.3f})")
         return (f"{self.name}, {where}: {share} (tree {s.tree_mean:.2f} = 1 + {s.prefix_mean:.2f} rank-0 prefix + "
                 f"{s.sibling_mean:.2f} at or after a sibling, chain of {s.chain_depth} {s.chain_mean:.2f} tokens per round, "
                 f"{s.rounds} rounds; {self.source})")

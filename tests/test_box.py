@@ -146,3 +146,14 @@ def test_real_shapes_refuse_what_they_cannot_measure(tmp_path, capsys):
     assert "target: no config at" in refused(["--real-shapes", "2", "--target", str(tmp_path / "nowhere")])
     assert "argument --real-shapes" in refused(["--real-shapes", "0"])
     assert not (tmp_path / "rows").exists() or not any((tmp_path / "rows").iterdir())
+
+
+def test_the_real_shape_run_of_the_defaults_fits_one_h200():
+    """--real-shapes 4 at the kit's default sizes (batch 8, context 32768 + 256 nodes): K2.6's first 4 layers and
+    the real drafter's shapes, its feature layers clamped to the layers made; the memory plan fits one H200."""
+    settings = box.KitSettings(target="", drafter="", results_dir=None, real_shapes=4)
+    config, drafter = box.kit_configs(settings)
+    assert config.num_hidden_layers == 4 and config.n_routed_experts == 384 and drafter.hidden_size == 7168
+    assert drafter.target_layer_ids == (1, 3, 3, 3, 3, 3)
+    plan = box.memory_plan(settings, 1, gpu_bytes=139 * 2**30)
+    assert plan.fits and plan.batch == 8 and plan.context >= 32768 + 256

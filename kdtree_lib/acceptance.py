@@ -22,6 +22,10 @@ along the recorded trajectory. Its one approximation: a replayed round continues
 context, where a live round continues from the tokens it sampled itself (both are samples of the
 target), so it is compared with live runs (`live_rows`) rather than assumed.
 
+The oracle records also say where a tree's extra tokens come from: `depth_structure` splits each accepted
+path into the drafter's rank-0 nodes and their siblings, per depth (`depth_rows` -> acceptance_depth.csv;
+the box kit writes the real pair's to box_acceptance_depth.csv).
+
 Rows (`oracle_rows`, `live_rows`, `monte_carlo_rows`) go to data/results/acceptance.csv:
     python -m kdtree_lib.acceptance --block-sizes 8 16 --prompts-per-package 8 --new-tokens 256   # on a GPU
 """
@@ -325,6 +329,214 @@ def monte_carlo_acceptance(records: list[SampledRecord], budget: int, *, n_sampl
 
 
 # ----------------------------------------------------------------------------------------------
+# where a tree's extra tokens come from: the drafter's rank-0 nodes against their siblings, per depth
+
+DEPTH_TOPIC = "acceptance_depth"
+DEPTH_BUDGETS = (4, 8, 16, 32, 64)  # budgets whose accepted paths are split by default (the box's likely choices)
+DEPTH_COUNTS = ("reached", "rank0", "sibling", "after_rank0_reached", "after_rank0_accepted", "after_sibling_reached",
+                "after_sibling_accepted")  # per-depth counts, a JSON list each in a depth row (depth 1 first)
+DEPTH_TOTALS = ("rounds", "tokens", "prefix_tokens", "sibling_tokens", "chain_rounds", "chain_tokens")
+
+
+@dataclass(frozen=True)
+class DepthStructure:
+    """What the accepted paths of oracle records show at one budget, per depth d = 1..D, as counts (so
+    the structures of several packages add up: `combine`).
+
+    reached[d]: rounds whose accepted path got to depth d − 1 (so could accept a node at depth d);
+    rank0[d] / sibling[d]: rounds accepting, at depth d, the drafter's top-1 token of that depth or
+    another of its top-k (a sibling); after_rank0[d] / after_sibling[d]: (rounds that accepted a
+    rank-0 / sibling node at depth d − 1, how many of them accepted a node at depth d).
+    tokens = rounds + prefix_tokens + sibling_tokens: tokens committed (root included), split into the
+    nodes of each path's all-rank-0 prefix and the nodes at or after its first sibling; chain_tokens
+    over chain_rounds: the DFlash chain's (the top-1 path of `chain_depth` drafts) on the same records."""
+    budget: int
+    chain_depth: int
+    rounds: int
+    reached: dict[int, int]
+    rank0: dict[int, int]
+    sibling: dict[int, int]
+    after_rank0: dict[int, tuple[int, int]]
+    after_sibling: dict[int, tuple[int, int]]
+    tokens: int
+    prefix_tokens: int
+    sibling_tokens: int
+    chain_rounds: int
+    chain_tokens: int
+
+    @property
+    def tree_mean(self) -> float:
+        """Tokens per round (root included)."""
+        return self.tokens / self.rounds
+
+    @property
+    def prefix_mean(self) -> float:
+        return self.prefix_tokens / self.rounds
+
+    @property
+    def sibling_mean(self) -> float:
+        return self.sibling_tokens / self.rounds
+
+    @property
+    def chain_mean(self) -> float:
+        return self.chain_tokens / self.chain_rounds
+
+    @property
+    def sibling_share_of_gain(self) -> float:
+        """sibling_mean over the tree's gain over the chain (tree_mean − chain_mean): above 1 when the
+        tree's rank-0 prefix accepts less than the chain does (nodes spent on siblings that the chain
+        spends on deeper rank-0 drafts, as the stand-in shows at budgets 8 to 64)."""
+        gain = self.tree_mean - self.chain_mean
+        return self.sibling_mean / gain if gain > 0 else float("nan")
+
+    def gain_line(self) -> str:
+        """One line: the tree's tokens per round split, the chain's, and the siblings' share of the gain."""
+        gain = self.tree_mean - self.chain_mean
+        return (f"budget {self.budget}, {self.rounds} rounds: tokens per round {self.tree_mean:.3f} = 1 (root) + "
+                f"{self.prefix_mean:.3f} (all-rank-0 prefix) + {self.sibling_mean:.3f} (at or after the first sibling); "
+                f"chain of {self.chain_depth}: {self.chain_mean:.3f}; siblings give "
+                + (f"{self.sibling_share_of_gain:.0%} of the tree's gain over the chain ({gain:+.3f} tokens per round)"
+                   if gain > 0 else f"{self.sibling_mean:.3f} tokens, and the tree accepts no more per round than the chain "
+                                    f"here ({gain:+.3f})"))
+
+    def lines(self) -> list[str]:
+        """Printable: gain_line, then per depth the acceptance of rank-0 nodes and siblings, and after each."""
+        out = [self.gain_line()]
+        for d in sorted(self.reached):
+            if not self.reached[d]:
+                continue
+            def rate(pair):
+                return f"{pair[1] / pair[0]:.0%} of {pair[0]}" if pair[0] else "none"
+            after = (f"; after a rank-0 node at depth {d - 1}: {rate(self.after_rank0[d])}, "
+                     f"after a sibling: {rate(self.after_sibling[d])}") if d > 1 else ""
+            out.append(f"  depth {d}: of {self.reached[d]} rounds reaching it, rank 0 accepted "
+                       f"{self.rank0[d] / self.reached[d]:.0%}, a sibling {self.sibling[d] / self.reached[d]:.0%}{after}")
+        return out
+
+    def counts(self) -> dict:
+        """The row's cells: totals, and each per-depth count as a JSON list (depth 1 first)."""
+        depths = sorted(self.reached)
+        lists = {"reached": self.reached, "rank0": self.rank0, "sibling": self.sibling,
+                 "after_rank0_reached": {d: v[0] for d, v in self.after_rank0.items()},
+                 "after_rank0_accepted": {d: v[1] for d, v in self.after_rank0.items()},
+                 "after_sibling_reached": {d: v[0] for d, v in self.after_sibling.items()},
+                 "after_sibling_accepted": {d: v[1] for d, v in self.after_sibling.items()}}
+        return {"budget": self.budget, "chain_depth": self.chain_depth, "depths": len(depths),
+                **{name: getattr(self, name) for name in DEPTH_TOTALS},
+                **{name: json.dumps([int(lists[name][d]) for d in depths]) for name in DEPTH_COUNTS}}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "DepthStructure":
+        """The structure a depth row holds (DepthStructure.counts' cells); a ValueError names a missing cell."""
+        missing = [name for name in ("budget", "chain_depth", *DEPTH_TOTALS, *DEPTH_COUNTS) if row.get(name) in (None, "")]
+        if missing:
+            raise ValueError(f"rows: a depth row lacks {missing} (a row of acceptance.depth_rows expected)")
+        lists = {name: json.loads(row[name]) for name in DEPTH_COUNTS}
+        depths = range(1, len(lists["reached"]) + 1)
+        per_depth = {name: dict(zip(depths, map(int, values))) for name, values in lists.items()}
+        return cls(int(float(row["budget"])), int(float(row["chain_depth"])), int(float(row["rounds"])),
+                   per_depth["reached"], per_depth["rank0"], per_depth["sibling"],
+                   {d: (per_depth["after_rank0_reached"][d], per_depth["after_rank0_accepted"][d]) for d in depths},
+                   {d: (per_depth["after_sibling_reached"][d], per_depth["after_sibling_accepted"][d]) for d in depths},
+                   *(int(float(row[name])) for name in DEPTH_TOTALS[1:]))
+
+    @staticmethod
+    def combine(structures: list["DepthStructure"]) -> "DepthStructure":
+        """The structure of several record sets at one budget and chain depth (e.g. the packages): counts add."""
+        first = structures[0]
+        if any((s.budget, s.chain_depth, sorted(s.reached)) != (first.budget, first.chain_depth, sorted(first.reached))
+               for s in structures):
+            raise ValueError("structures: expected one budget, chain depth and draft depth")
+        def add(name):
+            return {d: sum(getattr(s, name)[d] for s in structures) for d in first.reached}
+        def add_pairs(name):
+            return {d: tuple(sum(getattr(s, name)[d][i] for s in structures) for i in (0, 1)) for d in first.reached}
+        return DepthStructure(first.budget, first.chain_depth, sum(s.rounds for s in structures), add("reached"),
+                              add("rank0"), add("sibling"), add_pairs("after_rank0"), add_pairs("after_sibling"),
+                              *(sum(getattr(s, name) for s in structures) for name in DEPTH_TOTALS[1:]))
+
+
+def depth_structure(records: list[OracleRecord], budget: int, *, chain_depth: int,
+                    backend: str = "numpy") -> DepthStructure:
+    """The DepthStructure of oracle records (record_oracle, T = 0) at `budget`, over the rounds a live
+    decode makes (round_lengths chased from position 0 of each record); a node's rank is the place of
+    its token in the drafter's top-k at its depth (DFlash drafts every depth at once)."""
+    if not records:
+        raise ValueError("records: expected at least one oracle record")
+    depth_limit = int(records[0].draft.logp.shape[1])
+    zero = {d: 0 for d in range(1, depth_limit + 1)}
+    reached, rank0, sibling = dict(zero), dict(zero), dict(zero)
+    after = {"rank0": {d: [0, 0] for d in zero}, "sibling": {d: [0, 0] for d in zero}}
+    tokens_total = prefix_total = sibling_total = chain_rounds = chain_tokens = rounds = 0
+    for record in records:
+        logp, ids, tokens = (to_numpy(x) for x in (record.draft.logp, record.draft.ids, record.tokens))
+        positions = logp.shape[0]
+        tree = build_tree(DraftTopK(logp, ids), budget, root=tokens[:positions], backend=backend)
+        depths, node_tokens = to_numpy(tree.depths).astype(np.int64), to_numpy(tree.tokens)
+        continuation = np.lib.stride_tricks.sliding_window_view(tokens[1:], depth_limit + 1)[:positions]
+        result = accept(tree, np.take_along_axis(continuation, depths, axis=1).astype(np.int32), backend=backend)
+        path, n_accepted = to_numpy(result.path), to_numpy(result.n_accepted)
+        chain = round_lengths(accepted_at_every_position(record, min(chain_depth, depth_limit), mode="chain",
+                                                         backend=backend))
+        chain_rounds, chain_tokens = chain_rounds + len(chain), chain_tokens + sum(chain)
+        t = 0
+        for length in round_lengths(n_accepted):
+            kinds = []  # per accepted depth 1..length-1: "rank0" or "sibling"
+            for d in range(1, length):
+                token = node_tokens[t, path[t, d]]
+                kinds.append("rank0" if token == ids[t, d - 1, 0] else "sibling")
+            for d in range(1, depth_limit + 1):
+                if d - 1 >= length:  # the path stopped before depth d − 1
+                    break
+                reached[d] += 1
+                accepted_here = d < length
+                if accepted_here:
+                    (rank0 if kinds[d - 1] == "rank0" else sibling)[d] += 1
+                if d >= 2:
+                    counter = after[kinds[d - 2]][d]
+                    counter[0] += 1
+                    counter[1] += int(accepted_here)
+            first_sibling = kinds.index("sibling") if "sibling" in kinds else len(kinds)
+            rounds += 1
+            tokens_total += length
+            prefix_total += first_sibling
+            sibling_total += len(kinds) - first_sibling
+            t += length
+    return DepthStructure(budget, chain_depth, rounds, reached, rank0, sibling,
+                          {d: tuple(v) for d, v in after["rank0"].items()},
+                          {d: tuple(v) for d, v in after["sibling"].items()},
+                          tokens_total, prefix_total, sibling_total, chain_rounds, chain_tokens)
+
+
+def depth_rows(records: list[OracleRecord], budgets=DEPTH_BUDGETS, *, package: str, block_size: int,
+               pair: str = "", n_new_tokens: int | None = None, progress: bool = True) -> list[dict]:
+    """One row per budget (at most the recorded top-k): the depth structure of one package's records as
+    counts (DepthStructure.counts), beside its means; the columns acceptance rows are selected by
+    (source "oracle", mode "tree", T = 0, prompts, new_tokens), so largest_measurement picks them the same way."""
+    k = int(records[0].draft.logp.shape[-1]) if records else 0
+    rows = []
+    for budget in _progress([b for b in budgets if b <= k], f"depth {package} b{block_size}", progress):
+        s = depth_structure(records, budget, chain_depth=block_size - 1)
+        rows.append({"source": "oracle", "mode": "tree", "temperature": 0.0, "package": package,
+                     "block_size": block_size, "pair": pair, "prompts": len(records), "new_tokens": n_new_tokens or "",
+                     **s.counts(), "tree_mean": s.tree_mean, "prefix_mean": s.prefix_mean,
+                     "sibling_mean": s.sibling_mean, "chain_mean": s.chain_mean,
+                     "sibling_share_of_gain": s.sibling_share_of_gain})
+    return rows
+
+
+def depth_structures(rows: list[dict], **criteria) -> dict[int, DepthStructure]:
+    """{budget: DepthStructure} of the biggest measurement among depth rows (largest_measurement) matching
+    criteria, its packages combined; {} without rows."""
+    picked = largest_measurement(rows, source="oracle", mode="tree", temperature=0, **criteria)
+    by_budget: dict[int, list[DepthStructure]] = {}
+    for row in picked:
+        s = DepthStructure.from_row(row)
+        by_budget.setdefault(s.budget, []).append(s)
+    return {budget: DepthStructure.combine(found) for budget, found in sorted(by_budget.items())}
+
+
+# ----------------------------------------------------------------------------------------------
 # rows for data/results/acceptance.csv
 
 def oracle_rows(records: list[OracleRecord], budgets=BUDGETS, *, package: str, block_size: int, mode: str = "tree",
@@ -469,14 +681,15 @@ def main(argv=None) -> int:
         if missing:
             parser.error(f"argument --block-sizes: no stand-in checkpoint for block size {block_size} "
                          f"({', '.join(map(str, missing))} has no config.json; see --models-dir)")
-    results.check_writable(args.results_dir, topics=(TOPIC,))  # before measuring, not after
+    results.check_writable(args.results_dir, topics=(TOPIC, DEPTH_TOPIC))  # before measuring, not after
     run = results.new_run_id()
 
-    def keep(measured: list[dict]) -> list[dict]:
+    def keep(measured: list[dict], topic: str = TOPIC) -> list[dict]:
         """Append a measurement's rows as soon as it completes (a run stopped mid-way keeps them), with
         the run's size, which largest_measurement ranks runs by."""
-        results.append_rows(TOPIC, [{**row, "run": run, "prompt_tokens": args.prompt_tokens,
-                                     "new_tokens": args.new_tokens} for row in measured], results_dir=args.results_dir)
+        if measured:  # depth rows only at DEPTH_BUDGETS within the recorded top-k
+            results.append_rows(topic, [{**row, "run": run, "prompt_tokens": args.prompt_tokens,
+                                         "new_tokens": args.new_tokens} for row in measured], results_dir=args.results_dir)
         return measured
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -495,6 +708,8 @@ def main(argv=None) -> int:
             for mode in ("tree", "chain"):
                 rows += keep(oracle_rows(records, args.budgets, package=package, block_size=block_size, mode=mode,
                                          n_new_tokens=args.new_tokens, pair=pair))
+            keep(depth_rows(records, DEPTH_BUDGETS, package=package, block_size=block_size, pair=pair,
+                            n_new_tokens=args.new_tokens), DEPTH_TOPIC)
             rows += keep(live_rows(target, drafter, prompts, args.live_budgets, package=package,
                                    max_new_tokens=args.new_tokens, pair=pair))
             if args.temperature > 0:

@@ -409,26 +409,73 @@ def test_a_topk_row_faster_than_reading_its_logits_is_refused():
 # ----------------------------------------------------------------------------------------------
 # where the tree's tokens come from, the external lines and the takeaway
 
-def test_depth_structure_splits_rank0_nodes_from_siblings():
-    """A record where depth 1's right token is always the drafter's second choice and deeper ones its first: the
-    chain accepts the root alone, a full tree the root, the sibling and two rank-0 nodes after it."""
+def sibling_record(positions: int = 12, depth: int = 3, topk: int = 2):
+    """An oracle record where depth 1's right token is always the drafter's second choice and deeper ones its
+    first; ranks from 2 on are tokens off the truth, far less likely (log-probability -10 and below)."""
     from kdtree_lib.acceptance import OracleRecord
     from kdtree_lib.contracts import DraftTopK
-    positions, depth = 12, 3
     tokens = np.arange(1, positions + depth + 2, dtype=np.int32)
-    ids = np.zeros((positions, depth, 2), np.int32)
+    ids = np.zeros((positions, depth, topk), np.int32)
+    logp = np.zeros((positions, depth, topk), np.float32)
+    logp[..., :2] = [-0.1, -2.5]
+    logp[..., 2:] = -10.0 - np.arange(topk - 2)
     for t in range(positions):
         right = tokens[t + 1:t + 1 + depth]
-        ids[t, 0] = [1000 + t, right[0]]
+        ids[t, 0, :2] = [1000 + t, right[0]]
         ids[t, 1:, 0], ids[t, 1:, 1] = right[1:], 2000 + t
-    logp = np.tile(np.array([-0.1, -2.5], np.float32), (positions, depth, 1))
-    record = OracleRecord(DraftTopK(logp, ids), tokens)
+        ids[t, :, 2:] = 5000 + np.arange(topk - 2)
+    return OracleRecord(DraftTopK(logp, ids), tokens)
+
+
+def test_depth_structure_splits_rank0_nodes_from_siblings():
+    """The chain accepts the root alone, a full tree the root, the sibling and two rank-0 nodes after it."""
+    record = sibling_record()
     s = projection.depth_structure([record], 14, chain_depth=3)
     assert (s.tree_mean, s.prefix_mean, s.sibling_mean, s.chain_mean) == (4.0, 0.0, 3.0, 1.0)
-    assert s.rounds == positions // 4 and s.sibling_share_of_gain == 1.0
+    assert s.rounds == 12 // 4 and s.sibling_share_of_gain == 1.0
     assert s.sibling[1] == s.rounds and s.rank0[1] == 0 and s.rank0[2] == s.rank0[3] == s.rounds
     assert s.after_sibling[2] == (s.rounds, s.rounds) and s.after_rank0[3] == (s.rounds, s.rounds)
     assert "100% of the tree's gain over the chain" in s.lines()[0]
+
+
+def test_depth_rows_hold_the_structure_and_packages_add_up(tmp_path):
+    """acceptance.depth_rows writes counts a reader turns back into the same structure; two packages' rows of
+    one run combine (counts add, means stay); the biggest run is the one read; the projection's line says how
+    much of the gain over the chain the siblings give, from those rows."""
+    from kdtree_lib import acceptance, results
+    record = sibling_record(topk=16)  # budget 14 is within the recorded top-k: an exact tree
+    rows = acceptance.depth_rows([record], (4, 14, 32), package="a", block_size=4, pair="toy", n_new_tokens=12,
+                                 progress=False)
+    assert [int(r["budget"]) for r in rows] == [4, 14], "no row past the recorded top-k"
+    direct = projection.depth_structure([record], 14, chain_depth=3)
+    for package in ("a", "b"):
+        results.append_rows(acceptance.DEPTH_TOPIC, [{**r, "package": package, "run": "big"} for r in rows],
+                            results_dir=tmp_path)
+    small = acceptance.depth_rows([sibling_record(positions=4, topk=16)], (14,), package="a", block_size=4,
+                                  pair="toy", n_new_tokens=4, progress=False)
+    results.append_rows(acceptance.DEPTH_TOPIC, [{**r, "run": "small"} for r in small], results_dir=tmp_path)
+    on_disk = results.read_rows(acceptance.DEPTH_TOPIC, results_dir=tmp_path)
+    assert projection.DepthStructure.from_row(on_disk[1]) == direct
+    combined = projection.depth_structures(on_disk, block_size=4)
+    assert sorted(combined) == [4, 14], "the small run appended later is not the one read"
+    both = combined[14]
+    assert both.rounds == 2 * direct.rounds and both.sibling[1] == 2 * direct.sibling[1]
+    assert both.after_sibling[2] == tuple(2 * v for v in direct.after_sibling[2])
+    assert (both.tree_mean, both.sibling_mean, both.chain_mean) == (direct.tree_mean, direct.sibling_mean, direct.chain_mean)
+    source = projection.depth_source("toy pair", "acceptance_depth.csv", on_disk, block_size=4)
+    assert source.at(16).budget == 14 and source.at(9).budget == 4  # nearest, the smaller on a tie
+    line = source.gain_line(16)
+    assert line.startswith("toy pair, budget 14 (the rows' nearest to 16): siblings give 100% of DDTree's gain in tokens "
+                           "per round over the chain")
+    assert "chain of 3 1.00 tokens per round" in line and "acceptance_depth.csv" in line
+    assert projection.depth_source("none", "x.csv", []) is None
+    behind = replace(direct, chain_tokens=10 * direct.chain_rounds)  # a chain that accepts more per round
+    assert "the tree accepts no more tokens per round than the chain (-6.000)" in \
+        projection.DepthSource("toy", {14: behind}, "made").gain_line(14)
+    with pytest.raises(ValueError, match="lacks"):
+        projection.DepthStructure.from_row({"budget": "4"})
+    with pytest.raises(ValueError, match="one budget"):
+        projection.DepthStructure.combine([combined[4], combined[14]])
 
 
 def test_takeaway_and_reference_lines_come_from_the_table():
@@ -469,3 +516,90 @@ def test_growth_is_judged_against_the_layers_spread():
     moe, attention = projection.growth_lines(rows, rounds, graph=True, components=("moe", "attention"))
     assert moe.endswith("flat within the rows' spread") and "+3% against the layers' spread 9.5%" in moe
     assert attention.endswith("still grows") and "x2.00" in attention
+
+
+# ----------------------------------------------------------------------------------------------
+# the box kit's real-shape timing rows: what notebook 13 calibrates on when they land
+
+KIT_TRUTH = dict(attention=0.4, moe=0.7, rest=0.5, drafter=0.3)  # the efficiencies the fixture rows are made with
+KIT_HARDWARE = projection.measured_hardware([{"device": "NVIDIA H200", "copy_bandwidth": "4.2e12",
+                                              "matmul_flops": "7.9e14"}], tp=1)
+
+
+def kit_real_shape_rows(*, pair: str = "real-shapes-4L:kimi-k2.6+kimi-k2.6-dflash", ceilings: bool = True) -> list[dict]:
+    """Fixture rows in the box kit's box_verify_step format (bench.tp_step's segments, the kit's stamps) of a
+    one-GPU real-shape run with INT4 experts, timed as K2.6 at the KIT_TRUTH efficiencies would time them."""
+    stamp = {"date": "2026-12-02T07:00:00Z", "commit": "f1x7ure", "device": "NVIDIA H200", "run": "2026-12-02T06:58:00Z",
+             "pair": pair, "tp": "1", "gpus": "1", "drafter_placement": "sharded", "real_shape": "True", "layers": "4",
+             "dtype": "bfloat16", "expert_bits": "4.5",
+             **({"copy_bandwidth": "4.2e12", "matmul_flops": "7.9e14"} if ceilings else {})}
+    drafter = projection.real_drafter_config(K26)
+    rows = []
+    for context in (4096, 32768):
+        for batch in (1, 8):
+            for nodes in (1, 8, 32, 128):
+                where = {**stamp, "batch": str(batch), "nodes": str(nodes), "context": str(context)}
+                for graph in ("False", "True"):
+                    for layer in range(4):
+                        moe = layer >= K26.first_k_dense_replace
+                        ideal = layer_costs(K26, KIT_HARDWARE, batch=batch, nodes=nodes, context=context, moe_layer=moe,
+                                            expert_bits=4.5)
+                        rows.append({**where, "graph": graph, "scope": "layer", "layer": str(layer), "moe_layer": str(moe),
+                                     "attention_seconds": str(ideal["attention"] / KIT_TRUTH["attention"]),
+                                     "moe_seconds": str(ideal["moe"] / KIT_TRUTH["moe"]), "allreduce_seconds": "0.0",
+                                     "rest_seconds": "1e-05"})
+                    head = step_costs(K26, KIT_HARDWARE, batch=batch, nodes=nodes, context=context)["rest"]
+                    rows.append({**where, "graph": graph, "scope": "step", "head_seconds": str(head / KIT_TRUTH["rest"]),
+                                 "step_seconds": "0.01"})
+                if nodes > 1:
+                    seconds = projection.drafter_seconds(drafter, KIT_HARDWARE, batch=batch, context=context, head_shards=1)
+                    rows.append({**where, "scope": "draft", "drafter_seconds": str(2 * seconds / KIT_TRUTH["drafter"]),
+                                 "drafter_graph_seconds": str(seconds / KIT_TRUTH["drafter"]), "draft_topk_seconds": "2e-05",
+                                 "tree_build_seconds": "1e-05", "accept_compact_seconds": "1e-05", "tree_timing": "cuda_graph"})
+    return rows
+
+
+def test_the_kits_real_shape_rows_replace_the_sweeps_for_calibration_and_the_drafter():
+    """K2.6's real-shape rows measured on a GPU are the rows read; the experts' width is the rows' (INT4 here: read as
+    bf16 the MoE efficiency would come out wrong); the drafter is fitted as the real drafter's shapes. Rows of a CPU dry
+    run (no ceilings) or of other shapes are not read: the sweep's rows stay."""
+    sweep = read_rows("tp_verify_step")
+    kit = kit_real_shape_rows()
+    timing = projection.timing_rows(sweep, kit + kit_real_shape_rows(ceilings=False)[:3],
+                                    kit_file="runs/box/box_verify_step.csv")
+    assert timing.real_drafter and timing.source.startswith("runs/box/box_verify_step.csv: the box kit's real-shape run")
+    assert "4 layers of K2.6" in timing.source and "expert_bits 4.5" in timing.source
+    assert len(timing.rows) == len(kit)
+    efficiency, hardware, used = projection.calibrate_on_rows(timing.rows, K26, graph=True)
+    assert (efficiency.attention, efficiency.moe, efficiency.rest) == pytest.approx(
+        (KIT_TRUTH["attention"], KIT_TRUTH["moe"], KIT_TRUTH["rest"]))
+    assert projection.rows_expert_bits(used) == 4.5 and hardware.gpus == 1
+    check = projection.calibration_fit(used, K26, hardware, efficiency)  # the rows' own width, so it reproduces them
+    assert all(abs(fit["residual_low"]) < 1e-9 and abs(fit["residual_high"]) < 1e-9 for fit in check.values()), check
+    drafts = projection.select_rows(timing.rows, "draft")
+    fitted = projection.drafter_efficiency(drafts, projection.real_drafter_config(K26), hardware)
+    assert fitted == pytest.approx(KIT_TRUTH["drafter"])  # the graph time, what a captured decode pays
+    for others in ([], kit_real_shape_rows(ceilings=False), kit_real_shape_rows(pair="real-shapes-2L:target+drafter")):
+        fallback = projection.timing_rows(sweep, others, kit_file="runs/box/box_verify_step.csv")
+        assert not fallback.real_drafter and fallback.rows == projection.latest_rows(sweep)
+        assert fallback.source.startswith("data/results/tp_verify_step.csv")
+    with pytest.raises(ValueError, match="several expert_bits"):
+        projection.rows_expert_bits([{"expert_bits": "4.5"}, {"expert_bits": "16"}])
+
+
+def test_notebook_13_reads_the_kits_real_shape_rows(tmp_path):
+    """Notebook 13 run with box_results_dir holding the fixture rows: it calibrates on them (their efficiencies
+    come back), fits the drafter as the real one's, and says so."""
+    from kdtree_lib import results
+    from kdtree_lib.notebooks import discover, read_record, run_notebook
+    box_dir = tmp_path / "box"
+    results.append_rows("box_verify_step", kit_real_shape_rows(), results_dir=box_dir)
+    path = discover(only=["13"])[0]
+    run = run_notebook(path, tmp_path / "run", {"box_results_dir": str(box_dir), "depth_budgets": [8],
+                                                "stop_rule_tokens": 16}, cell_timeout=1800)
+    assert run.ok, f"{path.name} failed (executed copy: {run.output}): {run.error}"
+    values = read_record(tmp_path / "run", path.stem)
+    assert values["timing_from_kit"] and values["timing_source"].startswith(f"{box_dir}/box_verify_step.csv")
+    assert values["calibrated"] and values["efficiency"]["attention"] == pytest.approx(KIT_TRUTH["attention"])
+    assert values["efficiency"]["moe"] == pytest.approx(KIT_TRUTH["moe"])
+    assert values["drafter_efficiency"] == pytest.approx(KIT_TRUTH["drafter"])

@@ -1,15 +1,17 @@
 """A real-shape pair made directly on the device (bench.inputs.real_shape_pair): no checkpoint on disk, INT4
 experts in the kernel layout, the real drafter's shapes. On the CPU at small shapes: its INT4 weights are the
 slices of one full tensor whatever the TP degree, their scale gives std 1/sqrt(fan-in), and the pair decodes
-losslessly through generate (DDTree and the chain equal AR)."""
+losslessly through generate (DDTree and the chain equal AR). On a GPU (-m gpu): K2.6's layer shapes decode, a
+CUDA graph equal to eager, stage times per budget after that budget's warm-up, peak memory within the plan."""
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from kdtree_lib.bench import tp_step
-from kdtree_lib.bench.inputs import INT4_CODE_STD, RandomWeights, real_shape_pair
+from kdtree_lib.bench.inputs import INT4_CODE_STD, RandomWeights, real_shape_pair, real_shape_pair_with_prompts
 from kdtree_lib.decode import generate
 from kdtree_lib.model import ModelConfig
 from kdtree_lib.model.checkpoint import dequantize_int4
@@ -54,6 +56,12 @@ def test_a_small_real_shape_pair_decodes_losslessly_on_the_cpu():
     assert [t.tolist() for t in tree.tokens] == expected and [t.tolist() for t in chain.tokens] == expected
     with pytest.raises(ValueError, match="layers"):
         real_shape_pair(0, device="cpu", config=config, drafter_config=drafter_config)
+    chosen = real_shape_pair_with_prompts(3, prompts_per_package=2, prompt_tokens=12, device="cpu", dtype=torch.float32,
+                                          config=config, drafter_config=drafter_config)
+    assert chosen.name == "real-shapes-3L:kimi-k2.6+kimi-k2.6-dflash" and not chosen.stand_in
+    assert list(chosen.packages) == ["random"] and len(chosen.prompts) == 4
+    assert all(len(p) == 12 and 0 <= p.min() and p.max() < config.vocab_size for p in chosen.prompts)
+    assert "acceptance means nothing" in chosen.description
 
 
 def test_the_tp_step_bench_times_int4_experts_as_the_box_holds_them():
@@ -70,3 +78,51 @@ def test_the_tp_step_bench_times_int4_experts_as_the_box_holds_them():
     # the segmented step is still the model's verify, INT4 experts included (float32 sums in two orders)
     torch.testing.assert_close(run["check"]["segmented"], run["check"]["verify"], rtol=0,
                                atol=logit_bound(config, run["check"]["verify"]))
+
+
+@pytest.mark.gpu
+def test_real_shapes_decode_on_one_gpu(tmp_path):
+    """K2.6 at its layer shapes (KDTREE_REAL_LAYERS layers, default 3: one dense, then MoE with INT4
+    experts resident) and the real drafter's shapes, random weights made directly on the GPU
+    (bench.inputs.real_shape_pair: no checkpoint written, so a host with little free disk runs it):
+    DDTree as a CUDA graph equals eager; step time by stage vs budget and peak memory vs the plan, as
+    rows (tmp_path, or data/results/real_shape_decode.csv with KDTREE_APPEND_RESULTS=1). Each budget is
+    decoded once untimed before its stage split is taken: its kernels' first-call compilation (NVRTC, per
+    shape) would otherwise land in the first budget's stage times."""
+    from kdtree_lib import results
+    from kdtree_lib.memory import GIB, plan
+    layers = int(os.environ.get("KDTREE_REAL_LAYERS", "3"))
+    torch.cuda.reset_peak_memory_stats()
+    target, drafter = real_shape_pair(layers, device="cuda", dtype=torch.bfloat16)
+    prompts = [np.random.default_rng(b).integers(0, 163584, 512) for b in range(2)]
+    budgets, new_tokens = (8, 32, 128), 32
+    memory = plan(target.config, 1, len(prompts), 512 + new_tokens, max(budgets), drafter.config)
+    rows = []
+    for budget in budgets:
+        def decode(**options):
+            return generate(target, drafter, prompts, budget=budget, max_new_tokens=new_tokens, **options)
+        decode(cuda_graph=False)  # the warm-up: this budget's shapes compiled and its decoder made, untimed
+        eager = decode(cuda_graph=False, profile_stages=True)
+        graph = decode(cuda_graph=True)
+        assert [t.tolist() for t in graph.tokens] == [t.tolist() for t in eager.tokens]
+        rows.append({"layers": layers, "budget": budget, "batch": len(prompts), "prompt_tokens": 512, "warmed_up": True,
+                     "graph_step_ms": 1e3 * graph.decode_seconds / graph.rounds,
+                     **{f"{stage}_ms": 1e3 * seconds / eager.rounds for stage, seconds in eager.stage_seconds.items()}})
+    peak = torch.cuda.max_memory_allocated()
+    for row in rows:
+        row.update(peak_gib=peak / GIB, plan_gib=memory.total / GIB)
+    append = os.environ.get("KDTREE_APPEND_RESULTS") == "1"
+    print(results.append_rows("real_shape_decode", rows, results_dir=None if append else tmp_path))
+    for row in rows:
+        print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    print(memory.table(), f"\nmeasured peak {peak / GIB:.2f} GiB")
+    assert peak <= memory.total
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a host without a GPU gets")
+def test_notebook_10_refuses_real_shapes_without_a_gpu(tmp_path):
+    """real_shapes_layers asks for the real-shape pair, made on a GPU: without one the notebook stops at once,
+    naming the parameter (its headless default, 0, keeps the CPU-sized pair: tests/test_notebooks.py)."""
+    from kdtree_lib.notebooks import discover, run_notebook
+    run = run_notebook(discover(only=["10"])[0], tmp_path, {"real_shapes_layers": 2}, cell_timeout=1800)
+    assert not run.ok and "real_shapes_layers: 2 asks for the real-shape pair" in str(run.error)

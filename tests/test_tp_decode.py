@@ -149,37 +149,3 @@ def test_checkpoint_pair_for_the_notebooks(pair, tmp_path):
     assert run is not generate and spawned.drafter.config == chosen.drafter.config
     with pytest.raises(ValueError, match="folder: neither tiktoken.model nor tokenizer.json"):
         checkpoint_pair(target, drafter, tokenizer_path=tmp_path)
-
-
-@pytest.mark.gpu
-def test_real_shapes_decode_on_one_gpu(tmp_path):
-    """K2.6 at its layer shapes (KDTREE_REAL_LAYERS layers, default 3: one dense, then MoE with INT4
-    experts resident) and the real drafter's shapes, random weights made directly on the GPU
-    (bench.inputs.real_shape_pair: no checkpoint written, so a host with little free disk runs it):
-    DDTree as a CUDA graph equals eager; step time by stage vs budget and peak memory vs the plan, as
-    rows (tmp_path, or data/results/real_shape_decode.csv with KDTREE_APPEND_RESULTS=1)."""
-    from kdtree_lib import results
-    from kdtree_lib.bench.inputs import real_shape_pair
-    from kdtree_lib.memory import GIB, plan
-    layers = int(os.environ.get("KDTREE_REAL_LAYERS", "3"))
-    torch.cuda.reset_peak_memory_stats()
-    target, drafter = real_shape_pair(layers, device="cuda", dtype=torch.bfloat16)
-    prompts = [np.random.default_rng(b).integers(0, 163584, 512) for b in range(2)]
-    budgets, new_tokens = (8, 32, 128), 32
-    memory = plan(target.config, 1, len(prompts), 512 + new_tokens, max(budgets), drafter.config)
-    rows = []
-    for budget in budgets:
-        eager = generate(target, drafter, prompts, budget=budget, max_new_tokens=new_tokens,
-                         cuda_graph=False, profile_stages=True)
-        graph = generate(target, drafter, prompts, budget=budget, max_new_tokens=new_tokens, cuda_graph=True)
-        assert tokens_of(graph) == tokens_of(eager)
-        rows.append({"layers": layers, "budget": budget, "batch": len(prompts), "prompt_tokens": 512,
-                     "graph_step_ms": 1e3 * graph.decode_seconds / graph.rounds,
-                     **{f"{stage}_ms": 1e3 * seconds / eager.rounds for stage, seconds in eager.stage_seconds.items()}})
-    peak = torch.cuda.max_memory_allocated()
-    for row in rows:
-        row.update(peak_gib=peak / GIB, plan_gib=memory.total / GIB)
-    append = os.environ.get("KDTREE_APPEND_RESULTS") == "1"
-    print(results.append_rows("real_shape_decode", rows, results_dir=None if append else tmp_path))
-    print(memory.table(), f"\nmeasured peak {peak / GIB:.2f} GiB")
-    assert peak <= memory.total

@@ -6,7 +6,9 @@ rank keeps its slice, so every TP degree shards the same model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -81,6 +83,61 @@ def random_target(config: ModelConfig, tp: TensorParallel, *, device, dtype: tor
     return model.eval()
 
 
+def shape_configs(target=None, drafter=None) -> tuple[ModelConfig, DFlashConfig]:
+    """(target config, drafter config) whose shapes a real-shape pair takes: each a config file or a folder
+    holding config.json; None: K2.6's (data/configs/kimi-k2.6.json) and the real drafter's
+    (data/configs/kimi-k2.6-dflash.json). A missing file is a ValueError naming the argument."""
+    from ..model import load_config
+    from ..checks import read_json_object
+    from ..paths import REPO_ROOT
+    configs = REPO_ROOT / "data" / "configs"
+    target = Path(target) if target else configs / "kimi-k2.6.json"
+    drafter = Path(drafter) if drafter else configs / "kimi-k2.6-dflash.json"
+    files = {}
+    for name, path in (("target", target), ("drafter", drafter)):
+        files[name] = path / "config.json" if path.is_dir() else path
+        if not files[name].is_file():
+            raise ValueError(f"{name}: no config at {path} (expected a config file or a folder with config.json)")
+    return load_config(files["target"]), DFlashConfig.from_dict(read_json_object(files["drafter"]))
+
+
+K26_SHAPE_NAMES = ("kimi-k2.6", "kimi-k2.6-dflash")  # the default configs' names in a real-shape pair's name
+
+
+def real_shape_name(layers: int, target=None, drafter=None) -> str:
+    """The rows' pair column of a real-shape pair: "real-shapes-<layers>L:<target config>+<drafter config>" (the
+    configs' file or folder names; K26_SHAPE_NAMES for the defaults), so rows say what shapes ran."""
+    names = [Path(path).stem if path else default for path, default in zip((target, drafter), K26_SHAPE_NAMES)]
+    return f"real-shapes-{layers}L:{names[0]}+{names[1]}"
+
+
+def real_shape_pair_with_prompts(layers: int, *, prompts_per_package: int = 1, prompt_tokens: int = 32, device="cuda",
+                                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, **shapes):
+    """pairs.PairWithPrompts of real_shape_pair (K2.6's shapes, `layers` layers, random weights made on `device`;
+    shapes: its config / drafter_config) and random prompt ids under the package "random", as
+    pairs.pair_with_prompts gives its random pair: what notebook 10 runs its GPU sections on with
+    real_shapes_layers. Its acceptance means nothing."""
+    from ..pairs import PairWithPrompts
+    target, drafter = real_shape_pair(layers, device=device, dtype=dtype, seed=seed, **shapes)
+    rng = np.random.default_rng(seed)
+    packages = {"random": [rng.integers(0, target.config.vocab_size, size=prompt_tokens)
+                           for _ in range(2 * prompts_per_package)]}
+    description = (f"REAL-SHAPE pair: K2.6's layer shapes cut to {layers} layers (INT4 experts) and the real drafter's, "
+                   f"random weights made on {device} in {str(dtype).removeprefix('torch.')}, random prompts: timings "
+                   "and memory are the real pair's, acceptance means nothing")
+    return PairWithPrompts(target, drafter, description, real_shape_name(layers), False, packages)
+
+
+def real_shape_configs(layers: int, config: ModelConfig, drafter_config: DFlashConfig) -> tuple[ModelConfig, DFlashConfig]:
+    """`config` cut to `layers` layers, and `drafter_config` reading target features from layers that exist
+    (its target_layer_ids clamped to the last one)."""
+    if int(layers) < 1:
+        raise ValueError(f"layers: expected at least 1, got {layers}")
+    config = dataclasses.replace(config, num_hidden_layers=int(layers))
+    ids = tuple(min(i, config.num_hidden_layers - 1) for i in drafter_config.target_layer_ids)
+    return config, dataclasses.replace(drafter_config, target_layer_ids=ids)
+
+
 def real_shape_pair(layers: int, *, device, dtype: torch.dtype = torch.bfloat16, tp: TensorParallel | None = None,
                     seed: int = 0, int4_experts: bool = True, config: ModelConfig | None = None,
                     drafter_config: DFlashConfig | None = None) -> tuple[Transformer, DFlashDrafter]:
@@ -89,23 +146,13 @@ def real_shape_pair(layers: int, *, device, dtype: torch.dtype = torch.bfloat16,
     in the kernel layout, this rank's shard under `tp`; and the real DFlash drafter's shapes
     (data/configs/kimi-k2.6-dflash.json: six target features, clamped to the layers there are). Random
     weights: timings and memory are the real ones', acceptance is meaningless. config / drafter_config
-    replace K2.6's and the real drafter's (small shapes for CPU tests)."""
-    import dataclasses
-    import json
-    from ..paths import REPO_ROOT
+    replace K2.6's and the real drafter's (small shapes for CPU tests; shape_configs reads them from files)."""
     if int(layers) < 1:
         raise ValueError(f"layers: expected at least 1, got {layers}")
-    configs = REPO_ROOT / "data" / "configs"
-    if config is None:
-        from ..model import load_config
-        config = dataclasses.replace(load_config(configs / "kimi-k2.6.json"), num_hidden_layers=int(layers))
-    elif config.num_hidden_layers != layers:
-        config = dataclasses.replace(config, num_hidden_layers=int(layers))
-    if drafter_config is None:
-        raw = json.loads((configs / "kimi-k2.6-dflash.json").read_text())
-        drafter_config = DFlashConfig.from_dict(raw)
-    ids = tuple(min(i, config.num_hidden_layers - 1) for i in drafter_config.target_layer_ids)
-    drafter_config = dataclasses.replace(drafter_config, target_layer_ids=ids)
+    if config is None or drafter_config is None:
+        default_config, default_drafter = shape_configs()
+        config, drafter_config = config or default_config, drafter_config or default_drafter
+    config, drafter_config = real_shape_configs(layers, config, drafter_config)
     target = random_target(config, tp or TensorParallel(), device=device, dtype=dtype, seed=seed,
                            int4_experts=int4_experts)
     return target, random_drafter(drafter_config, target, seed=seed)

@@ -47,16 +47,25 @@ def measured_hardware(rows: list[dict], *, tp: int) -> Hardware:
                     allreduce_bus_bandwidth=math.inf)
 
 
+def rows_expert_bits(rows: list[dict]) -> float:
+    """Bits per routed-expert weight the rows ran with (their expert_bits column: 4.5 INT4-resident, 16 bf16);
+    16 for rows written before the column. Rows of several widths are a ValueError (select one run)."""
+    bits = {float(r["expert_bits"]) for r in rows if r.get("expert_bits") not in (None, "")}
+    if len(bits) > 1:
+        raise ValueError(f"rows: layer rows of several expert_bits {sorted(bits)}; expected one run's")
+    return bits.pop() if bits else 16.0
+
+
 def calibrate_on_rows(rows: list[dict], config: ModelConfig, *, tp: int | None = None,
                       graph: bool = True) -> tuple[Efficiency, Hardware, list[dict]]:
     """projection.calibrate on the layer rows of one TP degree (random weights route uniformly, so
-    correlation 0 and bf16 experts), and the head's efficiency from the step rows' head_seconds:
-    (efficiency, the measured hardware, the layer rows used)."""
+    correlation 0; the experts' width as the rows ran them, rows_expert_bits), and the head's efficiency
+    from the step rows' head_seconds: (efficiency, the measured hardware, the layer rows used)."""
     layers = select_rows(rows, "layer", tp=tp, graph=graph)
     if not layers:
         raise ValueError(f"rows: no layer rows with tp={tp}, graph={graph}")
     hardware = measured_hardware(layers, tp=int(layers[0]["tp"]))
-    efficiency = calibrate(layers, config, hardware, expert_bits=16, correlation=0.0)
+    efficiency = calibrate(layers, config, hardware, expert_bits=rows_expert_bits(layers), correlation=0.0)
     heads = [step_costs(config, hardware, batch=int(r["batch"]), nodes=int(r["nodes"]), context=int(r["context"]))
              ["rest"] / float(r["head_seconds"]) for r in select_rows(rows, "step", tp=hardware.gpus, graph=graph)
              if r.get("head_seconds") not in (None, "")]
@@ -123,7 +132,9 @@ def calibration_fit(rows: list[dict], config: ModelConfig, hardware: Hardware, e
                     **layer_options) -> dict[str, dict[str, float]]:
     """How well the calibrated model reproduces the layer rows it was calibrated on, per component:
     {"residual_low", "residual_high"}: model / measured − 1 at each shape (the median of its rows), and
-    "spread": the largest (max − min) / median among rows of one shape (layers and repeats), the rows' own noise."""
+    "spread": the largest (max − min) / median among rows of one shape (layers and repeats), the rows' own noise.
+    The experts' width is the rows' own (rows_expert_bits) unless layer_options gives expert_bits."""
+    layer_options = {"expert_bits": rows_expert_bits(rows), **layer_options}
     shapes: dict[tuple, list[dict]] = {}
     for row in rows:
         shapes.setdefault((int(row["batch"]), int(row["nodes"]), int(row["context"]),

@@ -1,6 +1,7 @@
 """Row readers: which rows of data/results/*.csv the projection reads (the newest runs of the kernels the box runs)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +24,38 @@ def latest_rows(rows: list[dict]) -> list[dict]:
     rows of the newest run that has them (a --drafter-only run refreshes those alone)."""
     return (results.latest_run([r for r in rows if r.get("scope") != "draft"])
             + results.latest_run([r for r in rows if r.get("scope") == "draft"]))
+
+
+@dataclass(frozen=True)
+class TimingRows:
+    """The verify-step and draft rows the calibration and the drafter fit read, and what they are."""
+    rows: list[dict]
+    source: str
+    real_drafter: bool    # draft rows of the real drafter's shapes (the kit's), not bench.tp_step's assumed drafter
+
+
+def real_shape_rows(rows: list[dict]) -> list[dict]:
+    """The box kit's rows (box_verify_step.csv) of K2.6's real-shape pair measured on a GPU (their ceilings in
+    the row), the newest run of each scope as latest_rows takes them."""
+    from ..bench.inputs import K26_SHAPE_NAMES  # a real-shape pair's name ends with its configs' (real_shape_name)
+    k26 = ":" + "+".join(K26_SHAPE_NAMES)
+    return latest_rows([r for r in rows if results.matches(r.get("real_shape"), True)
+                        and str(r.get("pair", "")).endswith(k26) and r.get("copy_bandwidth") not in (None, "")])
+
+
+def timing_rows(tp_step_rows: list[dict], kit_rows: list[dict], *, kit_file: str) -> TimingRows:
+    """The box kit's real-shape rows (real_shape_rows of kit_rows, read from kit_file) when they have layer rows,
+    else bench.tp_step's newest (data/results/tp_verify_step.csv, latest_rows): the kit times the real drafter's
+    shapes and INT4 experts as the box holds them, so its rows replace the sweep's as they land."""
+    kit = real_shape_rows(kit_rows)
+    layers = [r for r in kit if r.get("scope") == "layer"]
+    if layers:
+        first = layers[0]
+        return TimingRows(kit, f"{kit_file}: the box kit's real-shape run {first['run']} ({first['layers']} layers of "
+                               f"K2.6, the real drafter's shapes, expert_bits {first['expert_bits']}, {first['device']}, "
+                               f"commit {first['commit']})", True)
+    return TimingRows(latest_rows(tp_step_rows), "data/results/tp_verify_step.csv: bench.tp_step's newest rows "
+                                                 "(its drafter an ASSUMED one)", False)
 
 
 def moe_layer_split(rows: list[dict], batch: int, context: int, graph: bool) -> dict[int, np.ndarray]:

@@ -158,10 +158,12 @@ def reference_lines(best: dict[tuple[int, int], dict], refs: list[Reference]) ->
 
 
 def takeaway_lines(table: list[dict], *, source: str, correlation: float, refs: list[Reference] = (),
-                   alternatives: dict[str, list[dict]] | None = None) -> list[str]:
+                   alternatives: dict[str, list[dict]] | None = None, depth=None) -> list[str]:
     """The takeaway, from the table: per context and batch the headline (best budget, tokens/s, speedups over
-    AR and over the chain), the band over sources x overlaps, where the biggest budget stands, the external
-    references it beats or not, and what would change it (alternatives: label -> best rows of another setting)."""
+    AR and over the chain), the band over sources x overlaps, where the biggest budget stands, what would change
+    it (alternatives: label -> best rows of another setting), how much of the gain over the chain the siblings
+    give at the best budget (depth: an acceptance.DepthSource, read from depth rows), and the external
+    references it beats or not."""
     best_rows = best_table(table)
     best = headline(best_rows, source=source, correlation=correlation)
     lines = []
@@ -186,4 +188,6 @@ def takeaway_lines(table: list[dict], *, source: str, correlation: float, refs: 
             if other is not None:
                 lines.append(f"    would change it: {label}: {row['speedup_vs_ar']:.2f}x -> {other['speedup_vs_ar']:.2f}x AR, "
                              f"best budget {row['budget']} -> {other['budget']}")
+        if depth is not None:
+            lines.append(f"    where the gain over the chain comes from: {depth.gain_line(row['budget'])}")
     return lines + reference_lines(best, list(refs))

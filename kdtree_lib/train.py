@@ -27,8 +27,9 @@ metrics, the run's settings):
     python -m kdtree_lib.train acceptance --pair k26-deep --prompts 64 --new-tokens 256
 
 Resumable: a run works in <out>/.<pair>.training/ (its settings, training states written atomically
-every --checkpoint-every steps and when a stage's time is up, the finished folders staged there);
-the same command again continues where a cut left it (--restart discards the work). Only when every
+every --checkpoint-every steps, at a stage's end and on SIGTERM, the finished folders staged there);
+the same command again continues where a cut left it (--restart discards the work). On SIGTERM (as
+`timeout` sends) the run saves its state at the next step and exits with status 3. Only when every
 folder is complete are they moved into <out>, so a cut never leaves a half-written pair there; a
 pair already in <out> is replaced only with --retrain. Time budgets (--max-minutes, --drafter-minutes)
 count training time over all calls.
@@ -51,7 +52,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -73,6 +76,7 @@ LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
 ACCEPTANCE_BUDGETS = (8, 32, 128)
 PROMPTS_PACKAGE = "heldout"     # the `package` of acceptance rows measured on the committed prompts
 STATE_KEYS_IGNORED = ("command", "retrain", "restart")  # settings a resumed run may change
+EXIT_STOPPED = 3  # `train` stopped on SIGTERM with its state saved: the same command continues
 
 
 @dataclass
@@ -103,7 +107,7 @@ class Settings:
     log_every: int = 25
     eval_every: int = 500
     eval_windows: int = 64
-    checkpoint_every: int = 200        # steps between saved training states (and when a stage's time is up)
+    checkpoint_every: int = 500        # steps between saved training states (also at a stage's end and on SIGTERM)
     retrain: bool = False              # replace a pair already in `out` (once the new one is complete)
     restart: bool = False              # discard a cut run's work instead of resuming it
     command: list[str] = field(default_factory=list)
@@ -337,6 +341,39 @@ def publish(staging: Path, final: Path) -> None:
     os.replace(staging, final)
 
 
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM); its state is saved."""
+
+
+class StopRequest:
+    """SIGTERM (what `timeout` sends first) asks the training loops to save their state and stop at
+    the next step; the same command then continues (a hard kill resumes from the last saved state)."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.requested, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    def check(self, save, where: str) -> None:
+        if self.requested:
+            save()
+            raise Stopped(where)
+
+
+STOP = StopRequest()
+
+
 def progress(total: int, initial: int, desc: str):
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
 
@@ -382,6 +419,7 @@ def train_target(settings: Settings) -> Path:
     budget, start = settings.max_minutes * 60, time.perf_counter() - trained
     with progress(settings.steps, step, "target") as bar:
         while step < settings.steps and time.perf_counter() - start < budget:
+            STOP.check(save, f"target at step {step}")
             lr = learning_rate(settings.lr, step, settings.steps, settings.warmup, time.perf_counter() - start, budget)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -573,6 +611,7 @@ def train_drafter(settings: Settings, block_size: int) -> Path:
     budget, start = settings.drafter_minutes * 60, time.perf_counter() - trained
     with progress(settings.drafter_steps, step, f"drafter b{block_size}") as bar:
         while step < settings.drafter_steps and time.perf_counter() - start < budget:
+            STOP.check(save, f"drafter (block {block_size}) at step {step}")
             lr = learning_rate(settings.drafter_lr, step, settings.drafter_steps, settings.warmup,
                                time.perf_counter() - start, budget)
             for group in optimizer.param_groups:
@@ -796,14 +835,19 @@ def main(argv=None) -> int:
     torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
     if stage in ("target", "drafter", "all"):
         start_run(settings)
-    publishing = (settings.work / "publishing").is_file()  # a cut between two moves: only the moves are left
-    if stage in ("target", "all") and not publishing:
-        train_target(settings)
-    if stage in ("drafter", "all") and not publishing:
-        for block_size in settings.block_sizes:
-            train_drafter(settings, block_size)
-    if stage == "all":
-        finish_run(settings)
+        publishing = (settings.work / "publishing").is_file()  # a cut between two moves: only the moves are left
+        try:
+            with STOP:
+                if stage in ("target", "all") and not publishing:
+                    train_target(settings)
+                if stage in ("drafter", "all") and not publishing:
+                    for block_size in settings.block_sizes:
+                        train_drafter(settings, block_size)
+        except Stopped as stopped:
+            print(f"stopped (SIGTERM): {stopped}, state saved in {settings.work}; the same command continues")
+            return EXIT_STOPPED
+        if stage == "all":
+            finish_run(settings)
     if stage == "acceptance":
         measure_acceptance(settings, **acceptance)
     return 0

@@ -4,6 +4,8 @@ of the recipe (bias balancing, anchors, labels, position weights, metrics, sched
 import csv
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -176,9 +178,23 @@ def cut_after(calls: int):
     return wrap
 
 
+def sigterm_on_block_16_step(step: int, original):
+    """drafter_step_outputs that sends this process SIGTERM during the block-16 drafter's `step`."""
+    count = [0]
+
+    def outputs(target, drafter, *args):
+        if drafter.config.block_size == 16:
+            count[0] += 1
+            if count[0] == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(target, drafter, *args)
+    return outputs
+
+
 def test_a_cut_run_resumes_to_the_same_pair(models, corpus, tmp_path, monkeypatch, capsys):
-    """Cut in the target's step 4 and again in the block-8 drafter's step 4 (states saved at step 2):
-    the same command then finishes, and the pair is the uncut run's, tensor for tensor."""
+    """Cut hard in the target's step 4 and in the block-8 drafter's step 4 (states saved at step 2),
+    then stopped by SIGTERM in the block-16 drafter's step 3 (its state saved there): the same
+    command then finishes, and the pair is the uncut run's, tensor for tensor."""
     out = tmp_path / "models"
     args = tiny_args(corpus, out)
     work = out / f".{PAIR}.training"
@@ -194,8 +210,13 @@ def test_a_cut_run_resumes_to_the_same_pair(models, corpus, tmp_path, monkeypatc
         with pytest.raises(KeyboardInterrupt):
             train.main(args)
     assert (work / PAIR / "config.json").is_file() and not (out / PAIR).exists()  # staged, not published
+    with monkeypatch.context() as patch:  # SIGTERM in the block-16 drafter's step 3: saved there, status 3
+        patch.setattr(train, "drafter_step_outputs", sigterm_on_block_16_step(3, train.drafter_step_outputs))
+        assert train.main(args) == train.EXIT_STOPPED
+    assert torch.load(work / f"{PAIR}-dflash-b16.state.pt", weights_only=False)["step"] == 3
+    assert (work / f"{PAIR}-dflash" / "config.json").is_file() and not (out / PAIR).exists()
     assert train.main(args) == 0
-    assert "resuming at step 2" in capsys.readouterr().out
+    assert "resuming at step 3" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == sorted(FOLDERS)
     for folder in FOLDERS:
         want, got = tensors(models / folder), tensors(out / folder)

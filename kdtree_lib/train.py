@@ -22,7 +22,7 @@ metrics, the run's settings):
     data/models/k26-deep-dflash/        the drafter, block size 8 (as Kimi's DFlash drafter)
     data/models/k26-deep-dflash-b16/    the drafter, block size 16 (with --block-sizes 8 16)
 
-    python -m kdtree_lib.train all                    # on one H200: about 13 minutes (docs/DESIGN.md)
+    python -m kdtree_lib.train all                    # on one H200: about 9 minutes (docs/stand-in-pair.md)
     python -m kdtree_lib.train all --tiny --out /tmp/models --corpus ...      # CPU smoke run
     python -m kdtree_lib.train acceptance --pair k26-deep --prompts 64 --new-tokens 256
 
@@ -93,10 +93,10 @@ class Settings:
     pair: str = DEEP
     steps: int = 4000
     lr: float = 3e-3
-    max_minutes: float = 7.0
-    drafter_steps: int = 5000
+    max_minutes: float = 5.5           # training time budgets, over all calls: with evaluation and writing
+    drafter_steps: int = 5000          # a whole run fits one 10-minute command on an H200 (docs/stand-in-pair.md)
     drafter_lr: float = 2e-3
-    drafter_minutes: float = 4.5
+    drafter_minutes: float = 2.5
     block_sizes: tuple[int, ...] = (8,)
     anchor_tokens: int = 512           # block positions per sequence: anchors = anchor_tokens // block_size
     labels: str = "target"

@@ -273,8 +273,8 @@ def round_as_stored(model) -> None:
     from .moe import GROUP_SIZE
     for name, tensor in model.named_parameters():
         if ".mlp.experts." in name:                       # stacked (E, out, in); groups run along `in`
-            for weight in tensor:
-                weight.copy_(dequantize_int4(*quantize_int4(weight), GROUP_SIZE).to(weight.dtype))
+            for weight in tensor:                         # quantize_int4 works on the host
+                weight.copy_(dequantize_int4(*quantize_int4(weight.float().cpu()), GROUP_SIZE))
         else:
             tensor.copy_(tensor.to(torch.bfloat16))
 
@@ -330,8 +330,9 @@ def restore_rng(state: dict, batches: "Batches", generator: torch.Generator | No
         generator.set_state(state["generator"])
 
 
-def load_state(path: Path, device) -> dict | None:
-    return torch.load(path, map_location=device, weights_only=False) if path.is_file() else None
+def load_state(path: Path) -> dict | None:
+    """A saved training state on the host (RNG states must stay there; load_state_dict moves the rest)."""
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
 
 
 def publish(staging: Path, final: Path) -> None:
@@ -402,7 +403,7 @@ def train_target(settings: Settings) -> Path:
     train_sample = fixed_windows(train_tokens, settings.seq_len, settings.eval_windows)
 
     state_path, step, trained = work / "target.state.pt", 0, 0.0
-    state = load_state(state_path, device)
+    state = load_state(state_path)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -593,7 +594,7 @@ def train_drafter(settings: Settings, block_size: int) -> Path:
     depth = block_size - 1
 
     state_path, step, trained = work / f"{name}.state.pt", 0, 0.0
-    state = load_state(state_path, device)
+    state = load_state(state_path)
     if state is not None:
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -681,6 +682,8 @@ def start_run(settings: Settings) -> None:
     if present and not settings.retrain:
         raise ValueError(f"out: {', '.join(present)} already in {settings.out}; pass --retrain to train the pair "
                          "again (the new folders replace them only once all are complete)")
+    for split in ("train", "heldout"):  # a missing corpus or tokenizer is refused before any folder is made
+        corpus_tokens(settings.corpus, split, settings.tokenizer)
     work.mkdir(parents=True)
     (work / "settings.json").write_text(json.dumps(mine, indent=1) + "\n")
 

@@ -226,6 +226,9 @@ def test_a_cut_run_resumes_to_the_same_pair(models, corpus, tmp_path, monkeypatc
             [{k: v for k, v in r.items() if k != "elapsed_s"} for r in logs[1]]
     assert train.main(args) == 2  # a trained pair is replaced only with --retrain
     assert "--retrain" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere"
+    assert train.main(["all", "--tiny", "--corpus", str(tmp_path / "no-corpus"), "--out", str(elsewhere)]) == 2
+    assert "corpus-train.jsonl" in capsys.readouterr().err and not elsewhere.exists()  # refused, nothing made
 
 
 class FakeRouter(torch.nn.Module):

@@ -75,7 +75,7 @@ SHARD_BYTES = 14_000_000  # tensor bytes per shard: with its header a shard stay
 LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
 ACCEPTANCE_BUDGETS = (8, 32, 128)
 PROMPTS_PACKAGE = "heldout"     # the `package` of acceptance rows measured on the committed prompts
-STATE_KEYS_IGNORED = ("command", "retrain", "restart")  # settings a resumed run may change
+STATE_KEYS_IGNORED = ("command", "retrain", "restart", "out")  # settings a resumed run may change (out holds it)
 EXIT_STOPPED = 3  # `train` stopped on SIGTERM with its state saved: the same command continues
 
 
@@ -667,8 +667,8 @@ def start_run(settings: Settings) -> None:
     work = settings.work
     if settings.restart and work.exists():
         shutil.rmtree(work)
-    mine = {k: v for k, v in json.loads(json.dumps(asdict(settings), default=str)).items()
-            if k not in STATE_KEYS_IGNORED}
+    resolved = json.loads(json.dumps(asdict(settings), default=lambda path: str(Path(path).resolve())))
+    mine = {k: v for k, v in resolved.items() if k not in STATE_KEYS_IGNORED}
     if work.exists():
         saved = json.loads((work / "settings.json").read_text())
         changed = sorted(k for k in mine if saved.get(k) != mine[k])

@@ -68,7 +68,7 @@ from . import cli
 from .dflash import DFlashConfig, DFlashDrafter, hf_features, save_drafter
 from .pairs import TARGET_DIR, drafter_dir, load_pair, load_prompts, pair_name, stand_in_paths  # noqa: F401
 from .paths import CORPUS_DIR, MODELS_DIR
-from .standin import DEEP, DRAFTER, K26_MINI, SHAPES, shape_of  # noqa: F401  (K26_MINI, DRAFTER: the committed pair's shape)
+from .standin import CHECKPOINT_BUDGET_BYTES, DEEP, DRAFTER, K26_MINI, SHAPES, shape_of  # noqa: F401  (K26_MINI, DRAFTER: the committed pair's shape)
 from .tokenizer import TOKENIZER_PATH, corpus_tokens, load_tokenizer, special_ids
 
 SHARD_BYTES = 14_000_000  # tensor bytes per shard: with its header a shard stays under 16 MB
@@ -486,8 +486,9 @@ def trained_target(settings: Settings, device, dtype):
 # the drafter
 
 def checkpoint_mb(folder) -> float:
-    """Megabytes of a checkpoint folder's safetensors shards (what the size budget counts)."""
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e6
+    """Megabytes of a checkpoint folder's safetensors shards and their index (what the size budget counts)."""
+    files = [*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.index.json")]
+    return sum(f.stat().st_size for f in files) / 1e6
 
 
 def sample_anchors(batch: int, seq_len: int, count: int, generator) -> torch.Tensor:
@@ -702,7 +703,9 @@ def finish_run(settings: Settings) -> list[Path]:
     shutil.rmtree(work)
     paths = [settings.out / name for name in settings.folders]
     sizes = ", ".join(f"{p.name} {checkpoint_mb(p):.1f} MB" for p in paths)
-    print(f"pair {settings.pair} in {settings.out}: {sizes}")
+    pair_mb = checkpoint_mb(paths[0]) + checkpoint_mb(paths[1]) if len(paths) > 1 else checkpoint_mb(paths[0])
+    print(f"pair {settings.pair} in {settings.out}: {sizes}; target + first drafter {pair_mb:.1f} MB "
+          f"(budget {CHECKPOINT_BUDGET_BYTES / 1e6:.0f} MB)")
     return paths
 
 

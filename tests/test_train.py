@@ -314,6 +314,22 @@ def test_full_size_pair_fits_the_issue_budget():
     assert settings.max_minutes + settings.drafter_minutes <= 8  # training time: the run fits a 10-minute command
 
 
+def test_full_size_checkpoints_on_disk(tmp_path):
+    """The written full-size pair (fresh weights: the sizes do not depend on them): shards under 16 MB,
+    target and drafter with the index at most 48 MB, and the target loads through the project's reader."""
+    from kdtree_lib.dflash import DFlashDrafter, save_drafter
+    settings = train.Settings(out=tmp_path, corpus=tmp_path)
+    text = train.text_config(settings, 8192, 0)
+    train.write_target(train.hf_target(text), text, tmp_path / PAIR)
+    drafter = DFlashDrafter(standin.pair_configs(standin.shape_of(PAIR)).drafter)
+    save_drafter(drafter, tmp_path / f"{PAIR}-dflash")
+    shards = list(tmp_path.glob("*/*.safetensors"))
+    assert len(shards) >= 4 and all(s.stat().st_size <= 16_000_000 for s in shards)
+    total = train.checkpoint_mb(tmp_path / PAIR) + train.checkpoint_mb(tmp_path / f"{PAIR}-dflash")
+    assert total <= standin.CHECKPOINT_BUDGET_BYTES / 1e6
+    assert ModelConfig.from_dict(json.loads((tmp_path / PAIR / "config.json").read_text())).n_routed_experts == 64
+
+
 def test_acceptance_rows_on_committed_prompts(models, tmp_path, monkeypatch):
     prompts = pairs.load_prompts(3, 20)
     assert len(prompts) == 3 and all(p.dtype == np.int64 and len(p) == 20 for p in prompts)

@@ -4,17 +4,20 @@ Two shapes (issue 33):
 
     k26-mini   the committed pair: a 6-layer target (hidden 256, 16 experts top-4, bf16 experts) and a
                5-layer drafter with plain RoPE. Its drafter costs about one target step on the H200.
-    k26-deep   K2.6's proportions: 16 layers at hidden 192 (the first dense, then MoE: 64 routed
-               experts of width 64, top-8, one shared expert, K2.6's routing and YaRN from K2.6's own
-               text_config), INT4 routed experts in K2.6's checkpoint format; a 2-layer DFlash drafter
-               with the real drafter's config keys (YaRN, target_layer_ids spread over the depth).
+    k26-deep   K2.6's proportions: 16 layers (the first dense, then MoE: 32 routed experts of width
+               64, top-8, one shared expert, K2.6's routing and YaRN from K2.6's own text_config), INT4
+               routed experts in K2.6's checkpoint format; a 2-layer DFlash drafter with the real
+               drafter's config keys (YaRN, target_layer_ids spread over the depth).
 
-Proportions kept from K2.6 (61 layers, hidden 7168): expert width / hidden 2048/7168 = 0.29 (64/192 =
-0.33), dense and drafter MLP / hidden 18432/7168 = 2.57 (512/192 = 2.67), top-8 routed plus one shared
-expert, drafter layers / target layers 6/61 = 0.10 (2/16 = 0.125), six feature layers as the real
-drafter reads. The MLA latent stays 512 + 64 (the verify kernels' contract) with K2.6's 128/64/128 per
-head, so the softmax scale is K2.6's; two heads keep the latent's up-projection (kv_b) inside the size
-budget.
+Proportions kept from K2.6 (61 layers, hidden 7168): expert width / hidden 2048/7168 = 0.29 (64/256 =
+0.25), dense and drafter MLP / hidden 18432/7168 = 2.57 (640/256 = 2.5), query rank / hidden 0.21
+(64/256 = 0.25), top-8 routed plus one shared expert, drafter layers / target layers 6/61 = 0.10
+(2/16 = 0.125), six feature layers as the real drafter reads. The MLA latent stays 512 + 64 (the verify
+kernels' contract) with K2.6's 128/64/128 per head, so the softmax scale is K2.6's; two heads keep the
+latent's up-projection (kv_b) inside the size budget. Narrower than k26-mini in every width but the
+hidden size: the INT4 MoE kernel's down projection takes a hidden size that is a multiple of 128 at
+expert widths up to 512 (moe.plan_moe), so hidden is 128 or 256, and at 128 the drafter (as wide as
+the target's hidden size) would be a quarter of k26-mini's per layer.
 
 The step-time ratio (`standin_ratio`) is modelled, not measured: at these widths a batch-1 step in a
 CUDA graph is bound by its kernels' latency, not by its bytes (the committed target's 37 MB read in
@@ -64,15 +67,15 @@ DRAFTER = dict(intermediate_size=768, num_hidden_layers=5, num_attention_heads=4
 
 # k26-deep: the dims over K2.6's text_config (every other key, routing and rope_scaling included, is
 # K2.6's own) and over the real drafter's config.json
-DEEP_TARGET = dict(vocab_size=8192, hidden_size=192, intermediate_size=512, moe_intermediate_size=64,
+DEEP_TARGET = dict(vocab_size=8192, hidden_size=256, intermediate_size=640, moe_intermediate_size=64,
                    num_hidden_layers=16, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64,
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   n_routed_experts=64, num_experts_per_tok=8)
-DEEP_DRAFTER = dict(intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   n_routed_experts=32, num_experts_per_tok=8)
+DEEP_DRAFTER = dict(intermediate_size=640, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=64)
 DEEP_FEATURE_LAYERS = 6   # as many target layers as the real drafter reads (1, 12, 24, 35, 47, 58 of 61)
-# a CPU smoke run's shapes (k26-deep's structure: dense first layer, INT4-able widths, YaRN, two features)
-TINY_TARGET = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
+# a smoke run's shapes (k26-deep's structure: dense first layer, widths the INT4 kernel plans, YaRN, two features)
+TINY_TARGET = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
                    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, qk_nope_head_dim=32,
                    v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2)
 TINY_DRAFTER = dict(intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -53,9 +53,9 @@ def test_layer_times_refuse_missing_or_impossible_rows():
 def test_step_bytes_count_the_touched_experts_only():
     deep = standin.pair_configs(standin.shape_of(standin.DEEP)).target
     stored, step = standin.target_bytes(deep), standin.target_step_bytes(deep)
-    routed = 15 * 64 * 3 * 192 * 64 * (0.5 + 2 / 32)   # 15 MoE layers of 64 INT4 experts
-    embedding = 8192 * 192 * 2
-    assert stored - step == pytest.approx(routed * (1 - 8 / 64) + embedding, rel=1e-12)
+    routed = 15 * 32 * 3 * 256 * 64 * (0.5 + 2 / 32)   # 15 MoE layers of 32 INT4 experts
+    embedding = 8192 * 256 * 2
+    assert stored - step == pytest.approx(routed * (1 - 8 / 32) + embedding, rel=1e-12)
 
 
 def test_the_proposal_against_the_real_pair():
@@ -72,5 +72,5 @@ def test_the_proposal_against_the_real_pair():
 def test_command_prints_sizes_and_ratios(capsys):
     assert standin.main([]) == 0
     out = capsys.readouterr().out
-    assert "together 45.2 MB (budget 48 MB)" in out
+    assert "together 44.5 MB (budget 48 MB)" in out
     assert "k26-deep drafter" in out and "real pair on the box" in out and "ms/step" in out

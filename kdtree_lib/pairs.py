@@ -24,7 +24,12 @@ from .corpus import PROMPTS_PATH
 from .paths import MODELS_DIR
 from .verify_attn import LATENT_DIM, ROPE_DIM
 
-TARGET_DIR = "k26-mini"
+# The trained stand-in pairs by name: the target's folder under data/models; its drafters are
+# "<name>-dflash" (block 8) and "<name>-dflash-b<block>". DEFAULT_PAIR is what notebooks, tests and
+# benchmarks load; k26-deep (K2.6's proportions, issue 33) is selectable by name until it replaces it.
+STAND_IN_PAIRS = ("k26-mini", "k26-deep")
+DEFAULT_PAIR = "k26-mini"
+TARGET_DIR = DEFAULT_PAIR
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,11 +82,21 @@ def random_pair(*, vocab: int = 64, block_size: int = 8, seed: int = 0, device="
 # ----------------------------------------------------------------------------------------------
 # the trained stand-in pair
 
-def stand_in_paths(block_size: int = 8, models_dir=None) -> tuple[Path, Path]:
-    """(target, drafter) folders of the trained stand-in pair (block size 8 or 16)."""
+def check_pair(pair: str) -> str:
+    if pair not in STAND_IN_PAIRS:
+        raise ValueError(f"pair: expected one of {list(STAND_IN_PAIRS)}, got {pair!r}")
+    return pair
+
+
+def drafter_dir(block_size: int, pair: str = DEFAULT_PAIR) -> str:
+    """The folder name of a stand-in pair's drafter of this block size."""
+    return f"{check_pair(pair)}-dflash" if block_size == 8 else f"{pair}-dflash-b{block_size}"
+
+
+def stand_in_paths(block_size: int = 8, models_dir=None, pair: str = DEFAULT_PAIR) -> tuple[Path, Path]:
+    """(target, drafter) folders of the trained stand-in pair `pair` (block size 8 or 16)."""
     models_dir = Path(models_dir) if models_dir is not None else MODELS_DIR
-    drafter = "k26-mini-dflash" if block_size == 8 else f"k26-mini-dflash-b{block_size}"
-    return models_dir / TARGET_DIR, models_dir / drafter
+    return models_dir / check_pair(pair), models_dir / drafter_dir(block_size, pair)
 
 
 def load_pair(target_path, drafter_path, *, device="cpu", dtype=torch.float32):
@@ -161,14 +176,16 @@ def pair_name(target_path, drafter_path) -> str:
 
 
 def pair_with_prompts(block_size: int = 8, *, prompts_per_package: int = 1, prompt_tokens: int = 32, models_dir=None,
-                      device="cpu", dtype=torch.float32, vocab: int = 64, seed: int = 0) -> PairWithPrompts:
+                      device="cpu", dtype=torch.float32, vocab: int = 64, seed: int = 0,
+                      pair: str = DEFAULT_PAIR) -> PairWithPrompts:
     """The pair and its prompts, decided together so that they always agree: the trained stand-in
     pair of this block size with the committed held-out prompts (encoded by the target folder's
     tokenizer) when both checkpoints exist, else a tiny random pair (`vocab`) with random ids under
-    the package name "random" (its acceptance numbers mean nothing, and the description says so)."""
+    the package name "random" (its acceptance numbers mean nothing, and the description says so).
+    pair: which stand-in pair (STAND_IN_PAIRS); the rows' `pair` column names the one loaded."""
     prompts_per_package = check_positive_int("prompts_per_package", prompts_per_package)
     prompt_tokens = check_positive_int("prompt_tokens", prompt_tokens)
-    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    target_path, drafter_path = stand_in_paths(block_size, models_dir, pair)
     if (target_path / "config.json").is_file() and (drafter_path / "config.json").is_file():
         target, drafter = load_pair(target_path, drafter_path, device=device, dtype=dtype)
         tokenizer = target_path / "tokenizer.json"

@@ -1,28 +1,43 @@
-"""Training the stand-in pair: a small K2.6-architecture target and its DFlash drafter.
+"""Training a stand-in pair: a small K2.6-architecture target and its DFlash drafter, in the real formats.
 
     target   transformers' DeepseekV3ForCausalLM at K2.6's architecture, small: MLA, the first layer
              dense, then MoE layers with one shared expert and sigmoid noaux_tc routing whose
              correction bias is updated for balance as DeepSeek-V3 does (no auxiliary loss: after
              each step, bias_i += rate * sign(mean load - load_i), the bias kept in float32).
-             Next-token cross-entropy on the corpus's train split, bf16 autocast on a GPU.
+             Next-token cross-entropy on the corpus's train split, bf16 autocast on a GPU. Trained
+             in float; then rounded as stored (bf16, routed experts INT4 in K2.6's format), and the
+             drafter trains on that target, the one decoding runs.
     drafter  the DFlash draft model (kdtree_lib.dflash) on the frozen target's features, trained as
              DFlash is: random anchor positions, the block after each anchor sees only the context
              before it, cross-entropy at block position k weighted exp(-(k-1)/gamma).
 
-Each stage writes a Hugging Face-format folder (config.json + safetensors shards of at most 16 MB)
-with train_log.csv (one row per logged step) and eval.json (held-out metrics, the run's settings):
+The pair's shape is kdtree_lib.standin's (--pair, k26-deep by default: K2.6's proportions). The
+target is written in K2.6's checkpoint layout (a wrapper config.json with K2.6's text_config keys,
+`language_model.` tensor names, INT4 pack-quantized routed experts, safetensors shards under 16 MB
+with an index) beside the corpus tokenizer; each drafter in z-lab's format with the real drafter's
+config keys. Each folder holds train_log.csv (one row per logged step) and eval.json (held-out
+metrics, the run's settings):
 
-    data/models/k26-mini/           the target (and the committed tokenizer)
-    data/models/k26-mini-dflash/    the drafter, block size 8 (as Kimi's DFlash drafter)
-    data/models/k26-mini-dflash-b16 the drafter, block size 16 (with --block-sizes 8 16)
+    data/models/k26-deep/               the target (and the tokenizer)
+    data/models/k26-deep-dflash/        the drafter, block size 8 (as Kimi's DFlash drafter)
+    data/models/k26-deep-dflash-b16/    the drafter, block size 16 (with --block-sizes 8 16)
 
-    python -m kdtree_lib.train all --out data/models --corpus data/corpus/build      # on a GPU
-    python -m kdtree_lib.train all --tiny --steps 5 --out /tmp/models --corpus ...   # CPU smoke run
-    python -m kdtree_lib.train acceptance --prompts 64 --new-tokens 256              # the quality bar
+    python -m kdtree_lib.train all                    # on one H200: about 9 minutes (docs/stand-in-pair.md)
+    python -m kdtree_lib.train all --tiny --out /tmp/models --corpus ...      # CPU smoke run
+    python -m kdtree_lib.train acceptance --pair k26-deep --prompts 64 --new-tokens 256
+
+Resumable: a run works in <out>/.<pair>.training/ (its settings, training states written atomically
+every --checkpoint-every steps, at a stage's end and on SIGTERM, the finished folders staged there);
+the same command again continues where a cut left it (--restart discards the work). On SIGTERM (as
+`timeout` sends) the run saves its state at the next step and exits with status 3. Only when every
+folder is complete are they moved into <out>, so a cut never leaves a half-written pair there; a
+pair already in <out> is replaced only with --retrain. Time budgets (--max-minutes, --drafter-minutes)
+count training time over all calls.
 
 `acceptance` measures the pair as DDTree decodes it: the T = 0 oracle of kdtree_lib.acceptance (exactly a
 live decode's rounds) of the DFlash chain and of DDTree trees at budgets 8, 32 and 128, on the
-committed held-out prompts (data/corpus/heldout_prompts.jsonl); rows go to data/results/acceptance.csv.
+committed held-out prompts (data/corpus/heldout_prompts.jsonl); rows go to data/results/acceptance.csv
+with the pair's name in their `pair` column.
 
 Drafter labels: greedy decoding accepts a draft token iff it equals the target's argmax, so by
 default (--labels target) block position k learns the target's argmax for token anchor + k given
@@ -35,8 +50,11 @@ import argparse
 import csv
 import json
 import math
+import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,37 +62,21 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from . import cli
-from .dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids, hf_features, save_drafter
-from .pairs import TARGET_DIR, TINY_DRAFTER, load_pair, load_prompts, pair_name, stand_in_paths, tiny_config
+from .dflash import DFlashConfig, DFlashDrafter, hf_features, save_drafter
+from .pairs import TARGET_DIR, drafter_dir, load_pair, load_prompts, pair_name, stand_in_paths  # noqa: F401
 from .paths import CORPUS_DIR, MODELS_DIR
+from .standin import CHECKPOINT_BUDGET_BYTES, DEEP, DRAFTER, K26_MINI, SHAPES, shape_of  # noqa: F401  (K26_MINI, DRAFTER: the committed pair's shape)
 from .tokenizer import TOKENIZER_PATH, corpus_tokens, load_tokenizer, special_ids
 
-SHARD_SIZE = "16MB"
+SHARD_BYTES = 14_000_000  # tensor bytes per shard: with its header a shard stays under 16 MB
 LOSS_GAMMA = {8: 4.0, 16: 7.0}  # DFlash's position-weight decay per block size
 ACCEPTANCE_BUDGETS = (8, 32, 128)
 PROMPTS_PACKAGE = "heldout"     # the `package` of acceptance rows measured on the committed prompts
-
-# K2.6's architecture (data/configs/kimi-k2.6.json) at ~19M parameters. Its attention geometry is
-# K2.6's own: the 576-wide absorbed cache entry (kv_lora_rank 512 + rope 64) that the verify kernels
-# are built for, 128/64/128 per-head dims and the same YaRN, hence the same softmax scale; fewer heads
-# (4), a small q_lora_rank, hidden 256. One dense layer, then MoE: 16 routed experts (top 4) and one
-# shared expert, sigmoid noaux_tc routing.
-K26_MINI = dict(
-    vocab_size=8192, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=6,
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-    n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-    rms_norm_eps=1e-5, max_position_embeddings=262144, num_nextn_predict_layers=0, tie_word_embeddings=False,
-    rope_interleave=True, attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
-                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "mscale": 1.0, "mscale_all_dim": 1.0})
-# Qwen3-style layers, five as z-lab's released drafters (~4M parameters); hidden size and
-# vocabulary are the target's; features from target layers 1-4 (all but the dense first and the last)
-DRAFTER = dict(intermediate_size=768, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64, feature_layers=4, rope_theta=50000.0, rms_norm_eps=1e-6)
+STATE_KEYS_IGNORED = ("command", "retrain", "restart", "out")  # settings a resumed run may change (out holds it)
+EXIT_STOPPED = 3  # `train` stopped on SIGTERM with its state saved: the same command continues
 
 
 @dataclass
@@ -88,12 +90,13 @@ class Settings:
     seed: int = 0
     seq_len: int = 512
     batch_size: int = 64
-    steps: int = 2400
+    pair: str = DEEP
+    steps: int = 4000
     lr: float = 3e-3
-    max_minutes: float = 4.5
-    drafter_steps: int = 2400
+    max_minutes: float = 5.5           # training time budgets, over all calls: with evaluation and writing
+    drafter_steps: int = 5000          # a whole run fits one 10-minute command on an H200 (docs/stand-in-pair.md)
     drafter_lr: float = 2e-3
-    drafter_minutes: float = 4.0
+    drafter_minutes: float = 2.5
     block_sizes: tuple[int, ...] = (8,)
     anchor_tokens: int = 512           # block positions per sequence: anchors = anchor_tokens // block_size
     labels: str = "target"
@@ -104,7 +107,20 @@ class Settings:
     log_every: int = 25
     eval_every: int = 500
     eval_windows: int = 64
+    checkpoint_every: int = 500        # steps between saved training states (also at a stage's end and on SIGTERM)
+    retrain: bool = False              # replace a pair already in `out` (once the new one is complete)
+    restart: bool = False              # discard a cut run's work instead of resuming it
     command: list[str] = field(default_factory=list)
+
+    @property
+    def work(self) -> Path:
+        """The run's working folder: settings, training states, staged finished folders."""
+        return self.out / f".{self.pair}.training"
+
+    @property
+    def folders(self) -> list[str]:
+        """The pair's folders, target first."""
+        return [self.pair] + [drafter_dir(b, self.pair) for b in self.block_sizes]
 
     @property
     def torch_device(self) -> torch.device:
@@ -146,10 +162,18 @@ def learning_rate(peak: float, step: int, steps: int, warmup: int, elapsed: floa
 
 
 class CsvLog:
-    def __init__(self, path: Path, columns: list[str]):
+    """train_log.csv; through_step: a resumed stage's log keeps its rows up to that step (a cut may
+    have logged rows past the saved state) and continues after them."""
+
+    def __init__(self, path: Path, columns: list[str], through_step: int | None = None):
         self.path, self.columns = path, columns
+        kept = []
+        if through_step is not None and path.is_file():
+            with open(path, newline="") as f:
+                kept = [row for row in csv.reader(f)][1:]
+            kept = [row for row in kept if int(row[0]) <= through_step]
         with open(path, "w", newline="") as f:
-            csv.writer(f).writerow(columns)
+            csv.writer(f).writerows([columns, *kept])
 
     def row(self, **values) -> None:
         with open(self.path, "a", newline="") as f:
@@ -210,11 +234,16 @@ class RouterBalancer:
         return torch.stack(violations).mean()
 
 
-def target_config(settings: Settings, vocab_size: int, eot: int):
-    from transformers import DeepseekV3Config
-    tiny = {key: value for key, value in tiny_config().items() if key in K26_MINI}  # its sizes, K26_MINI's switches
-    shape = K26_MINI | tiny if settings.tiny else K26_MINI
-    return DeepseekV3Config(**(shape | dict(vocab_size=vocab_size, bos_token_id=eot, eos_token_id=eot)))
+def text_config(settings: Settings, vocab_size: int, eot: int) -> dict:
+    """The target's text_config (K2.6's keys at the pair's dims; --tiny: a smoke run's dims)."""
+    return shape_of(settings.pair, tiny=settings.tiny).text_config(vocab_size, eot)
+
+
+def hf_target(text: dict):
+    """transformers' DeepseekV3ForCausalLM for a text_config (float32, fresh weights)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from .model.config import transformers_kwargs
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**transformers_kwargs(text)))
 
 
 def next_token_loss(model, rows) -> torch.Tensor:
@@ -234,79 +263,232 @@ def mean_loss(model, windows, device, batch_size) -> float:
     return sum(losses) / len(windows)
 
 
-def save_target(model, directory: Path) -> None:
-    """bf16 weights (the routers' correction bias stays float32, as DeepSeek-V3 ships it), shards of at most 16 MB."""
-    model.to(torch.bfloat16)
-    for router in (m for m in model.modules() if hasattr(m, "e_score_correction_bias")):
-        router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
-    model.save_pretrained(directory, max_shard_size=SHARD_SIZE)
+@torch.no_grad()
+def round_as_stored(model) -> None:
+    """Round the weights in place to what the checkpoint stores: routed experts to K2.6's INT4
+    (symmetric, group 32, bf16 scales), every other parameter to bf16 (the routers' correction bias,
+    a buffer, stays float32). The float model then computes exactly what the written target does,
+    and the drafter trains on that."""
+    from .model.checkpoint import dequantize_int4, quantize_int4
+    from .moe import GROUP_SIZE
+    for name, tensor in model.named_parameters():
+        if ".mlp.experts." in name:                       # stacked (E, out, in); groups run along `in`
+            for weight in tensor:                         # quantize_int4 works on the host
+                weight.copy_(dequantize_int4(*quantize_int4(weight.float().cpu()), GROUP_SIZE))
+        else:
+            tensor.copy_(tensor.to(torch.bfloat16))
+
+
+def write_target(model, text: dict, directory: Path) -> None:
+    """The target in K2.6's checkpoint layout: a wrapper config.json (text_config with the INT4
+    quantization config), `language_model.` names, routed experts pack-quantized, bf16 elsewhere,
+    the routers' correction bias float32 (as K2.6 ships it), shards of at most SHARD_BYTES + index."""
+    from .dflash import write_safetensors
+    from .model.checkpoint import INT4_QUANTIZATION_CONFIG, KIMI_PREFIX, quantize_int4
+    from .model.reference import kimi_tensors
+    stored = {}
+    for name, tensor in kimi_tensors(model).items():
+        tensor = tensor.detach().float().cpu()
+        if ".mlp.experts." in name:
+            packed, scale = quantize_int4(tensor)
+            stored |= {f"{name}_packed": packed, f"{name}_scale": scale,
+                       f"{name}_shape": torch.tensor(list(tensor.shape), dtype=torch.int64)}
+        else:
+            stored[name] = tensor if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
+    directory.mkdir(parents=True)
+    write_safetensors({KIMI_PREFIX + name: t.contiguous() for name, t in stored.items()}, directory, SHARD_BYTES)
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": text | {"quantization_config": INT4_QUANTIZATION_CONFIG}}
+    (directory / "config.json").write_text(json.dumps(wrapper, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# resumable stages
+
+def save_state(path: Path, **state) -> None:
+    """A training state, written atomically (a cut leaves the previous one whole)."""
+    part = path.with_name(path.name + ".part")
+    torch.save(state, part)
+    os.replace(part, path)
+
+
+def rng_state(batches: "Batches", generator: torch.Generator | None = None) -> dict:
+    state = {"batches": batches.rng.bit_generator.state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def restore_rng(state: dict, batches: "Batches", generator: torch.Generator | None = None) -> None:
+    batches.rng.bit_generator.state = state["batches"]
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None:
+        generator.set_state(state["generator"])
+
+
+def load_state(path: Path) -> dict | None:
+    """A saved training state on the host (RNG states must stay there; load_state_dict moves the rest)."""
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename a finished folder into place (atomic: a reader sees none of it or all of it)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM); its state is saved."""
+
+
+class StopRequest:
+    """SIGTERM (what `timeout` sends first) asks the training loops to save their state and stop at
+    the next step; the same command then continues (a hard kill resumes from the last saved state)."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.requested, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    def check(self, save, where: str) -> None:
+        if self.requested:
+            save()
+            raise Stopped(where)
+
+
+STOP = StopRequest()
+
+
+def progress(total: int, initial: int, desc: str):
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
 
 
 def train_target(settings: Settings) -> Path:
-    from transformers import DeepseekV3ForCausalLM
+    """The target stage of a run: trains (resuming a saved state), quantizes the routed experts and
+    stages the K2.6-format folder in the run's work folder; returns it."""
+    work = settings.work
+    staged = work / settings.pair
+    if (staged / "config.json").is_file():
+        print(f"target: already trained in {work}")
+        return staged
     device = settings.torch_device
     torch.manual_seed(settings.seed)
     tokenizer = load_tokenizer(settings.tokenizer)
     eot, _ = special_ids(tokenizer)
     train_tokens = corpus_tokens(settings.corpus, "train", settings.tokenizer)
     heldout_tokens = corpus_tokens(settings.corpus, "heldout", settings.tokenizer)
-    directory = settings.out / TARGET_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    copy_tokenizer(settings.tokenizer, directory)
-
-    model = DeepseekV3ForCausalLM(target_config(settings, tokenizer.get_vocab_size(), eot)).to(device).train()
+    text = text_config(settings, tokenizer.get_vocab_size(), eot)
+    model = hf_target(text).to(device).train()
     model.set_experts_implementation(settings.experts)
     balancer = RouterBalancer(model, settings.bias_rate)
     optimizer = make_optimizer(model.parameters(), settings.lr, settings.weight_decay)
     batches = Batches(train_tokens, settings.seq_len, settings.batch_size, settings.seed)
     heldout = fixed_windows(heldout_tokens, settings.seq_len, settings.eval_windows)
     train_sample = fixed_windows(train_tokens, settings.seq_len, settings.eval_windows)
-    log = CsvLog(directory / "train_log.csv", ["step", "tokens", "elapsed_s", "lr", "loss", "max_violation",
-                                                "heldout_loss"])
-    budget, start, step = settings.max_minutes * 60, time.perf_counter(), 0
-    while step < settings.steps and time.perf_counter() - start < budget:
-        lr = learning_rate(settings.lr, step, settings.steps, settings.warmup, time.perf_counter() - start, budget)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with autocast(device):
-            loss = next_token_loss(model, batches.next(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        violation = balancer.update()
-        step += 1
-        last = step == settings.steps
-        if step % settings.log_every == 0 or step == 1 or last:
-            evaluate = step % settings.eval_every == 0 or last
-            log.row(step=step, tokens=step * settings.batch_size * settings.seq_len,
-                    elapsed_s=time.perf_counter() - start, lr=lr, loss=loss.item(), max_violation=violation.item(),
-                    heldout_loss=mean_loss(model, heldout, device, settings.batch_size) if evaluate else "")
+
+    state_path, step, trained = work / "target.state.pt", 0, 0.0
+    state = load_state(state_path)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state["rng"], batches)
+        step, trained = state["step"], state["seconds"]
+        print(f"target: resuming at step {step} ({trained:.0f} s trained)")
+    log = CsvLog(work / "target.train_log.csv", ["step", "tokens", "elapsed_s", "lr", "loss", "max_violation",
+                                                  "heldout_loss"], through_step=step if state else None)
+
+    def save() -> None:
+        save_state(state_path, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                   rng=rng_state(batches), step=step, seconds=time.perf_counter() - start)
+
+    budget, start = settings.max_minutes * 60, time.perf_counter() - trained
+    with progress(settings.steps, step, "target") as bar:
+        while step < settings.steps and time.perf_counter() - start < budget:
+            STOP.check(save, f"target at step {step}")
+            lr = learning_rate(settings.lr, step, settings.steps, settings.warmup, time.perf_counter() - start, budget)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with autocast(device):
+                loss = next_token_loss(model, batches.next(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            violation = balancer.update()
+            step += 1
+            bar.update(1)
+            last = step == settings.steps
+            if step % settings.log_every == 0 or step == 1 or last:
+                evaluate = step % settings.eval_every == 0 or last
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                log.row(step=step, tokens=step * settings.batch_size * settings.seq_len,
+                        elapsed_s=time.perf_counter() - start, lr=lr, loss=loss.item(), max_violation=violation.item(),
+                        heldout_loss=mean_loss(model, heldout, device, settings.batch_size) if evaluate else "")
+            if step % settings.checkpoint_every == 0:
+                save()
+    save()  # the loop's end: a cut in what follows resumes here, with nothing left to train
     elapsed = time.perf_counter() - start
     heldout_loss = mean_loss(model, heldout, device, settings.batch_size)
     train_loss = mean_loss(model, train_sample, device, settings.batch_size)
-    save_target(model, directory)
-    write_eval(directory, settings, steps=step, seconds=elapsed, device=str(device),
+    model.float()
+    round_as_stored(model)
+    stored_loss = mean_loss(model, heldout, device, settings.batch_size)
+    torch.save({"text_config": text, "model": {k: v.cpu() for k, v in model.state_dict().items()}},
+               work / "target.final.pt.part")
+    os.replace(work / "target.final.pt.part", work / "target.final.pt")
+    part = work / f"{settings.pair}.part"
+    shutil.rmtree(part, ignore_errors=True)
+    write_target(model, text, part)
+    copy_tokenizer(settings.tokenizer, part)
+    shutil.copyfile(work / "target.train_log.csv", part / "train_log.csv")
+    write_eval(part, settings, steps=step, seconds=elapsed, device=str(device),
                parameters=sum(p.numel() for p in model.parameters()),
                tokens_seen=step * settings.batch_size * settings.seq_len,
                corpus_tokens={"train": int(train_tokens.size), "heldout": int(heldout_tokens.size)},
                heldout_loss=heldout_loss, heldout_perplexity=math.exp(heldout_loss),
-               train_loss=train_loss, train_perplexity=math.exp(train_loss))
-    print(f"target: {step} steps in {elapsed:.0f} s, held-out loss {heldout_loss:.3f} "
-          f"(perplexity {math.exp(heldout_loss):.2f}) -> {directory}")
-    return directory
+               train_loss=train_loss, train_perplexity=math.exp(train_loss),
+               stored_heldout_loss=stored_loss, stored_heldout_perplexity=math.exp(stored_loss))
+    os.replace(part, staged)
+    print(f"target: {step} steps in {elapsed:.0f} s, held-out loss {heldout_loss:.3f} (perplexity "
+          f"{math.exp(heldout_loss):.2f}; {stored_loss:.3f} as stored, bf16 with INT4 experts) -> {staged}")
+    return staged
+
+
+def trained_target(settings: Settings, device, dtype):
+    """The staged target as the drafter trains on it: transformers' model with the weights as stored."""
+    saved = torch.load(settings.work / "target.final.pt", map_location="cpu", weights_only=False)
+    model = hf_target(saved["text_config"])
+    model.load_state_dict(saved["model"])
+    model.set_experts_implementation(settings.experts)
+    if dtype == torch.bfloat16:
+        from .model.reference import to_bfloat16
+        model = to_bfloat16(model)
+    return model.to(device).eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------------------------
 # the drafter
 
 def checkpoint_mb(folder) -> float:
-    """Megabytes of a checkpoint folder's safetensors shards (what the size budget counts)."""
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e6
-
-
-def drafter_dir(block_size: int) -> str:
-    return "k26-mini-dflash" if block_size == 8 else f"k26-mini-dflash-b{block_size}"
+    """Megabytes of a checkpoint folder's safetensors shards and their index (what the size budget counts)."""
+    files = [*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.safetensors.index.json")]
+    return sum(f.stat().st_size for f in files) / 1e6
 
 
 def sample_anchors(batch: int, seq_len: int, count: int, generator) -> torch.Tensor:
@@ -361,12 +543,9 @@ def block_metrics(logits, labels, valid) -> dict:
     return {"accuracy": accuracy.tolist(), "accept_tf": float(1 + run.mean()) if run.numel() else float("nan")}
 
 
-def drafter_config(settings: Settings, target_config, block_size: int, mask_id: int) -> DFlashConfig:
-    shape = dict(TINY_DRAFTER, feature_layers=1) if settings.tiny else dict(DRAFTER)
-    layers = build_target_layer_ids(target_config.num_hidden_layers, shape.pop("feature_layers"))
-    return DFlashConfig(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                        block_size=block_size, mask_token_id=mask_id, target_layer_ids=layers,
-                        num_target_layers=target_config.num_hidden_layers, **shape)
+def drafter_raw_config(settings: Settings, text: dict, block_size: int, mask_id: int) -> dict:
+    """The drafter's config.json: the real drafter's keys at the pair's dims (kdtree_lib.standin)."""
+    return shape_of(settings.pair, tiny=settings.tiny).drafter_config(text, block_size, mask_id)
 
 
 @torch.no_grad()
@@ -383,23 +562,27 @@ def evaluate_drafter(target, drafter, windows, settings: Settings) -> dict:
 
 
 def train_drafter(settings: Settings, block_size: int) -> Path:
-    from transformers import DeepseekV3ForCausalLM
+    """One drafter stage of a run: trains on the staged INT4 target (resuming a saved state) and
+    stages the drafter's folder in the run's work folder; returns it."""
     if settings.labels not in ("target", "data"):
         raise ValueError(f"labels: expected 'target' or 'data', got {settings.labels!r}")
+    work, name = settings.work, drafter_dir(block_size, settings.pair)
+    staged = work / name
+    if (staged / "config.json").is_file():
+        print(f"drafter (block {block_size}): already trained in {work}")
+        return staged
+    if not (work / "target.final.pt").is_file():
+        raise ValueError(f"stage: no trained target in {work} yet (run the target stage, or `all`, first)")
     device = settings.torch_device
     torch.manual_seed(settings.seed)
     tokenizer = load_tokenizer(settings.tokenizer)
     _, mask_id = special_ids(tokenizer)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = DeepseekV3ForCausalLM.from_pretrained(settings.out / TARGET_DIR, dtype=dtype,
-                                                   experts_implementation=settings.experts).to(device).eval()
-    target.requires_grad_(False)
-    drafter = DFlashDrafter(drafter_config(settings, target.config, block_size, mask_id)).to(device)
+    target = trained_target(settings, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    raw = drafter_raw_config(settings, json.loads((work / settings.pair / "config.json").read_text())["text_config"],
+                             block_size, mask_id)
+    drafter = DFlashDrafter(DFlashConfig.from_dict(raw)).to(device)
     drafter.init_weights()
     drafter.bind(target).train()
-    directory = settings.out / drafter_dir(block_size)
-    directory.mkdir(parents=True, exist_ok=True)
-    link_tokenizer(directory)
 
     train_tokens = corpus_tokens(settings.corpus, "train", settings.tokenizer)
     heldout = fixed_windows(corpus_tokens(settings.corpus, "heldout", settings.tokenizer), settings.seq_len,
@@ -410,50 +593,126 @@ def train_drafter(settings: Settings, block_size: int) -> Path:
     weights = position_weights(block_size, device)
     count = settings.anchor_tokens // block_size
     depth = block_size - 1
-    log = CsvLog(directory / "train_log.csv", ["step", "elapsed_s", "lr", "loss", "accept_tf",
-                                                *[f"acc_{k}" for k in range(1, depth + 1)], "heldout_accept_tf"])
-    budget, start, step = settings.drafter_minutes * 60, time.perf_counter(), 0
-    while step < settings.drafter_steps and time.perf_counter() - start < budget:
-        lr = learning_rate(settings.drafter_lr, step, settings.drafter_steps, settings.warmup,
-                           time.perf_counter() - start, budget)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        rows = batches.next(device)[:, :-1]                                               # (B, S)
-        anchors = sample_anchors(len(rows), rows.shape[1], count, generator).to(device)
-        logits, labels, valid = drafter_step_outputs(target, drafter, rows, anchors, settings)
-        per_token = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none")
-        weight = (weights * valid).flatten()
-        loss = (per_token * weight).sum() / weight.sum().clamp_min(1e-6)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        last = step == settings.drafter_steps
-        if step % settings.log_every == 0 or step == 1 or last:
-            metrics = block_metrics(logits.detach(), labels, valid)
-            evaluate = step % settings.eval_every == 0 or last
-            log.row(step=step, elapsed_s=time.perf_counter() - start, lr=lr, loss=loss.item(),
-                    accept_tf=metrics["accept_tf"],
-                    **{f"acc_{k + 1}": a for k, a in enumerate(metrics["accuracy"])},
-                    heldout_accept_tf=(evaluate_drafter(target, drafter.eval(), heldout, settings)["accept_tf"]
-                                       if evaluate else ""))
-            drafter.train()
+
+    state_path, step, trained = work / f"{name}.state.pt", 0, 0.0
+    state = load_state(state_path)
+    if state is not None:
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state["rng"], batches, generator)
+        step, trained = state["step"], state["seconds"]
+        print(f"drafter (block {block_size}): resuming at step {step} ({trained:.0f} s trained)")
+    log = CsvLog(work / f"{name}.train_log.csv", ["step", "elapsed_s", "lr", "loss", "accept_tf",
+                                                   *[f"acc_{k}" for k in range(1, depth + 1)], "heldout_accept_tf"],
+                 through_step=step if state else None)
+
+    def save() -> None:
+        save_state(state_path, model=drafter.state_dict(), optimizer=optimizer.state_dict(),
+                   rng=rng_state(batches, generator), step=step, seconds=time.perf_counter() - start)
+
+    budget, start = settings.drafter_minutes * 60, time.perf_counter() - trained
+    with progress(settings.drafter_steps, step, f"drafter b{block_size}") as bar:
+        while step < settings.drafter_steps and time.perf_counter() - start < budget:
+            STOP.check(save, f"drafter (block {block_size}) at step {step}")
+            lr = learning_rate(settings.drafter_lr, step, settings.drafter_steps, settings.warmup,
+                               time.perf_counter() - start, budget)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            rows = batches.next(device)[:, :-1]                                               # (B, S)
+            anchors = sample_anchors(len(rows), rows.shape[1], count, generator).to(device)
+            logits, labels, valid = drafter_step_outputs(target, drafter, rows, anchors, settings)
+            per_token = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none")
+            weight = (weights * valid).flatten()
+            loss = (per_token * weight).sum() / weight.sum().clamp_min(1e-6)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            bar.update(1)
+            last = step == settings.drafter_steps
+            if step % settings.log_every == 0 or step == 1 or last:
+                metrics = block_metrics(logits.detach(), labels, valid)
+                evaluate = step % settings.eval_every == 0 or last
+                bar.set_postfix(loss=f"{loss.item():.3f}", accept_tf=f"{metrics['accept_tf']:.2f}")
+                log.row(step=step, elapsed_s=time.perf_counter() - start, lr=lr, loss=loss.item(),
+                        accept_tf=metrics["accept_tf"],
+                        **{f"acc_{k + 1}": a for k, a in enumerate(metrics["accuracy"])},
+                        heldout_accept_tf=(evaluate_drafter(target, drafter.eval(), heldout, settings)["accept_tf"]
+                                           if evaluate else ""))
+                drafter.train()
+            if step % settings.checkpoint_every == 0:
+                save()
+    save()
     elapsed = time.perf_counter() - start
     final = evaluate_drafter(target, drafter.eval(), heldout, settings)
-    save_drafter(drafter, directory)
-    write_eval(directory, settings, steps=step, seconds=elapsed, device=str(device), block_size=block_size,
+    part = work / f"{name}.part"
+    shutil.rmtree(part, ignore_errors=True)
+    save_drafter(drafter, part)
+    if DFlashConfig.from_dict(raw) != drafter.config:
+        raise AssertionError("the drafter's config.json would not load as the drafter trained")
+    (part / "config.json").write_text(json.dumps(raw, indent=2) + "\n")  # the real drafter's keys, as loaded
+    link_tokenizer(part, settings.pair)
+    shutil.copyfile(work / f"{name}.train_log.csv", part / "train_log.csv")
+    write_eval(part, settings, steps=step, seconds=elapsed, device=str(device), block_size=block_size,
                parameters=sum(p.numel() for p in drafter.parameters()),
                heldout_accuracy=final["accuracy"], heldout_accept_tf=final["accept_tf"])
+    os.replace(part, staged)
     print(f"drafter (block {block_size}): {step} steps in {elapsed:.0f} s, held-out teacher-forced accepted "
-          f"length {final['accept_tf']:.2f} -> {directory}")
-    return directory
+          f"length {final['accept_tf']:.2f} -> {staged}")
+    return staged
+
+
+def start_run(settings: Settings) -> None:
+    """Create the run's work folder, or check a cut run's settings before resuming it."""
+    work = settings.work
+    if settings.restart and work.exists():
+        shutil.rmtree(work)
+    resolved = json.loads(json.dumps(asdict(settings), default=lambda path: str(Path(path).resolve())))
+    mine = {k: v for k, v in resolved.items() if k not in STATE_KEYS_IGNORED}
+    if work.exists():
+        saved = json.loads((work / "settings.json").read_text())
+        changed = sorted(k for k in mine if saved.get(k) != mine[k])
+        if changed:
+            raise ValueError(f"settings: {work} holds a cut run with other {', '.join(changed)} "
+                             f"({', '.join(f'{saved.get(k)!r} then' for k in changed)}): rerun it as it was, "
+                             "or pass --restart to discard it")
+        print(f"resuming the run in {work}")
+        return
+    present = [name for name in settings.folders if (settings.out / name).exists()]
+    if present and not settings.retrain:
+        raise ValueError(f"out: {', '.join(present)} already in {settings.out}; pass --retrain to train the pair "
+                         "again (the new folders replace them only once all are complete)")
+    for split in ("train", "heldout"):  # a missing corpus or tokenizer is refused before any folder is made
+        corpus_tokens(settings.corpus, split, settings.tokenizer)
+    work.mkdir(parents=True)
+    (work / "settings.json").write_text(json.dumps(mine, indent=1) + "\n")
+
+
+def finish_run(settings: Settings) -> list[Path]:
+    """Move every staged folder of the run into `out`, then remove the work folder."""
+    work = settings.work
+    missing = [name for name in settings.folders if not (work / name / "config.json").is_file()
+               and not (work / "publishing").is_file()]
+    if missing:
+        raise ValueError(f"stage: {', '.join(missing)} not trained in {work} yet")
+    (work / "publishing").touch()  # from here a rerun only finishes the moves
+    for name in settings.folders:
+        if (work / name).exists():
+            publish(work / name, settings.out / name)
+    shutil.rmtree(work)
+    paths = [settings.out / name for name in settings.folders]
+    sizes = ", ".join(f"{p.name} {checkpoint_mb(p):.1f} MB" for p in paths)
+    pair_mb = checkpoint_mb(paths[0]) + checkpoint_mb(paths[1]) if len(paths) > 1 else checkpoint_mb(paths[0])
+    print(f"pair {settings.pair} in {settings.out}: {sizes}; target + first drafter {pair_mb:.1f} MB "
+          f"(budget {CHECKPOINT_BUDGET_BYTES / 1e6:.0f} MB)")
+    return paths
 
 
 # ----------------------------------------------------------------------------------------------
 # acceptance on held-out prompts
 
-def acceptance_rows(models_dir, block_size: int, *, budgets=ACCEPTANCE_BUDGETS, n_prompts: int = 64,
+def acceptance_rows(models_dir, block_size: int, *, pair: str = DEEP, budgets=ACCEPTANCE_BUDGETS, n_prompts: int = 64,
                     prompt_tokens: int = 128, new_tokens: int = 256, device: str = "auto") -> list[dict]:
     """Mean acceptance length of the DFlash chain and of DDTree at each budget (T = 0), one row each.
 
@@ -464,7 +723,7 @@ def acceptance_rows(models_dir, block_size: int, *, budgets=ACCEPTANCE_BUDGETS, 
     from .acceptance import oracle_rows, record_oracle
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           "cpu" if device == "auto" else device)
-    target_path, drafter_path = stand_in_paths(block_size, models_dir)
+    target_path, drafter_path = stand_in_paths(block_size, models_dir, pair)
     target, drafter = load_pair(target_path, drafter_path, device=device,
                                 dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     prompts = load_prompts(n_prompts, prompt_tokens)
@@ -484,10 +743,10 @@ def measure_acceptance(settings: Settings, n_prompts: int, prompt_tokens: int, n
     from .acceptance import TOPIC
     rows = []
     for block_size in settings.block_sizes:
-        if not (settings.out / drafter_dir(block_size) / "config.json").is_file():
+        if not (settings.out / drafter_dir(block_size, settings.pair) / "config.json").is_file():
             print(f"no drafter for block size {block_size} in {settings.out}: skipped")
             continue
-        rows += acceptance_rows(settings.out, block_size, n_prompts=n_prompts, prompt_tokens=prompt_tokens,
+        rows += acceptance_rows(settings.out, block_size, pair=settings.pair, n_prompts=n_prompts, prompt_tokens=prompt_tokens,
                                 new_tokens=new_tokens, device=settings.device)
     for row in rows:
         print(f"block {row['block_size']:2d} {row['mode']:5s} budget {row['budget']:3d}: "
@@ -508,11 +767,11 @@ def copy_tokenizer(tokenizer: Path, directory: Path) -> None:
             shutil.copyfile(source, directory / name)
 
 
-def link_tokenizer(directory: Path) -> None:
-    """The drafter uses the target's tokenizer: a relative link to it."""
+def link_tokenizer(directory: Path, target_dir: str) -> None:
+    """The drafter uses the target's tokenizer: a relative link to it (valid once both are in place)."""
     link = directory / "tokenizer.json"
     if not link.exists() and not link.is_symlink():
-        link.symlink_to(Path("..") / TARGET_DIR / "tokenizer.json")
+        link.symlink_to(Path("..") / target_dir / "tokenizer.json")
 
 
 def read_log(path) -> dict[str, np.ndarray]:
@@ -545,10 +804,13 @@ def parse_args(argv) -> tuple[str, Settings, dict]:
                         help="corpus build folder (corpus-*.jsonl, or cached tokens-*.npy)")
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_PATH)
     parser.add_argument("--tiny", action="store_true", help="tiny models and batches: a CPU smoke run")
+    parser.add_argument("--pair", choices=sorted(SHAPES), default=None, help=f"the pair to train (default {DEEP})")
+    parser.add_argument("--retrain", action="store_true", help="replace the pair in --out once the new one is complete")
+    parser.add_argument("--restart", action="store_true", help="discard a cut run's work instead of resuming it")
     defaults = Settings(out=Path(), corpus=Path())
     for name in ("device", "seed", "seq_len", "batch_size", "steps", "lr", "max_minutes", "drafter_steps",
                  "drafter_lr", "drafter_minutes", "anchor_tokens", "labels", "experts", "bias_rate", "warmup",
-                 "log_every", "eval_every", "eval_windows"):
+                 "log_every", "eval_every", "eval_windows", "checkpoint_every"):
         parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
     parser.add_argument("--block-sizes", type=cli.positive_int, nargs="+", default=None)
     parser.add_argument("--prompts", type=cli.positive_int, default=64, help="acceptance: held-out prompts")
@@ -559,6 +821,10 @@ def parse_args(argv) -> tuple[str, Settings, dict]:
     values = TINY_SETTINGS.copy() if args.tiny else {}
     values.update({k: v for k, v in vars(args).items()
                    if v is not None and k not in ("stage", "prompts", "prompt_tokens", "new_tokens")})
+    for name in ("steps", "drafter_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_windows",
+                 "checkpoint_every"):
+        if name in values and values[name] < 1:
+            raise cli.UsageError(f"argument --{name.replace('_', '-')}: expected an integer >= 1, got {values[name]}")
     if "block_sizes" in values:
         values["block_sizes"] = tuple(values["block_sizes"])
     return args.stage, Settings(**values, command=list(argv if argv is not None else sys.argv[1:])), acceptance
@@ -566,18 +832,28 @@ def parse_args(argv) -> tuple[str, Settings, dict]:
 
 # a CPU smoke run: every code path, seconds not minutes
 TINY_SETTINGS = dict(seq_len=64, batch_size=2, steps=5, drafter_steps=5, warmup=2, anchor_tokens=16,
-                     log_every=1, eval_every=5, eval_windows=2)
+                     log_every=1, eval_every=5, eval_windows=2, checkpoint_every=2)
 
 
 @cli.command
 def main(argv=None) -> int:
     stage, settings, acceptance = parse_args(argv)
     torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
-    if stage in ("target", "all"):
-        train_target(settings)
-    if stage in ("drafter", "all"):
-        for block_size in settings.block_sizes:
-            train_drafter(settings, block_size)
+    if stage in ("target", "drafter", "all"):
+        start_run(settings)
+        publishing = (settings.work / "publishing").is_file()  # a cut between two moves: only the moves are left
+        try:
+            with STOP:
+                if stage in ("target", "all") and not publishing:
+                    train_target(settings)
+                if stage in ("drafter", "all") and not publishing:
+                    for block_size in settings.block_sizes:
+                        train_drafter(settings, block_size)
+        except Stopped as stopped:
+            print(f"stopped (SIGTERM): {stopped}, state saved in {settings.work}; the same command continues")
+            return EXIT_STOPPED
+        if stage == "all":
+            finish_run(settings)
     if stage == "acceptance":
         measure_acceptance(settings, **acceptance)
     return 0

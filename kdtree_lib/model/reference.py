@@ -82,9 +82,8 @@ def tree_logits(model, prompt, tree: Tree, b: int = 0) -> torch.Tensor:
     return out.logits[0].float()
 
 
-def save_kimi_checkpoint(model: DeepseekV3ForCausalLM, config: dict, path, *, int4: bool):
-    """model's weights in the K2.6 layout: wrapper config with text_config, `language_model.`
-    prefix, 3 files + index, a vision tensor to skip, optionally INT4 routed experts."""
+def kimi_tensors(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
+    """model's tensors under K2.6's checkpoint names (routed experts one tensor per expert), unprefixed."""
     tensors = {}
     for name, tensor in model.state_dict().items():
         if name.endswith("experts.gate_up_proj"):  # transformers stacks experts; checkpoints do not
@@ -96,6 +95,13 @@ def save_kimi_checkpoint(model: DeepseekV3ForCausalLM, config: dict, path, *, in
             tensors.update({f"{base}.{e}.down_proj.weight": weight for e, weight in enumerate(tensor)})
         elif "rotary_emb" not in name:
             tensors[name] = tensor
+    return tensors
+
+
+def save_kimi_checkpoint(model: DeepseekV3ForCausalLM, config: dict, path, *, int4: bool):
+    """model's weights in the K2.6 layout: wrapper config with text_config, `language_model.`
+    prefix, 3 files + index, a vision tensor to skip, optionally INT4 routed experts."""
+    tensors = kimi_tensors(model)
     tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
     wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
                "text_config": config, "vision_config": {"hidden_size": 4}}

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from .. import cli
 from ..paths import GIB
 from . import command_parser
 from .timing import gpu_seconds
@@ -116,10 +117,11 @@ def launch_host_costs(*, batches: int = 25) -> list[dict]:
     return rows
 
 
+@cli.command
 def main(argv=None) -> int:
     parser = command_parser(__spec__.name, "Host cost per launch: CuPy's call against cuda.PreparedLaunch.")
     args = parser.parse_args(argv)
-    from .. import cli, results
+    from .. import results
     cli.require_cuda()
     rows = launch_host_costs()
     for r in rows:

@@ -639,9 +639,12 @@ def test_serving_vs_generate_writes_a_stamped_row_per_step(tmp_path, one_thread)
     rows = read_rows(serving_vs_generate.TOPIC, results_dir=tmp_path)
     assert code == 0 and [(row["method"], row["budget"], row["batch_wait_s"]) for row in rows] == [
         ("ar", "1", "0.005"), ("ar", "1", "0.0"), ("chain", "7", "0.005"), ("chain", "7", "0.0")]
+    assert len({row["run"] for row in rows}) == 1  # appended one by one, one run
     for row in rows:
         assert row["date"] and row["commit"] and row["device"] and row["same_tokens"] == "True", row
         assert row["requests"] == "2" and row["concurrency"] == "1" and row["pair"].startswith("random")
+        assert (row["engine_equal_requests"], row["engine_compared_requests"]) == ("4", "4")  # 2 prompts x 2 passes
+        assert (row["generate_again_equal_requests"], row["generate_again_compared_requests"]) == ("2", "2")
         speeds = [float(row[key]) for key in ("generate_tokens_per_second", "engine_tokens_per_second", "ratio")]
         assert all(speed > 0 for speed in speeds) and speeds[2] == pytest.approx(speeds[1] / speeds[0])
 
@@ -658,3 +661,13 @@ def test_serving_vs_generate_refuses_a_bad_argument_in_one_line(arguments, messa
     error = capsys.readouterr().err
     assert code == 2 and message in error and error.count("\n") == 1, error
     assert not list(tmp_path.iterdir()), "nothing measured, nothing written"
+
+
+def test_serving_vs_generate_says_where_two_token_lists_split():
+    from kdtree_lib.bench.serving_vs_generate import agreement, first_difference
+    assert first_difference([1, 2, 3], [1, 2, 3]) == -1
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2          # a shorter list differs at its end
+    assert agreement("engine", [-1, 4, -1, 2]) == {"engine_equal_requests": 2, "engine_compared_requests": 4,
+                                                   "engine_first_difference": 2}
+    assert agreement("generate_again", [])["generate_again_first_difference"] == ""

@@ -148,7 +148,7 @@ def generate(target, drafter, prompt_ids, *, method: str = "ddtree", budget: int
     _check_positions(prompts, max_new_tokens, target.config.max_position_embeddings)
     stops = _stop_list(stop_tokens, target.config.vocab_size)
     chosen = resolve_backend(backend, target)
-    graph = False if profile_stages and cuda_graph == "auto" else _resolve_graph(cuda_graph, chosen, target)
+    graph = False if profile_stages and cuda_graph == "auto" else resolve_graph(cuda_graph, chosen, target)
     if profile_stages and graph:
         raise ValueError("profile_stages: stage times need cuda_graph=False (a graph replays the step as a whole)")
     depth = drafter.config.draft_depth if method != "ar" else 0
@@ -176,7 +176,7 @@ def resolve_backend(backend: str, target) -> str:
     return _backend.resolve(backend, ("numpy", "cupy"), target.embed_tokens.weight)
 
 
-def _resolve_graph(cuda_graph, backend: str, target) -> bool:
+def resolve_graph(cuda_graph, backend: str, target) -> bool:
     """A step can be captured when nothing in it synchronises: the tree kernels, and the target's
     absorbed attention on the verify kernel (its naive path and torch reference build the mask on
     the host; "auto" runs the kernel only for the dtypes it takes)."""

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..contracts import MAX_BUDGET
-from ..decode import (METHODS, PrefillCancelled, _resolve_graph, cached_decoder, check_pair, decoder_capacity,
+from ..decode import (METHODS, PrefillCancelled, cached_decoder, check_pair, decoder_capacity, resolve_graph,
                       resolve_backend, step_shape)
 from ..model.model import PREFILL_CHUNK
 
@@ -106,7 +106,7 @@ class Engine:
             check_pair(target, drafter)
         self.target, self.drafter, self.settings = target, drafter if settings.method != "ar" else None, settings
         self.backend = resolve_backend(settings.backend, target)
-        self.cuda_graph = _resolve_graph(settings.cuda_graph, self.backend, target)
+        self.cuda_graph = resolve_graph(settings.cuda_graph, self.backend, target)
         self.depth = drafter.config.draft_depth if self.drafter is not None else 0
         self.step_budget, self.nodes = step_shape(settings.method, settings.budget, self.depth)  # as generate
         self.waiting: deque[Job] = deque()

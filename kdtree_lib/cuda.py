@@ -111,15 +111,17 @@ def current_stream():
     return cupy.cuda.get_current_stream()
 
 
-def nvcc_compile(file_name: str, arch: str, out_dir: Path) -> str:
-    """Compile kernels/<file_name> to a cubin for `arch` with nvcc; returns ptxas' -v report."""
+def nvcc_compile(file_name: str, arch: str, out_dir: Path, *, kernel_dir: Path | None = None) -> str:
+    """Compile kernels/<file_name> (or kernel_dir/<file_name>: another tree's kernels) to the cubin
+    out_dir/<stem>.<arch>.cubin for `arch` with nvcc; returns ptxas' -v report."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc: not found on PATH")
+    kernel_dir = Path(kernel_dir) if kernel_dir is not None else KERNEL_DIR
     cubin = Path(out_dir) / f"{Path(file_name).stem}.{arch}.cubin"
     done = subprocess.run(
-        [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-O3", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
-         "-o", str(cubin), str(KERNEL_DIR / file_name)],
+        [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-O3", "-Xptxas", "-v", f"-I{kernel_dir}",
+         "-o", str(cubin), str(kernel_dir / file_name)],
         capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"nvcc failed for {file_name} on {arch}:\n{done.stderr}")
@@ -146,13 +148,15 @@ class PtxasReport:
     log: str
 
 
-def ptxas_report(kernel_file: str, arch: str, out_dir: Path | None = None) -> PtxasReport:
-    """Registers, spills and static shared memory of every kernel in kernels/<kernel_file> built for
-    `arch` by nvcc (no GPU needed); the cubin goes to out_dir, or to a temporary folder."""
+def ptxas_report(kernel_file: str, arch: str, out_dir: Path | None = None, *,
+                 kernel_dir: Path | None = None) -> PtxasReport:
+    """Registers, spills and static shared memory of every kernel in kernels/<kernel_file> (or
+    kernel_dir/<kernel_file>) built for `arch` by nvcc (no GPU needed); the cubin goes to out_dir, or
+    to a temporary folder."""
     if out_dir is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return ptxas_report(kernel_file, arch, Path(tmp))
-    log = nvcc_compile(kernel_file, arch, out_dir)
+            return ptxas_report(kernel_file, arch, Path(tmp), kernel_dir=kernel_dir)
+    log = nvcc_compile(kernel_file, arch, out_dir, kernel_dir=kernel_dir)
     entries = re.split(r"Compiling entry function '(\w+)'", log)[1:]
     kernels = {}
     for name, text in zip(entries[::2], entries[1::2]):

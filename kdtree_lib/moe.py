@@ -11,6 +11,8 @@ docs/moe-int4.md) or `DenseExperts` (bf16/fp32 stacks, as model.Experts holds th
   NumPy; torch bf16 inputs give torch's bf16 numerics, the baseline the kernel's error is held to);
 - "cupy": kernels/moe_int4.cu (bf16 tokens, INT4 experts), four launches, no host sync;
 - "auto": the kernel for bf16 CUDA inputs with INT4 experts where CuPy runs, else the reference.
+The kernel's plan (its gate_up and down configurations) comes from plan_moe's formula, or, once
+PLAN_FROM_ROWS is on, from the fastest plan bench.moe_int4 measured on this device (choose_plan).
 """
 from __future__ import annotations
 
@@ -404,6 +406,105 @@ def plan_moe(tokens: int, hidden: int, width: int, *, smem_per_block: int, tiles
     return MoePlan(pick(True, None, width), pick(False, split_down, hidden))
 
 
+# The plan chooser from measured rows (issue 31: the fastest configuration per (M, width) as measured, not a
+# formula that loses to its own alternatives). Off until a GPU run shows every plan it picks passes
+# tests/test_moe.py's GPU tests on that device; then set True (docs/kernel-notes.md, the MoE section).
+PLAN_FROM_ROWS = False
+
+
+@dataclass(frozen=True)
+class MeasuredPlans:
+    """The fastest measured plan per (device, hidden, width, M), read from bench.moe_int4's rows.
+
+    Per (device, hidden, width) only the newest run that measured that shape counts (an older run timed
+    older kernels). In it, each (routing, M) is one group of timed plans (the launcher's, the 99 KB one,
+    the token-tile variants; `bench.moe_int4.plan_rows`); a plan's score at M is the geometric mean over
+    the groups of its time over the group's fastest, counting only plans timed in every group at that M,
+    and the lowest score wins (a tie goes to the name first in order). `plan` answers for any M within
+    the measured range with the nearest measured M (in log2(M); a tie goes to the smaller M).
+    """
+    best: dict  # (device, hidden, width) -> {tokens: MoePlan}
+
+    @classmethod
+    def from_rows(cls, rows) -> "MeasuredPlans":
+        """From rows as results.read_rows gives them (every provider; the ones not timing a plan of
+        this layer's call, such as EP or torch, are left out)."""
+        from . import results
+        from .bench.moe_int4 import plan_rows
+        rows = plan_rows(rows)
+        best = {}
+        for key in sorted({(str(r["device"]), int(r["hidden"]), int(r["width"])) for r in rows}):
+            device, hidden, width = key
+            where = {"device": device, "hidden": hidden, "width": width}
+            newest = plan_rows(results.select(results.latest_run(rows, **where), **where))
+            times: dict = {}  # tokens -> routing -> plan -> seconds (the fastest of duplicate rows)
+            for r in newest:
+                plan = _parse_plan(r["plan"], hidden, width)
+                if plan is None:
+                    continue
+                group = times.setdefault(int(r["tokens"]), {}).setdefault(str(r["routing"]), {})
+                group[plan] = min(float(r["time_us"]), group.get(plan, math.inf))
+            for tokens, groups in times.items():
+                plan = _fastest(groups.values())
+                if plan is not None:
+                    best.setdefault(key, {})[tokens] = plan
+        return cls(best)
+
+    def plan(self, tokens: int, hidden: int, width: int, device: str) -> MoePlan | None:
+        """The fastest measured plan at the nearest measured M on `device`, or None where no row of this
+        shape and device exists or M lies outside the measured range."""
+        measured = self.best.get((str(device), int(hidden), int(width)))
+        if not measured or not min(measured) <= tokens <= max(measured):
+            return None
+        nearest = min(measured, key=lambda m: (abs(math.log2(m) - math.log2(tokens)), m))
+        return measured[nearest]
+
+
+def _fastest(groups) -> MoePlan | None:
+    """The plan with the lowest geometric-mean time over the groups' fastest, among those in every group."""
+    groups = [g for g in groups if g]
+    common = set.intersection(*(set(g) for g in groups)) if groups else set()
+    if not common:
+        return None
+    score = {plan: sum(math.log(g[plan] / min(g.values())) for g in groups) for plan in common}
+    return min(sorted(common, key=lambda plan: plan.name), key=score.get)
+
+
+def _parse_plan(name, hidden: int, width: int) -> MoePlan | None:
+    """The MoePlan a row's `plan` cell names, or None when it names no current configuration pair that
+    takes this shape (a row of an older kernel, or of another call)."""
+    gate_up, _, down = str(name or "").partition("+")
+    configs = GEMM_CONFIGS.get(gate_up), GEMM_CONFIGS.get(down)
+    if None in configs or not configs[0].gate_up or configs[1].gate_up:
+        return None
+    if width % configs[0].rows_per_cta or hidden % configs[1].rows_per_cta:
+        return None
+    return MoePlan(gate_up, down)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_plans() -> MeasuredPlans:
+    """MeasuredPlans of the committed rows (data/results/, whatever $KDTREE_RESULTS_DIR says: that sends
+    new rows elsewhere), read once a process."""
+    from . import results
+    from .bench.moe_int4 import TOPIC
+    from .paths import RESULTS_DIR
+    return MeasuredPlans.from_rows(results.read_rows(TOPIC, results_dir=RESULTS_DIR))
+
+
+def choose_plan(tokens: int, hidden: int, width: int, *, smem_per_block: int, device: str | None = None,
+                measured: MeasuredPlans | None = None, from_rows: bool | None = None) -> MoePlan:
+    """The plan a launch runs by default: with from_rows (default PLAN_FROM_ROWS), the fastest measured
+    plan for this device (`measured`, default the committed rows; `device`, default this GPU's name)
+    where one exists and fits its shared memory, else plan_moe's formula."""
+    if PLAN_FROM_ROWS if from_rows is None else from_rows:
+        plan = (measured or measured_plans()).plan(tokens, hidden, width, device or _device_name())
+        if plan is not None and max(GEMM_CONFIGS[plan.gate_up].smem_bytes,
+                                    GEMM_CONFIGS[plan.down].smem_bytes) <= smem_per_block:
+            return plan
+    return plan_moe(tokens, hidden, width, smem_per_block=smem_per_block)
+
+
 class MoeLaunch:
     """One prepared call: device views, work buffers and the four launches' arguments, built once so
     a call only enqueues (decode steps, benchmarks, CUDA graphs). Nothing here synchronises."""
@@ -462,7 +563,7 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
     if not routed:
         _check_values(routes, weights, experts)
     hidden, width, n_experts = experts.hidden, experts.width, experts.n_experts
-    plan = plan or plan_moe(tokens, hidden, width, smem_per_block=_device_smem_per_block())
+    plan = plan or choose_plan(tokens, hidden, width, smem_per_block=_device_smem_per_block())
     if out is None:
         out = torch.empty_like(x)
     check_array("out", out, dtypes="bfloat16", shape=(tokens, hidden))
@@ -517,6 +618,12 @@ def _function(name: str, device: int, smem_bytes: int = 0):
     if smem_bytes:
         function.max_dynamic_shared_size_bytes = smem_bytes
     return function
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name() -> str:
+    from .backend import device_name
+    return device_name()
 
 
 @functools.lru_cache(maxsize=None)

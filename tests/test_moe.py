@@ -9,8 +9,10 @@ GPU (`-m gpu`): the kernel against the dequantized fp32 reference at K2.6's per-
 the TP=8 slice), M from 1 to 4096 with ragged loads, outputs poisoned, error at most twice torch bf16's
 on the same dequantized weights; CUDA-graph replay equals eager bit for bit.
 """
+import functools
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -403,6 +405,213 @@ def test_correlated_routing_shrinks_the_union():
     assert len(torch.unique(correlated)) < len(torch.unique(uniform))
 
 
+def test_the_benchmark_covers_issue_31s_grid_in_one_command():
+    from kdtree_lib.bench import moe_int4 as bench
+    args = bench.parse_args([])
+    assert args.tokens == [1, 4, 8, 16, 32, 64, 128, 256, 512] and args.tp == [8, 1]
+    assert args.routing == ["uniform", "correlated"] and not args.ncu
+    assert bench.parse_args(["--quick"]).tokens == list(bench.QUICK_TOKENS)
+    assert bench.parse_args(["--tokens", "2", "3", "--routing", "correlated", "--tp", "8"]).tokens == [2, 3]
+    profiled = bench.parse_args(["--ncu"])
+    assert (profiled.tokens, profiled.routing, profiled.tp) == ([1, 8, 64, 512], ["uniform"], [8, 1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--tokens", "1"], "not allowed with"), (["--tokens", "0"], "positive integer"),
+    (["--tp", "2"], "invalid choice"), (["--routing", "zipf"], "invalid choice"),
+    (["--profile-target"], "--shapes-file"), ([], "CUDA")])
+def test_the_benchmark_refuses_in_one_line(argv, message, capsys, monkeypatch):
+    from kdtree_lib.bench import moe_int4 as bench
+    if not argv:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the grid needs a GPU
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_profile_refuses_without_ncu(capsys, monkeypatch):
+    from kdtree_lib.bench import moe_int4 as bench
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    assert bench.main(["--ncu"]) == 2
+    assert "ncu" in capsys.readouterr().err
+
+
+def test_the_ncu_command_profiles_the_moe_kernels_of_the_chosen_shapes(tmp_path):
+    from kdtree_lib.bench import moe_int4 as bench
+    command = bench.ncu_command("ncu", tmp_path / "r", tmp_path / "s.json", [8], [1, 64], ["uniform"])
+    text = " ".join(command)
+    assert "--profile-from-start off" in text and "--kernel-name regex:^moe_" in text
+    assert all(f"--section {section}" in text for section in bench.NCU_SECTIONS)
+    assert command[command.index("--metrics") + 1].split(",") == list(bench.NCU_METRICS)
+    target = command[command.index("-m"):]
+    assert target[:3] == ["-m", "kdtree_lib.bench.moe_int4", "--profile-target"]
+    args = bench.parse_args(target[2:])  # the target parses what the profile hands it
+    assert (args.tp, args.tokens, args.routing, args.shapes_file) == ([8], [1, 64], ["uniform"], tmp_path / "s.json")
+    assert bench.profile_shapes(args.tp, args.tokens, args.routing) == [(8, "uniform", 1), (8, "uniform", 64)]
+
+
+NCU_SHAPE = {"tp": 8, "routing": "uniform", "tokens": 8, "width": 256, "experts_hit": 61, "device": "GPU",
+             "plan": "moe_gate_up_t2_s8_tt1_d8+moe_down_t1_s1_tt1_d4", "gate_up_bytes": 61 * 2064384,
+             "down_bytes": 61 * 1032192, "weight_bytes": 61 * 3096576}
+
+
+def ncu_raw_csv(names=("moe_route", "moe_gate_up_t2_s8_tt1_d8", "moe_down_t1_s1_tt1_d4", "moe_combine")) -> str:
+    """A raw page as `ncu --import --csv --page raw --print-units base` prints it (header, units, kernels)."""
+    header = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum", "dram__bytes_read.sum",
+              "dram__bytes_write.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+              "lts__t_sector_hit_rate.pct", "sm__warps_active.avg.pct_of_peak_sustained_active",
+              "sm__maximum_warps_per_active_cycle_pct", "launch__registers_per_thread",
+              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"]
+    units = ["", "", "", "", "nsecond", "byte", "byte", "%", "%", "%", "%", "register/thread", "", "", "", ""]
+    lines = ["==PROF== Disconnected", ",".join(f'"{h}"' for h in header), ",".join(f'"{u}"' for u in units)]
+    for i, name in enumerate(names):
+        lines.append(",".join(f'"{v}"' for v in [i, f"{name}", "(1, 61, 1)", "(256, 1, 1)", "50,000", "125,000,000",
+                                                  "1,000,000", "60.5", "12.25", "11.9", "12.5", "128", "7.5",
+                                                  "0.25", "1.5", "1"]))
+    return "\n".join(lines) + "\n"
+
+
+def test_the_ncu_summary_reads_the_raw_page():
+    from kdtree_lib.bench import moe_int4 as bench
+    rows = bench.ncu_summary(ncu_raw_csv(), [NCU_SHAPE])
+    assert [r["kernel"] for r in rows] == ["moe_route", "moe_gate_up_t2_s8_tt1_d8", "moe_down_t1_s1_tt1_d4",
+                                            "moe_combine"]
+    gate_up = rows[1]
+    assert gate_up["duration_us"] == 50.0 and gate_up["dram_read_mb"] == 125.0 and gate_up["dram_write_mb"] == 1.0
+    assert gate_up["dram_tbps"] == 2.52  # 126 MB in 50 us
+    assert gate_up["expert_mb"] == round(61 * 2064384 / 1e6, 3) and rows[0]["expert_mb"] is None
+    assert (gate_up["l2_hit_pct"], gate_up["achieved_occupancy_pct"], gate_up["theoretical_occupancy_pct"]) == (
+        12.2, 11.9, 12.5)  # 12.25 rounds to even
+    assert gate_up["top_stalls"] == "long_scoreboard 7.50; wait 1.50; barrier 0.25"  # selected: no stall
+    with pytest.raises(ValueError, match="expected 8"):
+        bench.ncu_summary(ncu_raw_csv(), [NCU_SHAPE, NCU_SHAPE])
+    with pytest.raises(ValueError, match="expected 'moe_down_t1_s1_tt1_d4'"):
+        bench.ncu_summary(ncu_raw_csv(("moe_route", "moe_gate_up_t2_s8_tt1_d8", "moe_down_t2_s1_tt2_d4",
+                                       "moe_combine")), [NCU_SHAPE])
+
+
+FAKE_NCU = """#!{python}
+# ncu as the profile calls it: a profile run writes the report and (as the target would) the shapes;
+# --import prints the raw page.
+import sys
+from pathlib import Path
+args = sys.argv[1:]
+if "--import" in args:
+    sys.stdout.write(Path({raw!r}).read_text())
+else:
+    Path(args[args.index("--export") + 1] + ".ncu-rep").write_bytes(b"report")
+    Path(args[args.index("--shapes-file") + 1]).write_text({shapes!r})
+"""
+
+
+def test_the_profile_writes_its_report_raw_page_and_summary_without_overwriting(tmp_path, monkeypatch):
+    import json
+    import sys
+    from kdtree_lib.bench import moe_int4 as bench
+    (tmp_path / "raw.csv").write_text(ncu_raw_csv())
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    fake = tools / "ncu"
+    fake.write_text(FAKE_NCU.format(python=sys.executable, raw=str(tmp_path / "raw.csv"),
+                                    shapes=json.dumps([NCU_SHAPE])))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    results_dir = tmp_path / "results"
+    first = bench.profile([8], [8], ["uniform"], results_dir=results_dir, log=lambda *_: None)
+    second = bench.profile([8], [8], ["uniform"], results_dir=results_dir, log=lambda *_: None)
+    assert first != second and first.parent == second.parent == results_dir / "ncu"
+    names = sorted(p.name for p in (results_dir / "ncu").iterdir())
+    assert len(names) == 8 and not [n for n in names if "partial" in n or n.startswith(".")], names
+    for suffix in (".ncu-rep", ".raw.csv", ".summary.csv", ".shapes.json"):
+        assert Path(str(first).replace(".summary.csv", suffix)).is_file()
+    import csv
+    summary = list(csv.DictReader(first.open()))
+    assert len(summary) == 4 and summary[1]["dram_tbps"] == "2.52" and summary[1]["plan"] == NCU_SHAPE["plan"]
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the plan chooser from measured rows
+
+PLAN_A = "moe_gate_up_t2_s8_tt1_d8+moe_down_t1_s1_tt1_d4"  # token tiles 1
+PLAN_B = "moe_gate_up_t4_s8_tt2_d3+moe_down_t2_s1_tt2_d4"  # 2
+PLAN_C = "moe_gate_up_t4_s8_tt4_d2+moe_down_t2_s1_tt4_d4"  # 4
+
+
+def plan_row(tokens, plan, time_us, *, provider="kernel", routing="uniform", run="r2", device="GPU A",
+             width=256):
+    return {"device": device, "run": run, "date": run, "commit": "c", "hidden": 7168, "width": width,
+            "routing": routing, "tokens": tokens, "provider": provider, "plan": plan, "time_us": time_us}
+
+
+def test_the_chooser_takes_the_fastest_measured_plan_of_the_newest_run():
+    rows = [plan_row(64, PLAN_A, 100.0, run="r1"), plan_row(64, PLAN_C, 900.0, run="r1", provider="kernel_tt4"),
+            # the newest run: C fastest for uniform routing by 10%, A for correlated by 50%: A wins overall
+            plan_row(64, PLAN_C, 500.0), plan_row(64, PLAN_A, 550.0, provider="kernel_tt1"),
+            plan_row(64, PLAN_B, 700.0, provider="kernel_tt2"),
+            plan_row(64, PLAN_C, 300.0, routing="correlated"),
+            plan_row(64, PLAN_A, 200.0, routing="correlated", provider="kernel_tt1"),
+            plan_row(64, PLAN_B, 250.0, routing="correlated", provider="kernel_tt2"),
+            plan_row(64, PLAN_B, 10.0, provider="kernel_ep"),          # another call: not a candidate
+            plan_row(64, "moe_gate_up_gone+moe_down_gone", 1.0, provider="kernel_tt1"),  # an older kernel's
+            plan_row(1, PLAN_B, 40.0), plan_row(1, PLAN_A, 30.0, provider="kernel_tt1"),
+            plan_row(512, PLAN_B, 800.0), plan_row(512, PLAN_C, 900.0, provider="kernel_tt4"),
+            plan_row(64, PLAN_C, 1.0, device="GPU B")]
+    measured = moe.MeasuredPlans.from_rows([{k: str(v) for k, v in r.items()} for r in rows])  # as read from CSV
+    assert {m: p.name for m, p in measured.best[("GPU A", 7168, 256)].items()} == {1: PLAN_A, 64: PLAN_A, 512: PLAN_B}
+    assert measured.plan(64, 7168, 256, "GPU B").name == PLAN_C
+    nearest = {m: measured.plan(m, 7168, 256, "GPU A") for m in (1, 7, 8, 181, 182, 512, 513)}
+    assert nearest[1].name == nearest[7].name == PLAN_A  # 7: nearer 64 than 1 in log2
+    assert nearest[8].name == PLAN_A                     # 8 is as near 1 as 64 (3 octaves): the smaller M
+    assert nearest[181].name == PLAN_A and nearest[182].name == PLAN_B  # sqrt(64 * 512) = 181.02
+    assert nearest[512].name == PLAN_B and nearest[513] is None  # outside the measured range: the formula
+    assert measured.plan(64, 7168, 2048, "GPU A") is None and measured.plan(64, 7168, 256, "GPU C") is None
+
+
+def test_the_chooser_needs_a_plan_timed_in_every_routing():
+    rows = [plan_row(8, PLAN_A, 50.0), plan_row(8, PLAN_B, 40.0, routing="correlated")]
+    assert moe.MeasuredPlans.from_rows(rows).best == {}
+
+
+def test_choose_plan_falls_back_to_the_formula():
+    measured = moe.MeasuredPlans({("GPU A", 7168, 256): {64: moe.MoePlan(*PLAN_A.split("+")),
+                                                         512: moe.MoePlan(*PLAN_C.split("+"))}})
+    formula = moe.plan_moe(64, 7168, 256, smem_per_block=SM120_LIMITS)
+    assert formula.name == PLAN_C
+    choose = functools.partial(moe.choose_plan, hidden=7168, width=256, measured=measured)
+    assert choose(64, smem_per_block=SM120_LIMITS, device="GPU A", from_rows=True).name == PLAN_A
+    assert choose(64, smem_per_block=SM120_LIMITS, device="GPU A", from_rows=False) == formula
+    assert choose(64, smem_per_block=SM120_LIMITS, device="GPU B", from_rows=True) == formula
+    assert choose(4096, smem_per_block=SM120_LIMITS, device="GPU A", from_rows=True) == moe.plan_moe(
+        4096, 7168, 256, smem_per_block=SM120_LIMITS)  # past the measured M
+    small = 32 * 1024  # PLAN_C's gate_up reduces through 64 KB: the formula's plan for this block instead
+    assert choose(512, smem_per_block=small, device="GPU A", from_rows=True) == moe.plan_moe(
+        512, 7168, 256, smem_per_block=small) != moe.MoePlan(*PLAN_C.split("+"))
+
+
+def test_the_chosen_plans_are_no_slower_than_the_formulas_in_the_committed_rows():
+    """On the rows it chooses from, the chooser never picks a plan slower than the formula's (geometric
+    mean over routings), at every measured (device, width, M)."""
+    from kdtree_lib import results
+    from kdtree_lib.bench import moe_int4 as bench
+    from kdtree_lib.paths import RESULTS_DIR
+    rows = results.read_rows(bench.TOPIC, results_dir=RESULTS_DIR)
+    measured = moe.MeasuredPlans.from_rows(rows)
+    assert measured.best, "no committed MoE rows to choose from"
+    for (device, hidden, width), plans in measured.best.items():
+        newest = results.latest_run(bench.plan_rows(rows), device=device, hidden=hidden, width=width)
+        for tokens, chosen in plans.items():
+            formula = moe.plan_moe(tokens, hidden, width, smem_per_block=SM120_LIMITS)
+            at = [r for r in newest if r["tokens"] == tokens and r["width"] == width]
+            ratio = []
+            for routing in {r["routing"] for r in at}:
+                times = {r["plan"]: r["time_us"] for r in at if r["routing"] == routing}
+                ratio.append(times[chosen.name] / times[formula.name])
+            assert np.prod(ratio) <= 1.0, (device, width, tokens, chosen.name, formula.name, ratio)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: against the dequantized fp32 reference at K2.6's per-rank shapes
 
@@ -518,3 +727,58 @@ def test_auto_backend_runs_the_kernel_on_bf16_cuda_tokens():
     assert out.dtype == torch.bfloat16 and ref.dtype == torch.float32
     assert relative_error(out, ref) <= 2 * relative_error(moe.moe_forward(x, routes, weights, experts,
                                                                           backend="torch"), ref)
+
+
+@pytest.mark.gpu
+def test_every_plan_the_rows_choose_matches_the_reference(k26_experts):
+    """What moe.PLAN_FROM_ROWS would run on this device: each M measured in the committed rows for this
+    width, and one between each pair (the nearest-M choice), with the plan chosen for it."""
+    from kdtree_lib.backend import device_name
+    tp, experts = k26_experts
+    measured = moe.measured_plans()
+    points = sorted(measured.best.get((device_name(), experts.hidden, experts.width), {}))
+    if not points:
+        pytest.skip(f"no committed rows of {device_name()} at width {experts.width}")
+    for tokens in sorted(set(points) | {round((a * b) ** 0.5) for a, b in zip(points, points[1:])}):
+        plan = moe.choose_plan(tokens, experts.hidden, experts.width, smem_per_block=moe._device_smem_per_block(),
+                               measured=measured, from_rows=True)
+        _check_against_reference(experts, tokens, "uniform", SEED + tokens, plan=plan)
+
+
+@pytest.mark.gpu
+def test_the_grid_times_every_provider_and_stamps_the_plan(tmp_path):
+    from kdtree_lib.bench import moe_int4 as bench
+    rows = bench.run((8,), (1, 16), ("uniform",), reps=2, results_dir=tmp_path, log=print)
+    providers = {r["provider"] for r in rows}
+    assert {"kernel", "kernel_99kb", "torch_bf16", "roofline", "kernel_ep"} <= providers
+    for r in bench.plan_rows(rows):
+        gate_up, down = r["plan"].split("+")
+        assert gate_up in moe.GEMM_CONFIGS and down in moe.GEMM_CONFIGS and r["time_us"] > 0
+    assert all(r["plan_from_rows"] == moe.PLAN_FROM_ROWS for r in rows)
+    assert len(bench.results.read_rows(bench.TOPIC, results_dir=tmp_path)) == len(rows)
+
+
+@pytest.mark.gpu
+def test_the_profile_target_records_its_shapes(tmp_path):
+    import json
+    from kdtree_lib.bench import moe_int4 as bench
+    shapes_file = tmp_path / "shapes.json"
+    assert bench.main(["--profile-target", "--shapes-file", str(shapes_file), "--tp", "8", "--tokens", "1", "8"]) == 0
+    shapes = json.loads(shapes_file.read_text())
+    assert [(s["tp"], s["routing"], s["tokens"]) for s in shapes] == [(8, "uniform", 1), (8, "uniform", 8)]
+    assert shapes[0]["experts_hit"] == 8 and shapes[0]["gate_up_bytes"] + shapes[0]["down_bytes"] == shapes[0][
+        "weight_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("ncu") is None, reason="ncu (Nsight Compute) not installed")
+def test_the_ncu_profile_measures_each_kernel(tmp_path):
+    """The sections and metric names of NCU_SECTIONS / NCU_METRICS exist on this ncu and GPU."""
+    from kdtree_lib.bench import moe_int4 as bench
+    import csv
+    summary = bench.profile([8], [8], ["uniform"], results_dir=tmp_path)
+    rows = list(csv.DictReader(summary.open()))
+    assert [r["kernel"] for r in rows][::3] == ["moe_route", "moe_combine"] and len(rows) == 4
+    for r in rows[1:3]:  # gate_up and down: the passes over the experts
+        assert float(r["dram_tbps"]) > 0 and float(r["dram_read_mb"]) > 0 and r["l2_hit_pct"] != ""
+        assert float(r["achieved_occupancy_pct"]) > 0 and r["top_stalls"]

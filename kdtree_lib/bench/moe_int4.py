@@ -1,10 +1,14 @@
 """One MoE layer's routed experts at K2.6 shapes on one GPU: the INT4 kernel against torch's bf16
 grouped matmul and the roofline, per tokens M = B·N of a verify step.
 
-    python -m kdtree_lib.bench.moe_int4 [--quick] [--tp 1 8] [--reps 10]
+    python -m kdtree_lib.bench.moe_int4 [--quick | --tokens M ...] [--tp 1 8] [--routing ...] [--reps 10]
+    python -m kdtree_lib.bench.moe_int4 --ncu [--tp 8 1] [--tokens 1 8 64 512] [--routing uniform]
 
+The default is issue 31's whole grid in one command: M in TOKENS, uniform and correlated routing,
+the TP=8 slice (width 256) and TP=1 (width 2048), the roofline measured in the same run.
 Rows go to data/results/moe_int4.csv ($KDTREE_RESULTS_DIR overrides), one per (tp, routing, M,
-provider), with date, commit, device and every parameter. Providers, timed in the same run:
+provider), with date, commit, device, every parameter and the plan that ran (`plan`; `plan_from_rows`:
+whether moe.PLAN_FROM_ROWS chose the launcher's). Providers, timed in the same run:
 - `kernel`: the launcher's plan for this device;
 - `kernel_99kb`: the plan for 99 KB of shared memory per block (the sm_120 box's limit);
 - `kernel_tt1`, `kernel_tt2`, `kernel_tt4`: the plan forced to that many 8-token tiles per pass, where it
@@ -20,10 +24,35 @@ Routing: "uniform" (each token k distinct experts, uniform) or "correlated" (tok
 alike: 1 + (M − 1)(1 − c) independent expert sets shared among the tokens, projection's model of the
 union, with c = CORRELATION, an assumption until the stand-in router's fit is measured).
 Each call's time is timing.gpu_seconds (L2 flushed before each repeat).
+
+`--ncu` profiles the launcher's four kernels (route, gate_up, down, combine) of each chosen shape with
+Nsight Compute instead: `ncu` runs this module's `--profile-target` (each shape prepared and warmed up,
+then one call between cudaProfilerStart/Stop), collecting the sections NCU_SECTIONS and the metrics
+NCU_METRICS per kernel, i.e. per pass over the experts: achieved DRAM bandwidth ((dram__bytes_read.sum +
+dram__bytes_write.sum) / gpu__time_duration.sum, and dram__throughput.avg.pct_of_peak_sustained_elapsed),
+achieved and theoretical occupancy (sm__warps_active.avg.pct_of_peak_sustained_active,
+sm__maximum_warps_per_active_cycle_pct), the L2 hit rate (lts__t_sector_hit_rate.pct) and the stall
+reasons (WarpStateStats' smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio, the three
+largest named; `selected` is the issuing warp, not a stall). ncu flushes the caches before each replay
+pass and locks the clocks to base, so compare its bandwidths and percentages, not its microseconds, with
+the benchmark's rows. Written under the results folder's ncu/ as moe_int4-<run>.ncu-rep (the report),
+.raw.csv (`ncu --import ... --csv --page raw`), .shapes.json (the shapes in launch order) and
+.summary.csv (one row per kernel with its shape, plan and the numbers above).
 """
 from __future__ import annotations
 
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from .. import cli, moe, results
 from ..paths import K26_CONFIG
@@ -40,6 +69,15 @@ TARGET_TP = 8           # the targets are for the TP=8 slice (the box's)
 TARGET_MIN_TOKENS = 8   # >= 70% of the roofline from M = 8
 TARGET_PCT = 70.0
 SINGLE_TOKEN_SLACK = 1.5  # M = 1: within 1.5x of roofline + one empty launch
+NCU_TOKENS = QUICK_TOKENS  # --ncu's default shapes: these M, uniform routing, both TP widths
+NCU_ROUTINGS = ("uniform",)
+NCU_KERNELS = ("moe_route", "gate_up", "down", "moe_combine")  # one call's launches, in order (gemm: plan's name)
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats",
+                "SchedulerStats")
+NCU_METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+               "dram__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct",
+               "sm__warps_active.avg.pct_of_peak_sustained_active", "sm__maximum_warps_per_active_cycle_pct")
+NCU_STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 
 
 def make_routing(tokens: int, n_experts: int, top_k: int, kind: str, *, seed: int, device="cuda",
@@ -68,12 +106,21 @@ def torch_baseline(config, tp: int, device="cuda"):
     return experts
 
 
+def plan_rows(rows) -> list[dict]:
+    """The rows that time this layer's call (the TP slice) under the plan they name: the launcher's, the
+    99 KB plan and the token-tile variants; not EP, torch or the roofline. What moe.MeasuredPlans
+    chooses the launcher's plan from."""
+    providers = {"kernel", "kernel_99kb", *(f"kernel_tt{tiles}" for tiles in TOKEN_TILE_VARIANTS)}
+    return [r for r in rows if r.get("provider") in providers and r.get("plan")]
+
+
 def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, results_dir=None, log=print) -> list[dict]:
     """Time every provider on every (tp, routing, M), appending each tp's rows as it goes."""
     import torch
     from ..model.config import load_config
     config = load_config(K26_CONFIG)
     run_stamp = results.stamp()["date"]
+    started = time.perf_counter()
     bandwidth = ceilings.copy_bandwidth()
     floor = ceilings.launch_floor_seconds()
     log(f"copy {bandwidth / 1e12:.2f} TB/s, empty launch {floor * 1e6:.2f} us")
@@ -99,7 +146,8 @@ def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, results_di
                           "correlation": CORRELATION if routing == "correlated" else 0.0, "tokens": m,
                           "experts_hit": need["experts_hit"], "weight_bytes": need["weight_bytes"],
                           "activation_bytes": need["activation_bytes"], "bytes": n_bytes, "reps": reps,
-                          "copy_tbps": round(bandwidth / 1e12, 3), "launch_floor_us": round(floor * 1e6, 2)}
+                          "copy_tbps": round(bandwidth / 1e12, 3), "launch_floor_us": round(floor * 1e6, 2),
+                          "plan_from_rows": moe.PLAN_FROM_ROWS}
                 times = _time_providers(x, routes, weights, experts, baseline, ep_share, reps=reps)
                 times["roofline"] = (roofline, None, {})
                 for provider, (seconds, plan, extra) in times.items():
@@ -113,6 +161,7 @@ def run(tps=TPS, tokens=TOKENS, routings=ROUTINGS, *, reps: int = 10, results_di
         rows += tp_rows
         del experts, ep_share, baseline
         torch.cuda.empty_cache()
+        log(f"tp={tp} done, {time.perf_counter() - started:.0f} s since the start")
     return rows
 
 
@@ -147,6 +196,174 @@ def _time_providers(x, routes, weights, experts, baseline, ep_share, *, reps: in
                    "ep_rank_weight_bytes": need["weight_bytes"]}
         times["kernel_ep"] = (seconds, rank_launch.plan.name, slowest)
     return times
+
+
+# ----------------------------------------------------------------------------------------------
+# the Nsight Compute profile (--ncu)
+
+def profile_shapes(tps, tokens, routings) -> list[tuple[int, str, int]]:
+    """(tp, routing, M) in the order the profile target runs them (and ncu records their kernels)."""
+    return [(int(tp), str(routing), int(m)) for tp in tps for routing in routings for m in tokens]
+
+
+def profile_target(tps, tokens, routings, shapes_file: Path) -> list[dict]:
+    """What ncu runs: per shape the launcher's prepared call with the plan it picks for 99 KB of shared
+    memory per block (the box's, which the targets are for: moe.choose_plan), warmed up, then one call
+    between cudaProfilerStart and Stop. Writes the shapes, in order, with their plan and bytes to
+    shapes_file (JSON) for the summary."""
+    import torch
+    from ..backend import device_name
+    from ..model.config import load_config
+    config = load_config(K26_CONFIG)
+    shapes, experts, tp_of = [], None, None
+    for tp, routing, m in profile_shapes(tps, tokens, routings):
+        if tp != tp_of:
+            experts, tp_of = None, tp
+            torch.cuda.empty_cache()
+            experts = moe.random_experts(config.n_routed_experts, config.hidden_size,
+                                         config.moe_intermediate_size // tp, seed=tp, device="cuda")
+        routes, weights = make_routing(m, config.n_routed_experts, config.num_experts_per_tok, routing, seed=m)
+        x = torch.randn(m, config.hidden_size, device="cuda").to(torch.bfloat16)
+        plan = moe.choose_plan(m, experts.hidden, experts.width, smem_per_block=moe.SM120_SMEM_PER_BLOCK)
+        launch = moe.prepare_moe_launch(x, routes, weights, experts, plan=plan)
+        for _ in range(2):
+            launch()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        launch()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        need = moe.touched_bytes(routes, experts)
+        per_expert = {name: (getattr(experts, f"{name}_codes").nbytes + getattr(experts, f"{name}_scales").nbytes)
+                      // experts.n_experts for name in ("gate_up", "down")}
+        shapes.append({"tp": tp, "routing": routing, "tokens": m, "width": experts.width, "plan": plan.name,
+                       "experts_hit": need["experts_hit"], "weight_bytes": need["weight_bytes"],
+                       "gate_up_bytes": need["experts_hit"] * per_expert["gate_up"],
+                       "down_bytes": need["experts_hit"] * per_expert["down"], "device": device_name()})
+    _write_atomically(Path(shapes_file), json.dumps(shapes, indent=1))
+    return shapes
+
+
+def ncu_command(ncu: str, export: Path, shapes_file: Path, tps, tokens, routings) -> list[str]:
+    """The ncu command line of one profile: this module's --profile-target under ncu, only the range
+    between cudaProfilerStart/Stop, only the MoE's kernels, NCU_SECTIONS and NCU_METRICS."""
+    sections = [arg for section in NCU_SECTIONS for arg in ("--section", section)]
+    return [ncu, "--target-processes", "all", "--profile-from-start", "off", "--kernel-name", "regex:^moe_",
+            *sections, "--metrics", ",".join(NCU_METRICS), "--export", str(export),
+            sys.executable, "-m", __spec__.name, "--profile-target", "--shapes-file", str(shapes_file),
+            "--tp", *map(str, tps), "--tokens", *map(str, tokens), "--routing", *map(str, routings)]
+
+
+def profile(tps, tokens, routings, *, results_dir=None, log=print) -> Path:
+    """Run ncu over profile_target and write the report, its raw CSV and the summary (see the module's
+    docstring) under <results folder>/ncu/; returns the summary's path."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise cli.Refused("ncu (Nsight Compute's command line) is not on PATH")
+    folder = results.check_writable(results_dir) / "ncu"
+    folder.mkdir(parents=True, exist_ok=True)
+    base = folder / f"{TOPIC}-{results.new_run_id()}"
+    partial, shapes_file = Path(f"{base}.partial"), Path(f"{base}.shapes.json")
+    command = ncu_command(ncu, partial, shapes_file, tps, tokens, routings)
+    log(" ".join(command))
+    done = subprocess.run(command)
+    if done.returncode != 0:
+        raise cli.Refused(f"ncu exited with status {done.returncode} (its output is above)")
+    report = Path(f"{base}.ncu-rep")
+    Path(f"{partial}.ncu-rep").replace(report)  # a finished report only ever has the final name
+    raw = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw", "--print-units", "base"],
+                         capture_output=True, text=True)
+    if raw.returncode != 0:
+        raise cli.Refused(f"ncu --import {report} failed: {raw.stderr.strip()}")
+    _write_atomically(Path(f"{base}.raw.csv"), raw.stdout)
+    shapes = json.loads(shapes_file.read_text())
+    rows = ncu_summary(raw.stdout, shapes)
+    summary = Path(f"{base}.summary.csv")
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    _write_atomically(summary, text.getvalue())
+    for r in rows:
+        log(f"tp={r['tp']} {r['routing']} M={r['tokens']} {r['kernel']}: {r['duration_us']} us, DRAM "
+            f"{r['dram_tbps']} TB/s ({r['dram_pct_peak']}% of peak), L2 hit {r['l2_hit_pct']}%, occupancy "
+            f"{r['achieved_occupancy_pct']}/{r['theoretical_occupancy_pct']}%, stalls {r['top_stalls']}")
+    log(f"wrote {summary} (report {report.name})")
+    return summary
+
+
+def ncu_summary(raw_csv: str, shapes: list[dict]) -> list[dict]:
+    """One row per profiled kernel from `ncu --import --csv --page raw --print-units base` (a header, a
+    units row, then a row per kernel in launch order), matched to `shapes` (profile_target's, 4 kernels
+    each: NCU_KERNELS)."""
+    table = list(csv.reader(io.StringIO(raw_csv)))
+    table = [row for row in table if row and not row[0].startswith("==")]  # ncu's own ==PROF== lines
+    if len(table) < 2:
+        raise ValueError("raw_csv: expected a header, a units row and a row per kernel")
+    header, units, kernels = table[0], table[1], table[2:]
+    if len(kernels) != len(NCU_KERNELS) * len(shapes):
+        raise ValueError(f"raw_csv: {len(kernels)} kernels profiled, expected {len(NCU_KERNELS) * len(shapes)} "
+                         f"({len(NCU_KERNELS)} for each of the {len(shapes)} shapes)")
+    rows = []
+    for index, cells in enumerate(kernels):
+        shape, role = shapes[index // len(NCU_KERNELS)], NCU_KERNELS[index % len(NCU_KERNELS)]
+        value = {name: _ncu_value(cell, unit) for name, unit, cell in zip(header, units, cells)}
+        name = str(value.get("Kernel Name") or value.get("Function Name") or "").split("(")[0]
+        gate_up, down = shape["plan"].split("+")
+        expected = {"gate_up": gate_up, "down": down}.get(role, role)
+        if name != expected:
+            raise ValueError(f"raw_csv: kernel {index} is {name!r}, expected {expected!r} (shape {shape})")
+        seconds = value.get("gpu__time_duration.sum")
+        moved = (value.get("dram__bytes_read.sum") or 0) + (value.get("dram__bytes_write.sum") or 0)
+        stalls = sorted(((v, m[1]) for k, v in value.items()
+                         if (m := NCU_STALL.match(k)) and m[1] != "selected" and isinstance(v, float)), reverse=True)
+        needed = shape.get(f"{role}_bytes")
+        rows.append({"device": shape.get("device"), "tp": shape["tp"], "width": shape.get("width"),
+                     "routing": shape["routing"], "tokens": shape["tokens"], "experts_hit": shape["experts_hit"],
+                     "plan": shape["plan"], "kernel": name,
+                     "grid": value.get("Grid Size"), "block": value.get("Block Size"),
+                     "registers": value.get("launch__registers_per_thread"),
+                     "duration_us": _round(seconds, 1e6, 2),
+                     "dram_read_mb": _round(value.get("dram__bytes_read.sum"), 1e-6, 3),
+                     "dram_write_mb": _round(value.get("dram__bytes_write.sum"), 1e-6, 3),
+                     "expert_mb": _round(needed, 1e-6, 3),
+                     "dram_tbps": _round(moved / seconds if seconds else None, 1e-12, 3),
+                     "dram_pct_peak": _round(value.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"), 1, 1),
+                     "l2_hit_pct": _round(value.get("lts__t_sector_hit_rate.pct"), 1, 1),
+                     "achieved_occupancy_pct": _round(value.get("sm__warps_active.avg.pct_of_peak_sustained_active"),
+                                                      1, 1),
+                     "theoretical_occupancy_pct": _round(value.get("sm__maximum_warps_per_active_cycle_pct"), 1, 1),
+                     "top_stalls": "; ".join(f"{reason} {v:.2f}" for v, reason in stalls[:3])})
+    return rows
+
+
+_UNIT_SCALE = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+
+
+def _ncu_value(cell: str, unit: str):
+    """A raw-page cell as a float in base units (seconds, bytes, bytes/second; % and ratios as they are)
+    where it is a number, else the text."""
+    text = cell.strip()
+    if not re.fullmatch(r"-?[\d,]*\.?\d+(e[-+]?\d+)?", text):
+        return text
+    number = float(text.replace(",", ""))
+    head = unit.strip().split("/")[0]
+    for base in ("second", "byte"):
+        prefix = head[:-len(base)] if head.endswith(base) else None
+        if prefix in _UNIT_SCALE:
+            return number * _UNIT_SCALE[prefix]
+    return number
+
+
+def _round(value, scale: float, digits: int):
+    return None if value is None or isinstance(value, str) else round(value * scale, digits)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """path's text, written to a temporary name beside it and renamed: a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,15 +476,44 @@ def takeaway(rows, provider: str = "kernel") -> tuple[str, dict]:
     return "\n".join(lines), facts
 
 
-@cli.command
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; shapes default to the whole grid (TOKENS x ROUTINGS x TPS), with --ncu to NCU_TOKENS x
+    NCU_ROUTINGS x TPS."""
     parser = command_parser(__spec__.name, __doc__.splitlines()[0])
     parser.add_argument("--reps", type=cli.positive_int, default=10)
-    parser.add_argument("--quick", action="store_true", help=f"M in {QUICK_TOKENS} only")
+    shapes = parser.add_mutually_exclusive_group()
+    shapes.add_argument("--quick", action="store_true", help=f"M in {QUICK_TOKENS} only")
+    shapes.add_argument("--tokens", type=cli.positive_int, nargs="+", default=None, metavar="M",
+                        help=f"tokens per call (default {TOKENS}; with --ncu {NCU_TOKENS})")
     parser.add_argument("--tp", type=cli.positive_int, nargs="+", default=list(TPS), choices=(1, 8))
+    parser.add_argument("--routing", nargs="+", default=None, choices=ROUTINGS,
+                        help=f"default {ROUTINGS} (with --ncu {NCU_ROUTINGS})")
+    parser.add_argument("--ncu", action="store_true", help="profile the chosen shapes with Nsight Compute instead")
+    parser.add_argument("--profile-target", action="store_true", help=argparse.SUPPRESS)  # what --ncu runs
+    parser.add_argument("--shapes-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    profiling = args.ncu or args.profile_target
+    if args.tokens is None:
+        args.tokens = list(QUICK_TOKENS if args.quick else NCU_TOKENS if profiling else TOKENS)
+    if args.routing is None:
+        args.routing = list(NCU_ROUTINGS if profiling else ROUTINGS)
+    if args.profile_target and args.shapes_file is None:
+        parser.error("--profile-target needs --shapes-file")
+    return args
+
+
+@cli.command
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.ncu:
+        profile(args.tp, args.tokens, args.routing, results_dir=args.results_dir)
+        return 0
     cli.require_cuda(kernels=True)
-    run(args.tp, QUICK_TOKENS if args.quick else TOKENS, reps=args.reps, results_dir=args.results_dir)
+    if args.profile_target:
+        profile_target(args.tp, args.tokens, args.routing, args.shapes_file)
+        return 0
+    results.check_writable(args.results_dir, [TOPIC])
+    run(args.tp, args.tokens, args.routing, reps=args.reps, results_dir=args.results_dir)
     for provider in ("kernel", "kernel_99kb"):
         print(summary(results.latest_run(results.read_rows(TOPIC, results_dir=args.results_dir)), provider))
     return 0

@@ -239,7 +239,8 @@ def profile_target(tps, tokens, routings, shapes_file: Path) -> list[dict]:
         shapes.append({"tp": tp, "routing": routing, "tokens": m, "width": experts.width, "plan": plan.name,
                        "experts_hit": need["experts_hit"], "weight_bytes": need["weight_bytes"],
                        "gate_up_bytes": need["experts_hit"] * per_expert["gate_up"],
-                       "down_bytes": need["experts_hit"] * per_expert["down"], "device": device_name()})
+                       "down_bytes": need["experts_hit"] * per_expert["down"], "device": device_name(),
+                       "commit": results.git_commit()})
     _write_atomically(Path(shapes_file), json.dumps(shapes, indent=1))
     return shapes
 
@@ -318,7 +319,7 @@ def ncu_summary(raw_csv: str, shapes: list[dict]) -> list[dict]:
         stalls = sorted(((v, m[1]) for k, v in value.items()
                          if (m := NCU_STALL.match(k)) and m[1] != "selected" and isinstance(v, float)), reverse=True)
         needed = shape.get(f"{role}_bytes")
-        rows.append({"device": shape.get("device"), "tp": shape["tp"], "width": shape.get("width"),
+        rows.append({"device": shape.get("device"), "commit": shape.get("commit"), "tp": shape["tp"], "width": shape.get("width"),
                      "routing": shape["routing"], "tokens": shape["tokens"], "experts_hit": shape["experts_hit"],
                      "plan": shape["plan"], "kernel": name,
                      "grid": value.get("Grid Size"), "block": value.get("Block Size"),

@@ -1,10 +1,13 @@
-"""The kernel sources as the compilers see them (CPU only, no nvcc needed).
+"""The kernel sources as the compilers see them (CPU only; one test builds with nvcc where it is installed).
 
 CuPy's compile cache keys on the source text alone, so kdtree_lib.cuda.kernel_source folds a hash of
 the headers into it: every header a kernel file includes, directly or through another header, must
 be one that hash covers, or an edit to it would leave a stale cubin in the cache. NVRTC (run time)
 and nvcc (CI's compile checks) both find the headers by `-I kernels/` alone, so every include names a
-file in that folder. And the PTX wrappers several kernel files use live in common.cuh once.
+file in that folder. The PTX wrappers several kernel files use live in common.cuh once, and no helper,
+type or macro is defined in two kernel files. kdtree_lib.kernel_diff (every kernel's SASS and ptxas
+resources against a git commit's) reads cuobjdump's listing per kernel and tells a changed kernel from
+an unchanged one.
 """
 from __future__ import annotations
 

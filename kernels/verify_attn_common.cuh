@@ -158,7 +158,8 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
     weight[s] = fast_exp2((weight[s] - base) * kd_log2e());
     total += weight[s];
   }
-  total = kd_block_all_reduce<kMergeThreads / 32>(total, [](float a, float b) { return a + b; }, scratch);  // its barriers also publish `weight`
+  // its barriers also publish `weight`
+  total = kd_block_all_reduce<kMergeThreads / 32>(total, [](float a, float b) { return a + b; }, scratch);
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
   const u16* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;

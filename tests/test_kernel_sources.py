@@ -92,7 +92,8 @@ def test_the_word_typedefs_are_written_once_in_common(typedef):
 # One owner per helper: a device function, a type alias, a struct or a macro is defined in one kernels/
 # file. Namespace scope only (column 0): a function's local `using S = ...` is its own.
 DEFINITIONS = {
-    "function": re.compile(r"^(?:template\s*<[^\n]*>\s*)?(?:__host__\s+)?__device__\b[^(;{]*?\b(\w+)\s*\(", re.MULTILINE),
+    "function": re.compile(r"^(?:template\s*<[^\n]*>\s*)?(?:__host__\s+)?__device__\b[^(;{]*?\b(\w+)\s*\(",
+                           re.MULTILINE),
     "macro": re.compile(r"^\s*#\s*define\s+(\w+)", re.MULTILINE),
     "type": re.compile(r"^(?:template\s*<[^\n]*>\s*)?(?:struct|class|union)\s+(?:alignas\(\d+\)\s+)?(\w+)\s*[{:]"
                        r"|^typedef\b[^;]*?\b(\w+)\s*;|^using\s+(\w+)\s*=", re.MULTILINE),

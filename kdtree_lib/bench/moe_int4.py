@@ -319,8 +319,9 @@ def ncu_summary(raw_csv: str, shapes: list[dict]) -> list[dict]:
         stalls = sorted(((v, m[1]) for k, v in value.items()
                          if (m := NCU_STALL.match(k)) and m[1] != "selected" and isinstance(v, float)), reverse=True)
         needed = shape.get(f"{role}_bytes")
-        rows.append({"device": shape.get("device"), "commit": shape.get("commit"), "tp": shape["tp"], "width": shape.get("width"),
-                     "routing": shape["routing"], "tokens": shape["tokens"], "experts_hit": shape["experts_hit"],
+        rows.append({"device": shape.get("device"), "commit": shape.get("commit"), "tp": shape["tp"],
+                     "width": shape.get("width"), "routing": shape["routing"], "tokens": shape["tokens"],
+                     "experts_hit": shape["experts_hit"],
                      "plan": shape["plan"], "kernel": name,
                      "grid": value.get("Grid Size"), "block": value.get("Block Size"),
                      "registers": value.get("launch__registers_per_thread"),

@@ -69,19 +69,16 @@ __device__ __forceinline__ u64 kd_shfl_xor(u64 value, int offset) {
 }
 
 // The reduction of one value per thread over the block by `op` (associative and commutative: max,
-// min, an online-softmax merge), returned to every thread: a butterfly over each warp, then warp 0's
-// value combined with warps 1, 2, ... in order (every thread the same order: the same result bit for
-// bit). kWarps: the block's warps where the caller fixes them at compile time (the loop over them
-// unrolls), 0 to read blockDim.x. scratch: __shared__ T[32] (T[kWarps]), free again when this returns.
-template <int kWarps = 0, typename T, typename Op>
+// min, an online-softmax merge), returned to every thread. scratch: __shared__ T[32], free again
+// when this returns.
+template <typename T, typename Op>
 __device__ __forceinline__ T kd_block_all_reduce(T value, Op op, T* scratch) {
 #pragma unroll
     for (int offset = KD_WARP_SIZE / 2; offset > 0; offset >>= 1) value = op(value, kd_shfl_xor(value, offset));
     if (kd_lane() == 0) scratch[kd_warp()] = value;
     __syncthreads();
     T total = scratch[0];
-    const int warps = kWarps > 0 ? kWarps : (int)(blockDim.x / KD_WARP_SIZE);
-    for (int w = 1; w < warps; ++w) total = op(total, scratch[w]);
+    for (int w = 1; w < (int)(blockDim.x / KD_WARP_SIZE); ++w) total = op(total, scratch[w]);
     __syncthreads();
     return total;
 }

@@ -136,6 +136,21 @@ __device__ __forceinline__ void store_staged_rows(u16* dst, int count, int bytes
 constexpr int kMergeThreads = 256;
 constexpr int kMaxSplits = 1024;  // kdtree_lib.verify_attn.MAX_SPLITS
 
+__device__ __forceinline__ float block_reduce(float x, bool take_max, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float y = __shfl_xor_sync(KD_FULL_MASK, x, offset);
+    x = take_max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = take_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  return x;
+}
+
 template <bool kHalf>
 __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
                                           const float* __restrict__ partial_lse, u16* __restrict__ out,
@@ -151,15 +166,14 @@ __device__ __forceinline__ void merge_row(const u16* __restrict__ partial_out,
     weight[s] = partial_lse[(i64)s * total_rows + row];
     m = fmaxf(m, weight[s]);
   }
-  m = kd_block_all_reduce<kMergeThreads / 32>(m, [](float a, float b) { return fmaxf(a, b); }, scratch);
+  m = block_reduce(m, true, scratch);
   const float base = m == kd_neg_inf_f() ? 0.f : m;  // every split empty: O = 0, lse = -inf
   float total = 0.f;
   for (int s = tid; s < splits; s += kMergeThreads) {
     weight[s] = fast_exp2((weight[s] - base) * kd_log2e());
     total += weight[s];
   }
-  // its barriers also publish `weight`
-  total = kd_block_all_reduce<kMergeThreads / 32>(total, [](float a, float b) { return a + b; }, scratch);
+  total = block_reduce(total, false, scratch);  // its barriers also publish `weight`
   const float scale = total > 0.f ? 1.f / total : 0.f;
 
   const u16* src = partial_out + row * kLatent + quarter * 128 + 4 * lane;

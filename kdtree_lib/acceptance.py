@@ -382,16 +382,21 @@ class DepthStructure:
         return self.chain_tokens / self.chain_rounds
 
     @property
+    def gain_over_chain(self) -> float:
+        """The tree's tokens per round over the chain's (tree_mean − chain_mean)."""
+        return self.tree_mean - self.chain_mean
+
+    @property
     def sibling_share_of_gain(self) -> float:
-        """sibling_mean over the tree's gain over the chain (tree_mean − chain_mean): above 1 when the
-        tree's rank-0 prefix accepts less than the chain does (nodes spent on siblings that the chain
-        spends on deeper rank-0 drafts, as the stand-in shows at budgets 8 to 64)."""
-        gain = self.tree_mean - self.chain_mean
+        """sibling_mean over the tree's gain over the chain: above 1 when the tree's rank-0 prefix accepts
+        less than the chain does (nodes spent on siblings that the chain spends on deeper rank-0 drafts,
+        as the stand-in shows at budgets 8 to 64)."""
+        gain = self.gain_over_chain
         return self.sibling_mean / gain if gain > 0 else float("nan")
 
     def gain_line(self) -> str:
         """One line: the tree's tokens per round split, the chain's, and the siblings' share of the gain."""
-        gain = self.tree_mean - self.chain_mean
+        gain = self.gain_over_chain
         return (f"budget {self.budget}, {self.rounds} rounds: tokens per round {self.tree_mean:.3f} = 1 (root) + "
                 f"{self.prefix_mean:.3f} (all-rank-0 prefix) + {self.sibling_mean:.3f} (at or after the first sibling); "
                 f"chain of {self.chain_depth}: {self.chain_mean:.3f}; siblings give "

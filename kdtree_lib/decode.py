@@ -644,14 +644,14 @@ class Decoder:
     def run(self, prompts, *, max_new_tokens: int, stop_tokens=(), seed: int = 0, cuda_graph: bool = False,
             profile_stages: bool = False, sync_every: int = 4) -> DecodeResult:
         """reset, then the rounds to the end: a DecodeResult."""
-        start = _now(self.device)
+        start = device_clock(self.device)
         self.reset(prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, seed=seed)
-        prefill_end = _now(self.device)
+        prefill_end = device_clock(self.device)
         timer = StageTimer(self.device) if profile_stages else None
         rounds = 0
         for update in self.rounds(cuda_graph=cuda_graph, timer=timer, sync_every=sync_every):
             rounds = update.rounds
-        end = _now(self.device)
+        end = device_clock(self.device)
         return self._result(rounds, cuda_graph, prefill_seconds=prefill_end - start,
                             decode_seconds=end - prefill_end - self.capture_seconds,
                             capture_seconds=self.capture_seconds, stage_seconds=timer.totals() if timer else {})
@@ -677,7 +677,7 @@ class Decoder:
 
     def _capture(self) -> float:
         """Capture one step into a CUDA graph (nothing runs); returns the seconds it took."""
-        start = _now(self.device)
+        start = device_clock(self.device)
         graph = torch.cuda.CUDAGraph()
         if self.temperature > 0:  # the sampler's generator advances on every replay
             if not hasattr(graph, "register_generator_state"):
@@ -689,7 +689,7 @@ class Decoder:
         with torch.cuda.graph(graph, capture_error_mode="relaxed"):
             self.step()
         self.graph = graph
-        return _now(self.device) - start
+        return device_clock(self.device) - start
 
     def acceptance(self, rounds: int) -> list[np.ndarray]:
         """Per request, the tokens committed in each of its first `rounds` rounds (a read of the log)."""
@@ -834,7 +834,7 @@ def _no_timer(stage: str):
     yield
 
 
-def _now(device) -> float:
+def device_clock(device) -> float:
     """Wall clock after the device's queued work (a synchronisation outside the rounds)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from .. import cli, results
 from . import command_parser
 from ..contracts import MAX_BUDGET
-from ..decode import METHODS, generate, step_shape
+from ..decode import METHODS, device_clock, generate, step_shape
 from ..pairs import pair_with_prompts
 from ..serving.engine import Engine, EngineSettings, Job, Sampling
 
@@ -47,18 +47,11 @@ TARGET_RATIO = 0.9   # issue 30: the engine's tokens/s at concurrency 1 within 1
 UPDATE_WAIT_S = 600  # a hang guard on each engine update, far above any request's honest time
 
 
-def _now(device) -> float:
-    """Wall clock after the device's queued work."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def through_generate(target, drafter, prompt, *, method: str, budget: int, new_tokens: int):
     """(tokens, end-to-end seconds, decode-only seconds) of one request through generate."""
-    start = _now(target.device)
+    start = device_clock(target.device)
     result = generate(target, drafter, [prompt], method=method, budget=budget, max_new_tokens=new_tokens)
-    return result.tokens[0].tolist(), _now(target.device) - start, result.decode_seconds
+    return result.tokens[0].tolist(), device_clock(target.device) - start, result.decode_seconds
 
 
 def through_engine(engine: Engine, prompts, *, new_tokens: int) -> list[tuple[list[int], float]]:
@@ -164,8 +157,8 @@ def run(*, methods=("ddtree",), budgets=(8,), device: str = "cuda", new_tokens: 
     for (method, budget), wait in ((step, wait) for step in grid for wait in waits):
         row = measure(chosen.target, chosen.drafter, chosen.prompts, method=method, budget=budget,
                       new_tokens=new_tokens, repeats=repeats, batch_wait_s=wait, progress=progress)
-        row = {**row, "run": run_id, "pair": chosen.name, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": prompt_tokens,
-               "block_size": block_size}
+        row = {**row, "run": run_id, "pair": chosen.name, "dtype": str(dtype).removeprefix("torch."),
+               "prompt_tokens": prompt_tokens, "block_size": block_size}
         results.append_rows(TOPIC, [row], results_dir=results_dir)  # each as it is measured: a cut run keeps it
         rows.append(row)
         log(f"{method} budget {row['budget']}, batch wait {1e3 * wait:g} ms: generate {row['generate_tokens_per_second']:.1f} tok/s, engine "

@@ -93,7 +93,7 @@ class DepthSource:
         """How much of DDTree's gain over the chain comes from siblings at (or nearest) `budget`, with its source."""
         s = self.at(budget)
         where = f"budget {s.budget}" + (f" (the rows' nearest to {budget})" if s.budget != budget else "")
-        gain = s.tree_mean - s.chain_mean
+        gain = s.gain_over_chain
         share = (f"siblings give {s.sibling_share_of_gain:.0%} of DDTree's gain in tokens per round over the chain"
                  if gain > 0 else f"the tree accepts no more tokens per round than the chain ({gain:+.3f})")
         return (f"{self.name}, {where}: {share} (tree {s.tree_mean:.2f} = 1 + {s.prefix_mean:.2f} rank-0 prefix + "

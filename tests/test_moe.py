@@ -465,13 +465,26 @@ def ncu_raw_csv(names=("moe_route", "moe_gate_up_t2_s8_tt1_d8", "moe_down_t1_s1_
               "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
               "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"]
-    units = ["", "", "", "", "nsecond", "byte", "byte", "%", "%", "%", "%", "register/thread", "", "", "", ""]
+    units = ["", "", "", "", "ns", "byte", "byte", "%", "%", "%", "%", "register/thread", "", "", "", ""]
     lines = ["==PROF== Disconnected", ",".join(f'"{h}"' for h in header), ",".join(f'"{u}"' for u in units)]
     for i, name in enumerate(names):
         lines.append(",".join(f'"{v}"' for v in [i, f"{name}", "(1, 61, 1)", "(256, 1, 1)", "50,000", "125,000,000",
                                                   "1,000,000", "60.5", "12.25", "11.9", "12.5", "128", "7.5",
                                                   "0.25", "1.5", "1"]))
     return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("cell, unit, value", [
+    ("4,032", "ns", 4.032e-6), ("4,032", "nsecond", 4.032e-6), ("1.5", "us", 1.5e-6), ("2", "ms", 2e-3),
+    ("3", "s", 3.0), ("1,536", "byte", 1536.0), ("1.5", "Kbyte", 1500.0), ("2", "Gbyte/s", 2e9),
+    ("49.10", "%", 49.1), ("12", "register/thread", 12.0), ("128", "sector", 128.0), ("7", "%/byte", 7.0),
+    ("(1, 1, 1)", "", "(1, 1, 1)")])
+def test_an_ncu_cell_in_base_units(cell, unit, value):
+    """The units the H200's ncu printed on its raw page (2026-12-02: "ns", "byte", "byte/s", "%", ...): a
+    time in "ns" had been read as seconds, a million-fold too long."""
+    from kdtree_lib.bench import moe_int4 as bench
+    assert bench._ncu_value(cell, unit) == pytest.approx(value) if isinstance(value, float) else \
+        bench._ncu_value(cell, unit) == value
 
 
 def test_the_ncu_summary_reads_the_raw_page():

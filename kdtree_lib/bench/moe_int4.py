@@ -263,7 +263,8 @@ def profile(tps, tokens, routings, *, results_dir=None, log=print) -> Path:
         raise cli.Refused("ncu (Nsight Compute's command line) is not on PATH")
     folder = results.check_writable(results_dir) / "ncu"
     folder.mkdir(parents=True, exist_ok=True)
-    base = folder / f"{TOPIC}-{results.new_run_id()}"
+    # the run id without its colons: the report's files are copied between machines and file systems
+    base = folder / f"{TOPIC}-{results.new_run_id().replace(':', '')}"
     partial, shapes_file = Path(f"{base}.partial"), Path(f"{base}.shapes.json")
     command = ncu_command(ncu, partial, shapes_file, tps, tokens, routings)
     log(" ".join(command))
@@ -340,6 +341,9 @@ def ncu_summary(raw_csv: str, shapes: list[dict]) -> list[dict]:
 
 
 _UNIT_SCALE = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+# ncu prints times as "ns"/"us"/"ms"/"s" (some versions "nsecond"), sizes as "byte"/"Kbyte"/..., rates as
+# "<size>/s": the prefix, then the base unit
+_UNIT = re.compile(r"(?P<prefix>[numKMGT]?)(?P<base>second|s|byte)")
 
 
 def _ncu_value(cell: str, unit: str):
@@ -349,11 +353,11 @@ def _ncu_value(cell: str, unit: str):
     if not re.fullmatch(r"-?[\d,]*\.?\d+(e[-+]?\d+)?", text):
         return text
     number = float(text.replace(",", ""))
-    head = unit.strip().split("/")[0]
-    for base in ("second", "byte"):
-        prefix = head[:-len(base)] if head.endswith(base) else None
-        if prefix in _UNIT_SCALE:
-            return number * _UNIT_SCALE[prefix]
+    unit = unit.strip()
+    head, _, per = unit.partition("/")
+    if (m := _UNIT.fullmatch(head)) and (not per or m["base"] == "byte"):
+        # a rate's denominator is always plain seconds ("byte/s"), so only the numerator scales it
+        return number * _UNIT_SCALE[m["prefix"]]
     return number
 
 

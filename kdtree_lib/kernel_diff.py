@@ -85,7 +85,8 @@ def parse_sass(text: str) -> dict[str, Sass]:
 def sass(cubin: Path) -> dict[str, Sass]:
     done = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"cuobjdump failed on {cubin}:\n{done.stderr}")
+        # a missing nvdisasm (cuobjdump calls it for -sass) lands here: one line, no traceback
+        raise cli.Refused(f"cuobjdump failed on {cubin}: {' '.join(done.stderr.split())}")
     return parse_sass(done.stdout)
 
 

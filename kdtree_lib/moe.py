@@ -336,6 +336,8 @@ KERNEL_FILE = "moe_int4.cu"
 WARPS = 8
 ROUTE_THREADS = 1024          # moe_route: one CTA, one thread per local expert at most
 COMBINE_THREADS = 128
+COMBINE_COLUMNS = 8 * COMBINE_THREADS  # moe_combine: a CTA's columns of one token
+COMBINE_MAX_TOP_K = 16                 # moe_combine holds a token's slots in registers (kCombineMaxTopK)
 SM120_SMEM_PER_BLOCK = 99 * 1024  # the RTX PRO 6000 (sm_120): 99 KB of shared memory per block
 
 
@@ -546,6 +548,9 @@ def prepare_moe_launch(x, routes, weights, experts: Int4Experts, *, capacity: in
     from . import cuda
     torch = _torch()
     _check_args(x, routes, weights, experts, capacity)
+    if routes.shape[1] > COMBINE_MAX_TOP_K:
+        raise ValueError(f"routes: the cupy kernel takes at most {COMBINE_MAX_TOP_K} experts per token "
+                         f"(routes.shape[1]), got {routes.shape[1]}")
     if not isinstance(experts, Int4Experts):
         raise ValueError(f"experts: the cupy kernel takes Int4Experts, got {type(experts).__name__}")
     if framework(x) != "torch" or dtype_name(x) != "bfloat16" or not x.is_cuda:
@@ -605,7 +610,7 @@ def _moe_calls(keep: dict, plan: MoePlan) -> list:
         (_function(down.name, device, down.smem_bytes), (hidden // down.rows_per_cta, hit_slots), (32 * WARPS,),
          (cuda.pointer(experts.down_codes), cuda.pointer(experts.down_scales), p["h"], p["y"], p["meta"],
           i32(n_experts), p["sorted_token"], i32(width), i32(hidden)), down.smem_bytes),
-        (_function("moe_combine", device), (tokens,), (COMBINE_THREADS,),
+        (_function("moe_combine", device), (tokens, -(-hidden // COMBINE_COLUMNS)), (COMBINE_THREADS,),
          (p["y"], p["inverse"], p["weights"], p["out"], i32(hidden), i32(top_k)), 0),
     )]
 

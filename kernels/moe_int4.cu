@@ -40,8 +40,8 @@
 //                h = SiLU(gate)·up is written as bf16 [capacity, width] in expert order.
 //   moe_down     CTA = (hit expert, 8·16·T output rows); warps split the width when it is long (TP=1)
 //                or each own whole rows (the TP=8 slice, 256 inputs). y written bf16 [capacity, hidden].
-//   moe_combine  out[t] = Σ_s weight[t, s]·y[inverse[t, s]] in fp32, slots in order: deterministic, so
-//                graph replay equals eager bit for bit.
+//   moe_combine  CTA = (token, 8·128 columns): out[t] = Σ_s weight[t, s]·y[inverse[t, s]] in fp32, slots
+//                in order: deterministic, so graph replay equals eager bit for bit.
 // The grids cover min(experts, capacity) hit experts; CTAs past the number actually hit (read on the
 // device) return at once. Tokens beyond 8·TOKEN_TILES per expert take further passes over its weights.
 //
@@ -280,29 +280,43 @@ __device__ __forceinline__ void gemm_cta(const uint4* __restrict__ codes, const 
   }
 }
 
-// Weighted sum of each token's routed outputs (8 outputs a thread, 16-byte loads and stores).
+// Weighted sum of each token's routed outputs. A thread owns 8 outputs (16-byte loads and stores) and
+// issues all of its slots' loads before the first sum: one CTA per token looping over the columns had
+// each thread wait on top_k dependent loads per 8 columns (latency-bound: ~30 us at M = 1 under ncu for
+// 0.12 MB, docs/kernel-notes.md). The sums are the same fp32 operations in the same slot order.
+constexpr int kCombineMaxTopK = 16;  // kdtree_lib.moe.COMBINE_MAX_TOP_K, checked before the launch
+
 __device__ __forceinline__ void combine_token(const u16* __restrict__ y, const int* __restrict__ inverse,
                                               const float* __restrict__ weights, u16* __restrict__ out,
                                               int hidden, int top_k) {
   const int token = blockIdx.x;
-  for (int column = 8 * threadIdx.x; column < hidden; column += 8 * blockDim.x) {
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < top_k; ++s) {
-      const int position = inverse[token * top_k + s];
-      if (position < 0) continue;  // an expert of another rank
-      const float w = weights[token * top_k + s];
-      const uint4 v = *reinterpret_cast<const uint4*>(y + (i64)position * hidden + column);
-      const u32 pairs[4] = {v.x, v.y, v.z, v.w};
+  const int column = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
+  if (column >= hidden) return;
+  int position[kCombineMaxTopK];
+  float w[kCombineMaxTopK];
+  uint4 v[kCombineMaxTopK];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        sum[2 * q] += w * kd_unpack2<false>(pairs[q]).x;
-        sum[2 * q + 1] += w * kd_unpack2<false>(pairs[q]).y;
-      }
-    }
-    const uint4 packed = uint4{kd_pack2<false>(sum[0], sum[1]), kd_pack2<false>(sum[2], sum[3]),
-                               kd_pack2<false>(sum[4], sum[5]), kd_pack2<false>(sum[6], sum[7])};
-    *reinterpret_cast<uint4*>(out + (i64)token * hidden + column) = packed;
+  for (int s = 0; s < kCombineMaxTopK; ++s) {
+    position[s] = s < top_k ? inverse[token * top_k + s] : -1;  // -1: no slot, or an expert of another rank
+    w[s] = s < top_k ? weights[token * top_k + s] : 0.f;
   }
+#pragma unroll
+  for (int s = 0; s < kCombineMaxTopK; ++s)
+    if (position[s] >= 0) v[s] = *reinterpret_cast<const uint4*>(y + (i64)position[s] * hidden + column);
+  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int s = 0; s < kCombineMaxTopK; ++s) {
+    if (position[s] < 0) continue;
+    const u32 pairs[4] = {v[s].x, v[s].y, v[s].z, v[s].w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      sum[2 * q] += w[s] * kd_unpack2<false>(pairs[q]).x;
+      sum[2 * q + 1] += w[s] * kd_unpack2<false>(pairs[q]).y;
+    }
+  }
+  const uint4 packed = uint4{kd_pack2<false>(sum[0], sum[1]), kd_pack2<false>(sum[2], sum[3]),
+                             kd_pack2<false>(sum[4], sum[5]), kd_pack2<false>(sum[6], sum[7])};
+  *reinterpret_cast<uint4*>(out + (i64)token * hidden + column) = packed;
 }
 
 }  // namespace moe

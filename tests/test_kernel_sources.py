@@ -217,3 +217,15 @@ def test_an_edit_that_changes_a_kernel_is_found_and_one_that_does_not_is_not(tmp
     assert (sm90.arch, sm120.arch) == ("sm_90", "sm_120") and sm90.identical and sm120.identical and sm90.kernels == 3
     for result in kernel_diff.compare_dirs(base, edited, ["probes.cu"], jobs=1, progress=False):
         assert list(result.differences) == ["mma_sync_ceiling"], result.differences
+
+
+def test_a_failing_cuobjdump_is_one_line_refusal(tmp_path, monkeypatch):
+    """cuobjdump -sass exits non-zero without nvdisasm beside it: the command says so in one line (a
+    RuntimeError's traceback had come out of `kernel_diff --base`)."""
+    from kdtree_lib import cli, kernel_diff
+    fake = tmp_path / "cuobjdump"
+    fake.write_text("#!/bin/sh\necho \"cuobjdump fatal   : Could not find executable file 'nvdisasm'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(kernel_diff, "cuobjdump", lambda: str(fake))
+    with pytest.raises(cli.Refused, match="nvdisasm"):
+        kernel_diff.sass(tmp_path / "x.cubin")

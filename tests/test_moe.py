@@ -234,6 +234,16 @@ def test_capacity_too_small():
         moe.prepare_moe_launch(x, routes, weights, experts, capacity=3)
 
 
+def test_the_kernel_takes_at_most_16_experts_per_token():
+    """moe_combine holds a token's slots in registers: more is refused before anything is prepared."""
+    torch = pytest.importorskip("torch")
+    _, experts, x, routes, weights = _small_case()
+    wide = torch.as_tensor(routes)[:, :1].repeat(1, moe.COMBINE_MAX_TOP_K + 1)
+    wide_weights = torch.full(wide.shape, 1.0 / wide.shape[1])
+    with pytest.raises(ValueError, match="routes: the cupy kernel takes at most 16"):
+        moe.prepare_moe_launch(x, wide, wide_weights, experts, capacity=wide.numel())
+
+
 def test_the_kernel_takes_bf16_cuda_tokens():
     _, experts, x, routes, weights = _small_case()
     with pytest.raises(ValueError, match="x: the cupy kernel"):

@@ -211,8 +211,8 @@ def kernel_choice(dtype: str, dim: int, *, fused: bool) -> tuple[str, int]:
     that fit the row in MAX_THREADS threads, then the fewest whole warps that hold it."""
     vectors = dim // VALUES
     held = next(k for k in HELD if -(-vectors // k) <= MAX_THREADS)
-    per_thread = -(-vectors // held)
-    threads = 32 * -(-per_thread // 32)
+    needed = -(-vectors // held)  # threads that hold the row
+    threads = 32 * -(-needed // 32)
     prefix = "rms_norm_add" if fused else "rms_norm"
     return f"{prefix}_{KERNEL_DTYPES[dtype]}_held{held}", threads
 
@@ -222,7 +222,8 @@ def _prepared(kernel: str, device: int, rows: int, threads: int, dim: int, eps: 
     """One launch per (kernel, device, rows, row length, eps) and calling thread (a launch's parameter
     buffer is rewritten per call, so threads never share one); the buffers' slots are filled per call."""
     null, stride = np.uint64(0), np.int64(0)
-    scalars = (np.int32(dim), np.float32(1) / np.float32(dim), np.float32(eps))  # torch's mean: sum * fp32(1/dim)
+    # torch's CUDA mean multiplies the sum by fp32(rows / (rows * dim)): fp32(1/dim) below 2^24 elements
+    scalars = (np.int32(dim), np.float32(1) / np.float32(dim), np.float32(eps))
     if kernel.startswith("rms_norm_add"):
         args = (null, stride, null, stride, null) + scalars + (null, null)
     else:

@@ -331,6 +331,11 @@ def test_gpu_the_module_runs_the_kernel_outside_autograd_only():
         expected, expected_sum = rn.rms_norm_add(x, residual, norm.weight, 1e-6)
         assert torch.equal(normed, expected) and torch.equal(summed, expected_sum)
     assert torch.equal(norm(x), literal_formula(x, norm.weight, 1e-6))  # grad enabled, weight requires grad
+    norm.requires_grad_(False)
+    stream = residual.clone().requires_grad_(True)  # a gradient to the residual stream only: torch's ops
+    normed_grad, summed_grad = norm.add_forward(x, stream)
+    assert normed_grad.grad_fn is not None and summed_grad.grad_fn is not None
+    assert torch.equal(normed_grad, literal_formula(x + residual, norm.weight, 1e-6))
     check_norm(normed, summed, norm.weight.detach(), 1e-6, what=f"seed {seed} module")
 
 

@@ -69,15 +69,14 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x, residual):
         """(norm of s, s) for s = x + residual: the residual add a layer's norm reads, in the same launch."""
-        if self._kernel_runs(x) and residual.shape == x.shape and residual.dtype == x.dtype \
-                and kernel_takes(residual, self.weight):
+        if self._kernel_runs(x, residual) and residual.shape == x.shape and kernel_takes(residual, self.weight):
             return launch_norm(x, residual, self.weight, self.eps)
         return rms_norm_add_reference(x, residual, self.weight, self.eps)
 
-    def _kernel_runs(self, x) -> bool:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+    def _kernel_runs(self, *inputs) -> bool:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, self.weight)):
             return False  # the kernel has no backward
-        return x.is_cuda and kernel_takes(x, self.weight)
+        return inputs[0].is_cuda and kernel_takes(inputs[0], self.weight)
 
 
 # ----------------------------------------------------------------------------------------------

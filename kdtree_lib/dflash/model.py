@@ -179,8 +179,8 @@ class Layer(nn.Module):
 
     def forward(self, x, context_k, context_v, cos, sin, mask):
         attention = self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
-        x = x + self.tp.all_reduce(attention)
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        h, x = self.post_attention_layernorm.add_forward(self.tp.all_reduce(attention), x)  # x += attention
+        return x + self.tp.all_reduce(self.mlp(h))
 
 
 # ----------------------------------------------------------------------------------------------

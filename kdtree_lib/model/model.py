@@ -31,6 +31,7 @@ from torch import nn
 from .. import backend as _backend
 from ..checks import dtype_name
 from ..moe import Int4Experts, layout_shapes, moe_forward, prepare_moe_launch, repack
+from ..rms_norm import kernel_takes, launch_norm, rms_norm_add_reference, rms_norm_reference
 from ..tree_accept import compact_cache
 from ..contracts import Tree, pack_mask
 from ..verify_attn import (KERNEL_DTYPES, LATENT_DIM, ROPE_DIM, absorb_query, attend_latent, key_mask,
@@ -53,16 +54,29 @@ def linear(in_features: int, out_features: int, tp_dim: int | None = None) -> nn
 
 
 class RMSNorm(nn.Module):
+    """weight * normalised x (kdtree_lib.rms_norm's formula): one kernel launch for bf16/fp16 CUDA rows
+    outside autograd, torch's ops otherwise (CPU results are those ops' exactly)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if self._kernel_runs(x):
+            return launch_norm(x, None, self.weight, self.eps)[0]
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_forward(self, x, residual):
+        """(norm of s, s) for s = x + residual: the residual add a layer's norm reads, in the same launch."""
+        if self._kernel_runs(x, residual) and residual.shape == x.shape and kernel_takes(residual, self.weight):
+            return launch_norm(x, residual, self.weight, self.eps)
+        return rms_norm_add_reference(x, residual, self.weight, self.eps)
+
+    def _kernel_runs(self, *inputs) -> bool:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, self.weight)):
+            return False  # the kernel has no backward
+        return inputs[0].is_cuda and kernel_takes(inputs[0], self.weight)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,9 +481,8 @@ class Block(nn.Module):
         def attend(state):
             state["a"] = self.self_attn(state["h"], step, kv, path=path, backend=backend, layer=layer)
 
-        def add_attention(state):
-            state["r"] = state[given] + state["a"]
-            state["h"] = self.post_attention_layernorm(state["r"])
+        def add_attention(state):  # r = x + a, h = norm(r)
+            state["h"], state["r"] = self.post_attention_layernorm.add_forward(state["a"], state[given])
 
         def add_mlp(state):
             state[out] = state["r"] + state["m"].view_as(state["r"])

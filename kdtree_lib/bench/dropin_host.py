@@ -31,17 +31,29 @@ VOCAB = 163_840
 DEPTH = 7
 
 
+_BY_PARAMS: dict[int, cuda.PreparedLaunch] = {}  # kernelParams address -> its launch (for a recording stub)
+
+
 class _ProxyLaunch(cuda.PreparedLaunch):
-    """A PreparedLaunch on a CPU tensor's device (index None: device 0)."""
+    """A PreparedLaunch on a CPU tensor's device (index None: device 0), findable by its parameters."""
 
     __slots__ = ()
 
     def __init__(self, function, grid, block, args, *, device, **options):
         super().__init__(function, grid, block, args, device=device or 0, **options)
+        _BY_PARAMS[self.params.address] = self
 
 
 def _launch_kernel(ptr, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
     """cuLaunchKernel stubbed: its arguments are packed and handed over; nothing is enqueued."""
+
+
+def _recording(record: list):
+    """A cuLaunchKernel stub appending (kernel name, [each parameter slot as an int]) to `record`."""
+    def launch_kernel(ptr, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
+        launch = _BY_PARAMS[params]
+        record.append((launch.name, [int(value) for value in launch.params.slots[:len(launch.params)]]))
+    return launch_kernel
 
 
 def _device_index(x) -> int:
@@ -49,14 +61,16 @@ def _device_index(x) -> int:
 
 
 @contextlib.contextmanager
-def stubbed_driver():
-    """kdtree_lib.cuda's driver calls and CuPy-only helpers stubbed (restored on exit)."""
+def stubbed_driver(record: list | None = None):
+    """kdtree_lib.cuda's driver calls and CuPy-only helpers stubbed (restored on exit); with `record`,
+    every launch appends its kernel's name and parameter slots to it (tests)."""
     fake_cupy = types.ModuleType("cupy")
     fake_cupy.cuda = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())
     patches = [(cuda, "_bind", lambda function, device, shared_mem, name: (function, 0xF00, 7)),
-               (cuda, "_current_context", lambda: 7), (cuda, "_launch_kernel", _launch_kernel),
+               (cuda, "_current_context", lambda: 7),
+               (cuda, "_launch_kernel", _launch_kernel if record is None else _recording(record)),
                (cuda, "stream_pointer", lambda device: 0x5000), (cuda, "PreparedLaunch", _ProxyLaunch),
-               (cuda, "device_function", lambda file_name, kernel_name, device: kernel_name),
+               (cuda, "device_function", lambda file_name, kernel_name, device: types.SimpleNamespace(name=kernel_name)),
                (cuda, "device_index", _device_index), (draft_topk, "_multiprocessors", lambda device: 132),
                (draft_topk, "_backend", types.SimpleNamespace(resolve=lambda backend, *args, **kw: backend))]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -69,6 +83,7 @@ def stubbed_driver():
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+        _BY_PARAMS.clear()
         if saved_cupy is None:
             sys.modules.pop("cupy", None)
         else:

@@ -375,7 +375,7 @@ class GraphReplay:
     def __init__(self, build: PreparedBuild):
         import torch
         self.logits = torch.zeros(build.shape, dtype=torch.float32, device=build.device)
-        self.out = build.outputs((None,) * len(OUT_NAMES))
+        self.out = build.outputs(NO_BUFFERS)
         with torch.cuda.device(build.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -385,13 +385,19 @@ class GraphReplay:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, stream=side):
                 build.enqueue(self.logits, self.out)
-        self.static = self.out[:-1]  # `bad` is the build's own
+        self.static = self._integers(self.out)  # `bad` is the build's own
+
+    @staticmethod
+    def _integers(out: list) -> list:
+        """The int64 outputs (all but visibility and `bad`): one torch._foreach_copy_ takes them."""
+        return out[:3] + out[4:-1]
 
     def replay(self, draft_logits, out: list) -> None:
         import torch
         self.logits.copy_(draft_logits)
         self.graph.replay()
-        torch._foreach_copy_(out[:-1], self.static)
+        torch._foreach_copy_(self._integers(out), self.static)
+        out[3].copy_(self.out[3])
 
 
 _GRAPHED: OrderedDict = OrderedDict()  # id(PreparedBuild) -> PreparedBuild holding a graph, least recently used first
@@ -462,10 +468,10 @@ class PreparedCall:
     the knobs asked for, and the caller's last _out_* buffers with the views the kernel writes (a
     worker passes the same four every step; held, so no other tensor can take their addresses)."""
 
-    __slots__ = ("build", "same_device", "check_values", "graph", "_buffers")
+    __slots__ = ("build", "device", "same_device", "check_values", "graph", "_buffers")
 
-    def __init__(self, build: PreparedBuild, same_device: bool, knobs: Knobs):
-        self.build, self.same_device = build, same_device
+    def __init__(self, build: PreparedBuild, device, knobs: Knobs):
+        self.build, self.device, self.same_device = build, device, _same_device(build.bad, device)
         self.check_values, self.graph = knobs.check_values, knobs.graph
         self._buffers = None  # (buffers, their views, the signature of both)
 
@@ -485,7 +491,7 @@ class PreparedCall:
     def __call__(self, draft_logits, buffers: tuple, device) -> tuple:
         """build_ddtree_tree's answer (the tree and the sizes), recording the EAGLE arrays' hand-over."""
         build = self.build
-        views = (None,) * len(OUT_NAMES) if not self.same_device else self.in_place(buffers)
+        views = NO_BUFFERS if buffers is NO_BUFFERS or not self.same_device else self.in_place(buffers)
         out = build.outputs(views)
         graph = graph_of(build) if self.graph else None
         if graph is None:
@@ -498,8 +504,8 @@ class PreparedCall:
         if self.same_device:
             _HANDOVER[0] = _Handover(parents, sizes, (index, next_token, next_sibling), device)
         else:  # the EAGLE arrays stay on the logits' device: not handed over
-            tokens, depths, parents, visibility, sizes = (t.to(device) for t in (tokens, depths, parents, visibility,
-                                                                                  sizes))
+            tokens, depths, parents, visibility, sizes = (t.to(self.device) for t in (tokens, depths, parents,
+                                                                                       visibility, sizes))
             _HANDOVER[0] = None
         if any(buffer is not None and view is None for buffer, view in zip(buffers, views)):
             tokens, depths, parents, visibility = (
@@ -533,7 +539,7 @@ def _prepared_call(draft_logits, tree_budget, device) -> PreparedCall | None:
         return None
     key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, knobs.policy, knobs.topk)
     build = _prepared(key, lambda: PreparedBuild(draft_logits, budget, knobs.policy, knobs.topk))
-    call = PreparedCall(build, _same_device(draft_logits, parsed), knobs)
+    call = PreparedCall(build, parsed, knobs)
     try:
         call_key = _call_key(draft_logits, tree_budget, device)
         if len(_CALLS) >= PREPARED_LIMIT:
@@ -574,6 +580,7 @@ def _into(given, fresh, fill, name: str):
 OUT_NAMES = ("node_tokens", "node_depths", "parents", "visibility")  # build_ddtree_tree's _out_* buffers, in order
 OUT_ARGUMENTS = ("_out_node_token_ids", "_out_node_depths", "_out_parents", "_out_visibility")
 OUT_FILLS = (0, 0, -1, False)  # what SGLang fills their padding with
+NO_BUFFERS = (None,) * len(OUT_NAMES)
 
 
 def _in_place(given, shape, dtype, device):
@@ -598,7 +605,8 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
     other outputs are fresh tensors). Checks: the module's docstring; a call whose key (the logits'
     type, shape, dtype, device, the budget, the device argument, the knobs' text) passed them before
     goes straight to its PreparedCall."""
-    buffers = (_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility)
+    buffers = (NO_BUFFERS if _out_node_token_ids is None and _out_node_depths is None and _out_parents is None
+               and _out_visibility is None else (_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility))
     try:
         call = _CALLS.get(_call_key(draft_logits, tree_budget, device))
     except (AttributeError, TypeError):

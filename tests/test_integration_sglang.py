@@ -335,6 +335,13 @@ def test_the_stage_takeaway_states_each_target_and_where_the_time_goes():
     assert "host time per call 85.0 us, its calls in a CUDA graph 60.0 us" in text
     assert "its top-k 160.0 us, its build kernel 34.0 us" in text
     assert "1 of 2 budgets <= 64 within 20 us" in text and "budget 64 38.0 us (over by 18.0 us)" in text
+    assert "KDTREE_SGLANG_GRAPH" not in text  # no graphed rows in this run
+    rows += [dict(stage="tree_stage", depth=7, batch=1, budget=8, method="dropin_graphed", time_us=29.0),
+             dict(stage="tree_stage", depth=7, batch=1, budget=8, method="dropin_graphed_call", time_us=9.5)]
+    graphed = [line for line in stage_targets(rows) if line["what"] == "dropin_graphed"]
+    assert len(graphed) == 1 and graphed[0]["met"] and graphed[0]["host_us"] == 9.5
+    assert "KDTREE_SGLANG_GRAPH=1, same call, D=7): 1 of 1 targets met" in stage_takeaway(rows)
+    assert "host time per call 9.5 us" in stage_takeaway(rows)
 
 
 @pytest.mark.gpu
@@ -348,6 +355,9 @@ def test_the_benchmarks_drop_in_rows_name_the_top_k_it_ran(topk, monkeypatch):
     assert set(DROPIN_TOPK_METHODS) | {"dropin_kernel"} <= set(paths)
     assert all(paths[name] == TOPK_PATHS[topk] for name in DROPIN_TOPK_METHODS) and paths["dropin_kernel"] == "none"
     assert all(r["time_us"] > 0 for r in rows)
+    how = {r["method"]: r["dropin_path"] for r in rows}
+    assert how["dropin"] == how["dropin_call"] == "eager" and how["dropin_graphed"] == how["dropin_graphed_call"] == "graph"
+    assert how["kdtree"] == ""
 
 
 # ----------------------------------------------------------------------------------------------

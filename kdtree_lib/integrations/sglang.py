@@ -25,22 +25,37 @@ each other: two candidates' weights (at different depths, or exactly tied logits
 early-stop threshold; and of those only the comparisons that decide which nodes are taken (the last
 node taken against the first left out, a candidate against the threshold): the order in which two
 taken nodes pop changes nothing (each node's pushes are its own, and the breadth-first relabel orders
-a parent's children by rank, which is their pop order). tests/test_integration_sglang.py counts such differences on peaked, Zipf-like and
-drafter-like logits. Each shape (batch, depth, budget, vocab, dtype, device, knobs) is prepared once
-(`prepared_build`): the fused top-k and its buffers, the build, the outputs' layout; a later call
-costs its launches (one for the fused top-k, one for the build) and the allocation of what it returns
-fresh: the caller's _out_* buffers are written in place (SGLang's worker passes all four, so its call
-allocates only the sizes; the other outputs are fresh tensors, as SGLang returns them). The fused top-k's log-probabilities and ids live in
-the prepared launch's buffers, rewritten by the next call of that shape on the stream (calls of one
-shape are ordered on torch's current stream); it keeps no reference to any call's logits (a worker
-prepares a shape per batch size: each holding a logits tensor would hold gigabytes). The per-request child maps are built on
-the host only when a caller reads them. Nothing on this path reads a device value, except the value
-check below; it is capturable in a CUDA graph (the check is skipped while capturing).
+a parent's children by rank, which is their pop order). tests/test_integration_sglang.py counts such
+differences on peaked, Zipf-like and drafter-like logits.
+
+Per call: each call key (the logits' type, shape, dtype and device, the budget, the device argument, and
+the knobs' raw text, read from os.environ's own table) gets a PreparedCall the first time its checks
+pass; a later call with that key skips them (nothing they read can differ) and costs the key, the
+allocation of what it returns fresh (one torch.empty per output shape: the four [B, N] int64 outputs
+share one), its parameter writes (raw addresses; the logits' slot only when the address moved) and two
+launches (fused top-k, build). What it returns is the caller's to keep: no later call writes into it;
+the caller's _out_* buffers are written in place, as SGLang's are (SGLang's worker passes all four, so
+its call allocates only the sizes and the EAGLE arrays; a PreparedCall holds the last four it was
+handed, with their rows' views, so the same buffers next step cost no slicing). The shape's launches
+(`prepared_build`: the fused top-k and its buffers, the build, the outputs' layout) are shared by its
+keys. The fused top-k's log-probabilities and ids live in the prepared launch's buffers, rewritten by
+the next call of that shape (calls of one shape are ordered on torch's current stream); it keeps no
+reference to any call's logits (a worker prepares a shape per batch size: each holding a logits tensor
+would hold gigabytes). The per-request child maps are built on the host only when a caller reads them.
+Nothing on this path reads a device value, except the value check below; it is capturable in a CUDA
+graph (the check is skipped while capturing).
+
+KDTREE_SGLANG_GRAPH=1 (opt-in): the call copies its logits into a static float32 buffer and replays
+one CUDA graph of the top-k and the build (captured on a side stream at the shape's first such call,
+which synchronises once), then copies the outputs into its own (fresh, or the caller's buffers), so
+it returns what the eager call returns. Bounded: static logits at most GRAPH_LOGITS_BYTES (a larger
+batch runs eagerly), at most GRAPH_LIMIT graphs (the least recently used dropped). Inside a caller's
+own capture the launches run eagerly (into that capture).
 
 Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes,
 devices, the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
 SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1, KDTREE_SGLANG_TOPK fused
-or exact): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a row entirely
+or exact, KDTREE_SGLANG_GRAPH 0 or 1): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a row entirely
 -inf, make NaN log-probabilities on both top-k paths (torch's formula by arithmetic; the fused kernel
 flags the row on the device and writes it as NaN). The build kernel flags such a request and builds
 its root alone: by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step
@@ -283,6 +298,8 @@ class PreparedBuild:
                 self.fused = None
         self.topk_path = self.fused.path if self.fused is not None else "exact"
         self.float32 = draft_logits.dtype == torch.float32
+        if self.fused is not None:  # the fused top-k's own outputs: the build's draft, every call
+            self._fused_out = (self.fused.out.logp.data_ptr(), self.fused.out.ids.data_ptr())
         # links and index: the EAGLE arrays of build_eagle_tree_format(parents, sizes, budget + 1), handed
         # over without a launch when the caller passes this call's parents and sizes back unchanged
         self.launch = SGLangBuildLaunch(batch, depth, self.topk, budget, draft_logits.device.index, policy=policy,
@@ -359,8 +376,8 @@ class PreparedBuild:
             if not self.float32 or address % fused.alignment or not draft_logits.is_contiguous():
                 draft_logits = self._float32(draft_logits, fused.alignment)  # held until both launches are queued
                 address = draft_logits.data_ptr()
-            drafted = fused.launch_at(address)
-            logp_address, ids_address = drafted.logp.data_ptr(), drafted.ids.data_ptr()
+            fused.launch_at(address)
+            logp_address, ids_address = self._fused_out
         self.launch.launch_at(logp_address, ids_address, [t.data_ptr() for t in out])
 
 
@@ -503,6 +520,8 @@ class PreparedCall:
         tokens, depths, parents, visibility, sizes, next_token, next_sibling, index, _ = out
         if self.same_device:
             _HANDOVER[0] = _Handover(parents, sizes, (index, next_token, next_sibling), device)
+            if buffers is NO_BUFFERS:
+                return tokens, depths, parents, ChildMaps(tokens, parents, sizes), visibility, sizes
         else:  # the EAGLE arrays stay on the logits' device: not handed over
             tokens, depths, parents, visibility, sizes = (t.to(self.device) for t in (tokens, depths, parents,
                                                                                        visibility, sizes))

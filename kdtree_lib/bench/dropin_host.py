@@ -11,6 +11,9 @@ are the real code. It is a proxy: the driver's own launch cost (a few microsecon
 GPU host) is not in it, and this host's speed is not the GPU host's; compare revisions on one host.
 
     python -m kdtree_lib.bench.dropin_host [--rev REV] [--budgets 8,32,128] [--batch 1] [--out-buffers]
+
+(--rev loads that revision's drop-in module over this checkout's other modules; to measure a whole older
+revision, run this file from an export of it, as docs/kernel-notes.md's before figures were.)
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ import types
 from pathlib import Path
 
 from .. import cli, cuda, draft_topk
-from . import command_parser
 
 MODULE_PATH = "kdtree_lib/integrations/sglang.py"
 VOCAB = 163_840
@@ -70,7 +72,8 @@ def stubbed_driver(record: list | None = None):
                (cuda, "_current_context", lambda: 7),
                (cuda, "_launch_kernel", _launch_kernel if record is None else _recording(record)),
                (cuda, "stream_pointer", lambda device: 0x5000), (cuda, "PreparedLaunch", _ProxyLaunch),
-               (cuda, "device_function", lambda file_name, kernel_name, device: types.SimpleNamespace(name=kernel_name)),
+               (cuda, "device_function",
+                lambda file_name, kernel_name, device: types.SimpleNamespace(name=kernel_name)),
                (cuda, "device_index", _device_index), (draft_topk, "_multiprocessors", lambda device: 132),
                (draft_topk, "_backend", types.SimpleNamespace(resolve=lambda backend, *args, **kw: backend))]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -136,8 +139,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 @cli.command
 def main(argv=None) -> int:
-    parser = command_parser(__spec__.name, __doc__.split("\n\n")[0])
-    parser.add_argument("--rev", default=None, help="measure this git revision's drop-in (default: the checkout's)")
+    # no --results-dir: a CPU proxy writes no rows beside the GPU's (the notes quote its printout)
+    parser = cli.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", default=None, help="measure this git revision's kdtree_lib/integrations/sglang.py, "
+                        "with this checkout's other modules (default: the checkout's)")
     parser.add_argument("--budgets", type=_int_list, default=(8, 32, 128))
     parser.add_argument("--batch", type=cli.positive_int, default=1)
     parser.add_argument("--out-buffers", action="store_true", help="pass the four _out_* buffers, as the worker does")
@@ -147,9 +152,9 @@ def main(argv=None) -> int:
         module = proxy_module(module_source(args.rev))
         for budget in args.budgets:
             seconds = call_pair_seconds(module, args.batch, budget, out_buffers=args.out_buffers, number=args.number)
-            print(f"CPU proxy, {args.rev or 'checkout'}: B={args.batch} D={DEPTH} budget={budget:4d} "
-                  f"{'_out_* buffers' if args.out_buffers else 'fresh outputs'}: {seconds * 1e6:7.2f} us per warm call pair",
-                  flush=True)
+            outputs = "_out_* buffers" if args.out_buffers else "fresh outputs"
+            print(f"CPU proxy, {args.rev or 'checkout'}: B={args.batch} D={DEPTH} budget={budget:4d} {outputs}: "
+                  f"{seconds * 1e6:7.2f} us per warm call pair", flush=True)
     return 0
 
 

@@ -567,11 +567,12 @@ def stage_takeaway(rows: list[dict]) -> str:
                     f"{len(dropin)} targets met")
         for line in dropin:
             verdict = "met" if line["met"] else f"MISSED by {line['target'] / line['ratio']:.1f}x"
-            where = (f"host time per call {_us(line['host_us'])} us, its calls in a CUDA graph {_us(line['graph_us'])} us"
-                     if line["batch"] == 1 else
+            where = (f"host time per call {_us(line['host_us'])} us, its calls in a CUDA graph "
+                     f"{_us(line['graph_us'])} us" if line["batch"] == 1 else
                      f"its top-k {_us(line['topk_us'])} us, its build kernel {_us(line['kernel_us'])} us")
             text.append(f"  B={line['batch']:2d} budget {line['budget']:3d}: {line['time_us']:.1f} vs "
-                        f"{line['sglang_us']:.1f} us = {line['ratio']}x (target {line['target']:.0f}x: {verdict}); {where}")
+                        f"{line['sglang_us']:.1f} us = {line['ratio']}x (target {line['target']:.0f}x: {verdict}); "
+                        f"{where}")
     if graph:
         text.append(f"kdtree's stage in a CUDA graph (fused top-k), B=1 D=7: {sum(l['met'] for l in graph)} of "
                     f"{len(graph)} budgets <= 64 within {STAGE_GRAPH_TARGET_US:.0f} us: " + ", ".join(

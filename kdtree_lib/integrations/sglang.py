@@ -52,19 +52,18 @@ it returns what the eager call returns. Bounded: static logits at most GRAPH_LOG
 batch runs eagerly), at most GRAPH_LIMIT graphs (the least recently used dropped). Inside a caller's
 own capture the launches run eagerly (into that capture).
 
-Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes,
-devices, the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
-SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1, KDTREE_SGLANG_TOPK fused
-or exact, KDTREE_SGLANG_GRAPH 0 or 1): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a row entirely
--inf, make NaN log-probabilities on both top-k paths (torch's formula by arithmetic; the fused kernel
-flags the row on the device and writes it as NaN). The build kernel flags such a request and builds
-its root alone: by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step
-keeps no host synchronisation, and a flagged request gets a root-only tree (no speculation for it;
-verification still commits the target's own token, so the output stays exact). With
-KDTREE_SGLANG_CHECK_VALUES=1 the call reads that flag after the launches (one host synchronisation)
-and raises a ValueError naming draft_logits: for debugging a worker, not for serving. On the CPU
-the build is kdtree's host reference (tree_build.build_tree, policy "sglang") on torch's exact
-top-k, values checked first.
+Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes, devices,
+the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
+SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1, KDTREE_SGLANG_TOPK fused or
+exact, KDTREE_SGLANG_GRAPH 0 or 1): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a
+row entirely -inf, make NaN log-probabilities on both top-k paths (torch's formula by arithmetic; the fused
+kernel flags the row on the device and writes it as NaN). The build kernel flags such a request and builds its
+root alone: by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step keeps no host
+synchronisation, and a flagged request gets a root-only tree (no speculation for it; verification still
+commits the target's own token, so the output stays exact). With KDTREE_SGLANG_CHECK_VALUES=1 the call reads
+that flag after the launches (one host synchronisation) and raises a ValueError naming draft_logits: for
+debugging a worker, not for serving. On the CPU the build is kdtree's host reference (tree_build.build_tree,
+policy "sglang") on torch's exact top-k, values checked first.
 
 `install()` patches SGLang's module (and every loaded module that imported these functions by name);
 `python -m kdtree_lib.integrations.sglang install|uninstall|status --site-packages DIR` makes every

@@ -470,7 +470,11 @@ def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int
 def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
     """The prepared build for these logits' shape, budget and the knobs now (checked), made once: the
     one build_ddtree_tree(draft_logits, tree_budget, draft_logits.device) runs."""
-    call = _prepared_call(draft_logits, tree_budget, draft_logits.device)
+    try:
+        call = _CALLS.get(_call_key(draft_logits, tree_budget, draft_logits.device))
+    except (AttributeError, TypeError):
+        call = None
+    call = call or _prepared_call(draft_logits, tree_budget, draft_logits.device)
     if call is None:
         raise ValueError(f"draft_logits: the kernel build needs a CUDA tensor, got device {draft_logits.device}")
     return call.build

@@ -127,6 +127,7 @@ def knob_text() -> tuple:
 
 
 class Knobs(NamedTuple):
+    """What the knobs' text means (_knobs_from)."""
     policy: SGLangPolicy
     check_values: bool  # KDTREE_SGLANG_CHECK_VALUES=1: read the bad-row flags back (one synchronisation)
     topk: str           # KDTREE_SGLANG_TOPK: "fused" or "exact"

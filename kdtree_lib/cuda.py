@@ -305,6 +305,12 @@ class KernelParams:
         """Parameter `index` as packed (a NumPy scalar of its type)."""
         return self._views[index][0]
 
+    def set_addresses(self, first: int, addresses) -> None:
+        """Rewrite parameters first, first + 1, ... with `addresses` (device addresses as Python ints, e.g.
+        data_ptr(); 0 for none) in one NumPy assignment. For pointer parameters (np.uint64) only, which
+        this does not check: it is a per-call path, and the owner knows its kernel's layout."""
+        self.slots[first:first + len(addresses)] = addresses
+
 
 class PreparedLaunch:
     """One kernel launch prepared once: function, grid, block, dynamic shared memory and packed
@@ -339,6 +345,10 @@ class PreparedLaunch:
 
     def set(self, index: int, value) -> None:
         self.params.set(index, value)
+
+    def set_addresses(self, first: int, addresses) -> None:
+        """KernelParams.set_addresses: consecutive pointer parameters from Python ints, unchecked."""
+        self.params.set_addresses(first, addresses)
 
     def __call__(self) -> None:
         if self._empty:

@@ -143,6 +143,7 @@ class TopKLaunch(_PreparedTopK):
         vectorized = vocab % 4 == 0 and int(cuda.pointer(logits)) % 16 == 0  # float4 loads need aligned rows
         self.alignment = 16 if vectorized else 4  # bytes: what launch_over needs of another buffer
         self._shape_dtype = (tuple(logits.shape), str(logits.dtype))
+        self._address = int(cuda.pointer(logits))  # the logits' parameter now (launch_at moves it)
         suffix = "vec4" if vectorized else "vec1"
         self.status = _device_zeros(logits, (1,))
         self.chunks = chunks or slice_chunks(rows, vocab, _multiprocessors(device))  # chunks: a study's override
@@ -196,8 +197,17 @@ class TopKLaunch(_PreparedTopK):
                 or cuda.device_index(logits) != self._device or address % self.alignment):
             raise ValueError(f"logits: expected a C-contiguous {logits_dtype} buffer of shape {logits_shape} on the "
                              f"launch's device, {self.alignment}-byte aligned, got {tuple(logits.shape)} {logits.dtype}")
-        if self._launches:
-            self._launches[0].set(0, address)  # v1's and v3's first parameter is the logits
+        return self.launch_at(address)
+
+    def launch_at(self, address: int) -> DraftTopK:
+        """launch_over for a caller that has checked the buffer itself (a prepared per-call path: its
+        shape, dtype and device are its key's): `address` (data_ptr()) must be that of a C-contiguous
+        float32 buffer of the prepared shape on the launch's device, a multiple of `alignment`. The
+        logits' parameter is rewritten only when the address moved; no reference is kept."""
+        if address != self._address:
+            if self._launches:
+                self._launches[0].set_addresses(0, (address,))  # v1's and v3's first parameter is the logits
+            self._address = address
         self.logits = self._signature = None
         return self._enqueue()
 

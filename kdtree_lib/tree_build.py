@@ -394,6 +394,7 @@ class SGLangBuildLaunch:
              np.float64(math.log(max(budget, 1))), np.float64(margin), np.int32(stop)) + (null,) * len(SGLANG_OUTPUTS),
             device=device)
         self._first_output = len(self._launch.params) - len(SGLANG_OUTPUTS)
+        self._draft = (0, 0)  # the draft's addresses in the parameters now
 
     def allocate(self, like) -> dict:
         """Uninitialised outputs on the device of `like` (the kernel writes every element)."""
@@ -411,13 +412,21 @@ class SGLangBuildLaunch:
         return {name: torch.empty(shape, dtype=dtype, device=like.device) for name, (shape, dtype) in spec.items()}
 
     def __call__(self, logp, ids, out: dict) -> dict:
-        launch = self._launch
-        launch.set(0, cuda.pointer(logp))
-        launch.set(1, cuda.pointer(ids))
-        for slot, name in enumerate(SGLANG_OUTPUTS, self._first_output):
-            launch.set(slot, cuda.pointer(out[name]) if name in out else 0)
-        launch()
+        self.launch_at(logp.data_ptr(), ids.data_ptr(),
+                       [out[name].data_ptr() if name in out else 0 for name in SGLANG_OUTPUTS])
         return out
+
+    def launch_at(self, logp: int, ids: int, outputs) -> None:
+        """Enqueue the build over device addresses (Python ints, data_ptr()): the draft's, then the
+        outputs' in SGLANG_OUTPUTS order (0 for one not written). A per-call path: the caller vouches
+        for the buffers (dtype, shape, contiguity, device); the draft's parameters are rewritten only
+        when they moved (a prepared top-k writes into the same buffers every call)."""
+        launch = self._launch
+        if logp != self._draft[0] or ids != self._draft[1]:
+            launch.set_addresses(0, (logp, ids))
+            self._draft = (logp, ids)
+        launch.set_addresses(self._first_output, outputs)
+        launch()
 
 
 class EagleFormatLaunch:

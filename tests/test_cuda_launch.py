@@ -64,6 +64,13 @@ def test_set_rewrites_one_slot_in_place():
         params.set(0, -1)     # a pointer is never negative
 
 
+def test_set_addresses_rewrites_consecutive_pointer_slots_in_place():
+    params = cuda.KernelParams((np.int32(4), np.uint64(1), np.uint64(2), np.uint64(3)), name="k")
+    address = params.address
+    params.set_addresses(1, [0xAB00, 0, 2**63 + 8])
+    assert params.address == address and read_params(params.address, params.types) == [4, 0xAB00, 0, 2**63 + 8]
+
+
 @pytest.mark.parametrize("bad", [3, 2.0, True, np.int16(1), np.bool_(True), np.zeros(2, np.int32), None, "x"])
 def test_a_value_without_a_packed_type_is_refused_naming_kernel_and_argument(bad):
     with pytest.raises(TypeError, match=r"my_kernel: argument 1: expected a NumPy scalar of int32/.*got"):
@@ -192,6 +199,12 @@ def test_sglang_build_and_eagle_format_point_each_call_at_its_own_buffers(driver
         assert values[14:] == [out[name].data_ptr() if name in out else 0 for name in tree_build.SGLANG_OUTPUTS]
         assert values[14 + tree_build.SGLANG_OUTPUTS.index("next_token")] == 0  # links=False: not written
     assert driver.launches[-1][0][1:4] == (2, 1, 1)
+    out = build.allocate(logp)
+    addresses = [out[name].data_ptr() if name in out else 0 for name in tree_build.SGLANG_OUTPUTS]
+    build.launch_at(0xAB00, 0xCD00, addresses)  # the draft moved
+    build.launch_at(0xAB00, 0xCD00, addresses[::-1])  # the same draft, other outputs
+    assert [values[:2] for _, _, values in driver.launches[-2:]] == [[0xAB00, 0xCD00]] * 2
+    assert driver.launches[-1][2][14:] == addresses[::-1]
     eagle = tree_build.EagleFormatLaunch(2, 9, 9, 0)
     driver.kinds = [t.type for t in eagle._launch.params.types]
     parents, sizes = torch.zeros(2, 9, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)

@@ -335,6 +335,13 @@ def test_the_stage_takeaway_states_each_target_and_where_the_time_goes():
     assert "host time per call 85.0 us, its calls in a CUDA graph 60.0 us" in text
     assert "its top-k 160.0 us, its build kernel 34.0 us" in text
     assert "1 of 2 budgets <= 64 within 20 us" in text and "budget 64 38.0 us (over by 18.0 us)" in text
+    assert "KDTREE_SGLANG_GRAPH" not in text  # no graphed rows in this run
+    rows += [dict(stage="tree_stage", depth=7, batch=1, budget=8, method="dropin_graphed", time_us=29.0),
+             dict(stage="tree_stage", depth=7, batch=1, budget=8, method="dropin_graphed_call", time_us=9.5)]
+    graphed = [line for line in stage_targets(rows) if line["what"] == "dropin_graphed"]
+    assert len(graphed) == 1 and graphed[0]["met"] and graphed[0]["host_us"] == 9.5
+    assert "KDTREE_SGLANG_GRAPH=1, same call, D=7): 1 of 1 targets met" in stage_takeaway(rows)
+    assert "host time per call 9.5 us" in stage_takeaway(rows)
 
 
 @pytest.mark.gpu
@@ -348,6 +355,10 @@ def test_the_benchmarks_drop_in_rows_name_the_top_k_it_ran(topk, monkeypatch):
     assert set(DROPIN_TOPK_METHODS) | {"dropin_kernel"} <= set(paths)
     assert all(paths[name] == TOPK_PATHS[topk] for name in DROPIN_TOPK_METHODS) and paths["dropin_kernel"] == "none"
     assert all(r["time_us"] > 0 for r in rows)
+    how = {r["method"]: r["dropin_path"] for r in rows}
+    assert how["dropin"] == how["dropin_call"] == "eager"
+    assert how["dropin_graphed"] == how["dropin_graphed_call"] == "graph"
+    assert how["kdtree"] == ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,6 +514,118 @@ def test_pth_patches_a_new_process_of_that_environment(tmp_path, flavour):
     after = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, env=env,
                            cwd=tmp_path)
     assert after.returncode != 0 or after.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------------------------
+# the prepared call's per-call path (CPU: the module's GPU path on CPU tensors, the driver stubbed and
+# every launch's parameters recorded, as bench.dropin_host measures it)
+
+@pytest.fixture
+def proxy():
+    """(the drop-in's module with its GPU path taking CPU tensors, the launches recorded: (kernel, slots))."""
+    from kdtree_lib.bench import dropin_host
+    launches = []
+    with dropin_host.stubbed_driver(launches):
+        yield dropin_host.proxy_module(dropin_host.module_source(None)), launches
+
+
+def recorded(launches, kernel: str) -> list:
+    return [slots for name, slots in launches if name == kernel]
+
+
+def build_outputs(slots) -> dict:
+    """The build launch's output addresses by name (SGLANG_OUTPUTS order, after its other parameters)."""
+    from kdtree_lib.tree_build import SGLANG_OUTPUTS
+    return dict(zip(SGLANG_OUTPUTS, slots[len(slots) - len(SGLANG_OUTPUTS):]))
+
+
+def memory_range(tensor) -> range:
+    return range(tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size())
+
+
+def test_a_warm_call_points_its_launches_at_this_calls_logits_and_outputs(proxy):
+    module, launches = proxy
+    first, second = torch.randn(1, 7, 5000), torch.randn(1, 7, 5000)  # another address, as the worker's next step
+    kept = module.build_ddtree_tree(first, 32, first.device)
+    module.build_ddtree_tree(second, 32, first.device)
+    again = module.build_ddtree_tree(first, 32, first.device)
+    topk = recorded(launches, "draft_topk_fused_vec4")
+    assert [slots[0] for slots in topk] == [first.data_ptr(), second.data_ptr(), first.data_ptr()]
+    builds = recorded(launches, "build_tree_sglang")
+    assert len(builds) == 3 and len(module._CALLS) == 1
+    logp = builds[0][0]
+    for slots, returned in ((builds[0], kept), (builds[2], again)):
+        written = build_outputs(slots)
+        assert slots[0] == logp  # the prepared top-k's own buffers: never moved
+        for name, tensor in zip(("node_tokens", "node_depths", "parents", "visibility", "sizes"),
+                                returned[:3] + returned[4:]):
+            assert written[name] == tensor.data_ptr(), name
+    # the first call's outputs, still held, are no later call's outputs
+    held = [memory_range(t) for t in kept[:3] + kept[4:]]
+    for slots in builds[1:]:
+        for name, address in build_outputs(slots).items():
+            assert name == "bad" or not any(address in r for r in held), name
+
+
+def test_a_changed_knob_between_calls_takes_effect_and_is_checked_first(proxy, monkeypatch):
+    module, launches = proxy
+    logits = torch.randn(2, 7, 3000)
+    module.build_ddtree_tree(logits, 32, logits.device)
+    monkeypatch.setenv("SGLANG_DDTREE_MAX_TOPK", "3")
+    module.build_ddtree_tree(logits, 32, logits.device)
+    widths = [slots[2] for slots in recorded(launches, "draft_topk_fused_vec4")]  # the top-k's k
+    assert widths == [5, 3] and len(module._CALLS) == 2  # min(SGLANG_DDTREE_MAX_TOPK, 32 // 7 + 1)
+    for knob, value in (("SGLANG_DDTREE_MAX_TOPK", "abc"), ("KDTREE_SGLANG_TOPK", "fast"), (module.GRAPH_ENV, "2")):
+        monkeypatch.setenv(knob, value)
+        count = len(launches)
+        with pytest.raises(ValueError, match=f"^{knob}: expected"):
+            module.build_ddtree_tree(logits, 32, logits.device)
+        assert len(launches) == count, "refused before any launch"
+        monkeypatch.delenv(knob)
+    module.build_ddtree_tree(logits, 32, logits.device)  # the defaults again: the first call's key
+    assert recorded(launches, "draft_topk_fused_vec4")[-1][2] == 5 and len(module._CALLS) == 2
+
+
+def test_a_warm_key_still_refuses_bad_input_before_any_launch(proxy):
+    module, launches = proxy
+    logits = torch.randn(1, 7, 3000)
+    module.build_ddtree_tree(logits, 16, logits.device)
+    count = len(launches)
+    for args, match in (((logits.long(), 16), "draft_logits: expected dtype"), ((logits, True), "tree_budget"),
+                        ((logits, 1025), "tree_budget: at most"), ((logits[0], 16), "draft_logits: expected 3"),
+                        ((logits.numpy(), 16), "draft_logits: expected a torch.Tensor")):
+        with pytest.raises(ValueError, match=match):
+            module.build_ddtree_tree(*args, logits.device)
+    with pytest.raises(ValueError, match="device: expected a torch device"):
+        module.build_ddtree_tree(logits, 16, "nonsense")
+    assert len(launches) == count
+
+
+def test_the_workers_buffers_are_written_in_place_call_after_call(proxy):
+    module, launches = proxy
+    logits = torch.randn(3, 7, 3000)
+    buffers = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long),
+               torch.zeros(8, 33, dtype=torch.long), torch.zeros(8, 33, 33, dtype=torch.bool))
+    trees = [module.build_ddtree_tree(logits, 32, logits.device, *buffers) for _ in range(2)]
+    other = tuple(b.clone() for b in buffers)  # the worker's buffers replaced
+    trees.append(module.build_ddtree_tree(logits, 32, logits.device, *other))
+    for tree, given, slots in zip(trees, (buffers, buffers, other), recorded(launches, "build_tree_sglang")):
+        written = build_outputs(slots)
+        for name, returned, buffer in zip(module.OUT_NAMES, tree[:3] + tree[4:5], given):
+            assert returned.data_ptr() == buffer.data_ptr() == written[name] and returned.shape[0] == 3, name
+    assert trees[1][2] is trees[0][2]  # the same rows of the same buffers
+    eagle = module.build_eagle_tree_format(trees[2][2], trees[2][5], 33, logits.device)
+    assert [t.data_ptr() for t in eagle] == [build_outputs(recorded(launches, "build_tree_sglang")[-1])[name]
+                                             for name in ("retrive_index", "next_token", "next_sibling")]
+    assert not recorded(launches, "eagle_tree_format"), "handed over: no launch"
+
+
+def test_the_host_proxy_runs_and_refuses_by_flag(capsys):
+    from kdtree_lib.bench import dropin_host
+    assert dropin_host.main(["--budgets", "8", "--number", "2", "--out-buffers"]) == 0
+    assert "CPU proxy, checkout: B=1 D=7 budget=   8 _out_* buffers:" in capsys.readouterr().out
+    assert dropin_host.main(["--budgets", "8,0"]) == 2
+    assert "argument --budgets: expected a positive integer, got '0'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -675,6 +798,91 @@ def test_the_drop_in_never_synchronizes_by_default(topk, monkeypatch):
         assert name == "child_maps" or torch.equal(a, b), name
 
 
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+def test_an_earlier_calls_outputs_survive_later_calls(topk, monkeypatch):
+    """The caller may keep what a call returned: later calls of the same key (other logits, another
+    address) never write into it."""
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
+    styles = ("peaked", "flat", "repeated")
+    logits = [draft_logits(style, 3, 7, 5000, seed=20 + i).cuda() for i, style in enumerate(styles)]
+    kept = []
+    for x in logits:
+        tree = dropin.build_ddtree_tree(x, 32, x.device)
+        kept.append((tree, dropin.build_eagle_tree_format(tree[2], tree[5], 33, x.device)))
+    torch.cuda.synchronize()
+    for x, (tree, eagle), style in zip(logits, kept, styles):
+        want = dropin.build_ddtree_tree(x.cpu(), 32, "cpu")
+        assert_same_outputs([t.cpu() if isinstance(t, torch.Tensor) else t for t in tree], want, style)
+        for a, b in zip(eagle, dropin.build_eagle_tree_format(want[2], want[5], 33, "cpu")):
+            assert torch.equal(a.cpu(), b), style
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("topk", dropin.TOPK_CHOICES)
+@pytest.mark.parametrize("budget", [7, 32, 128])
+@pytest.mark.parametrize("given", [False, True])
+def test_graph_replay_equals_the_eager_call(topk, budget, given, monkeypatch):
+    """KDTREE_SGLANG_GRAPH=1: the call copies the logits into the graph's static buffer and replays;
+    every output (and the EAGLE arrays handed over) equals the eager call's, on several logits in a
+    row (bf16 and non-contiguous ones too), and what an earlier call returned is not rewritten."""
+    monkeypatch.setenv(dropin.TOPK_ENV, topk)
+    nodes = budget + 1
+    buffers = (torch.zeros(6, budget, dtype=torch.long, device="cuda"),
+               torch.zeros(6, budget, dtype=torch.long, device="cuda"),
+               torch.zeros(6, nodes, dtype=torch.long, device="cuda"),
+               torch.zeros(6, nodes, nodes, dtype=torch.bool, device="cuda")) if given else ()
+    wide = draft_logits("peaked", 4, 7, 5001, seed=31).cuda()
+    inputs = [draft_logits("peaked", 4, 7, 5000, seed=30).cuda(), draft_logits("flat", 4, 7, 5000, seed=32).cuda(),
+              wide[..., 1:], draft_logits("peaked", 4, 7, 5000, seed=33).cuda().bfloat16()]
+
+    def step(x):
+        tree = dropin.build_ddtree_tree(x, budget, x.device, *buffers)
+        return tree, dropin.build_eagle_tree_format(tree[2], tree[5], nodes, x.device)
+
+    def copied(tree, eagle):  # the buffers are rewritten by the next call
+        return [t.clone() if isinstance(t, torch.Tensor) else list(t) for t in tree], [t.clone() for t in eagle]
+
+    eager = [copied(*step(x)) for x in inputs]
+    monkeypatch.setenv(dropin.GRAPH_ENV, "1")
+    returned, graphed = [], []
+    for x in inputs:
+        returned.append(step(x))
+        graphed.append(copied(*returned[-1]))
+    build = dropin.prepared_build(inputs[0], budget)
+    assert build.graph is not None, "the float32 shape was captured"
+    for (want_tree, want_eagle), (tree, eagle), x in zip(eager, graphed, inputs):
+        assert_same_outputs(tree, want_tree, f"graph {x.dtype} contiguous={x.is_contiguous()}")
+        for a, b in zip(eagle, want_eagle):
+            assert torch.equal(a, b)
+    if not given:  # fresh outputs: the first call's are still its own
+        assert_same_outputs(returned[0][0], eager[0][0], "kept")
+        assert all(torch.equal(a, b) for a, b in zip(returned[0][1], eager[0][1]))
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphs_are_bounded(monkeypatch):
+    """At most GRAPH_LIMIT graphs (the least recently used dropped), and logits above
+    GRAPH_LOGITS_BYTES run eagerly; both still equal the eager call."""
+    monkeypatch.setenv(dropin.GRAPH_ENV, "1")
+    monkeypatch.setattr(dropin, "GRAPH_LIMIT", 2)
+    logits = draft_logits("peaked", 2, 7, 3000, seed=40).cuda()
+    builds = []
+    for budget in (16, 24, 32):
+        dropin.build_ddtree_tree(logits, budget, logits.device)
+        builds.append(dropin.prepared_build(logits, budget))
+    assert builds[0].graph is None and builds[1].graph is not None and builds[2].graph is not None
+    assert len(dropin._GRAPHED) <= 2
+    monkeypatch.setattr(dropin, "GRAPH_LOGITS_BYTES", logits.numel() * 4 - 1)
+    big = dropin.build_ddtree_tree(logits, 40, logits.device)
+    assert dropin.prepared_build(logits, 40).graph is None
+    monkeypatch.setenv(dropin.GRAPH_ENV, "0")
+    assert_same_outputs(big, dropin.build_ddtree_tree(logits, 40, logits.device), "eager above the bound")
+
+
 def recording_torch_ops():
     """A torch dispatch mode that records the name of every torch operation run under it (`.ops`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -695,8 +903,7 @@ def recording_torch_ops():
 @cuda
 def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
     """The worker's call (fused top-k, its four _out_* buffers), warm: the torch operations it
-    dispatches are the buffers' first rows and the allocation of the sizes and the EAGLE arrays; the
-    work is the two launches."""
+    dispatches are the allocation of the sizes and the EAGLE arrays; the work is the two launches."""
     monkeypatch.setenv(dropin.TOPK_ENV, "fused")
     logits = draft_logits("peaked", 8, 7, 5000, seed=3).cuda()
     buffers = (torch.zeros(16, 32, dtype=torch.long, device="cuda"), torch.zeros(16, 32, dtype=torch.long, device="cuda"),
@@ -706,7 +913,9 @@ def test_a_warm_fused_call_runs_no_torch_operation_but_its_sizes(monkeypatch):
     with recording_torch_ops() as recording:
         got = dropin.build_ddtree_tree(logits, 32, logits.device, *buffers)
     print("torch operations of a warm fused call:", recording.ops)
-    assert sorted(recording.ops) == ["empty"] * 4 + ["slice"] * 4, recording.ops
+    # the sizes' empty, and one empty for the three EAGLE arrays ([3, B, N], unbound); the buffers' rows
+    # are the last call's views (same buffers)
+    assert sorted(recording.ops) == ["empty", "empty", "unbind"], recording.ops
     for name, a, b in zip(OUTPUTS, got, want):
         assert name == "child_maps" or torch.equal(a, b), name
 

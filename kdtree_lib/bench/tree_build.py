@@ -40,17 +40,22 @@ build_tree; "kdtree_graph" its prepared launches (exact top-k, build) replayed i
 "kdtree_graph_fused" the same with the fused top-k; and the drop-in's parts: "dropin_topk" (its top-k on
 the device: the prepared build's own, the fused kernel or torch's exact formula), "dropin_kernel" (its
 build kernel, in a CUDA graph), "dropin_call" (the host time per eager call of its two calls: what the
-worker's Python pays, launches enqueued, not waited for), "dropin_graph" (its two calls in a CUDA graph);
-on a CPU "dropin_host_build" (the host build). The drop-in's rows ("dropin", "dropin_topk",
-"dropin_call", "dropin_graph") carry the top-k path its prepared build ran (`topk_path`: fused_v3, or
-exact with KDTREE_SGLANG_TOPK=exact, above width 128, or on a CPU). Each path is called once before it
-is timed (compilation, prepared shapes).
+worker's Python pays, launches enqueued, not waited for), "dropin_graph" (its two calls captured by the
+benchmark in a CUDA graph); "dropin_graphed" (wall, synchronised) and "dropin_graphed_call" (host time per
+call) the same two calls with KDTREE_SGLANG_GRAPH=1, the drop-in replaying its own graph (logits copied in,
+outputs copied out); on a CPU "dropin_host_build" (the host build). The drop-in's rows carry the top-k path
+its prepared build ran (`topk_path`: fused_v3, or exact with KDTREE_SGLANG_TOPK=exact, above width 128, or
+on a CPU) and how it ran its calls (`dropin_path`: eager, or graph for the dropin_graphed rows; empty on
+the other methods' rows). Each path is called once before it is timed (compilation, prepared shapes, the
+graph's capture).
 
     python -m kdtree_lib.bench.tree_build [--quick] [--only build,topk,stage] [--sglang-utils PATH]
                                           [--results-dir DIR]
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +81,37 @@ STAGE_TOPK_PATHS = {"sglang": "sglang", "dropin_copy": "none", "dropin_host_buil
                     "kdtree_graph_fused": "fused_v3"}
 # the tree_stage methods that run the drop-in's own top-k: labelled by the path its prepared build ran
 # (fused_v3, or exact: KDTREE_SGLANG_TOPK=exact, a width above 128, or the host path on a CPU)
-DROPIN_TOPK_METHODS = ("dropin", "dropin_topk", "dropin_call", "dropin_graph")
+DROPIN_TOPK_METHODS = ("dropin", "dropin_topk", "dropin_call", "dropin_graph", "dropin_graphed", "dropin_graphed_call")
+# how the drop-in's rows ran its calls (`dropin_path`): eagerly (its launches, each call) or replaying its own
+# CUDA graph (KDTREE_SGLANG_GRAPH=1: the logits copied into the graph's buffer, one replay, the outputs copied out;
+# "eager" on a dropin_graphed row whose logits exceed the graph's bound, integrations.sglang.GRAPH_LOGITS_BYTES)
+DROPIN_PATHS = {"dropin": "eager", "dropin_topk": "eager", "dropin_kernel": "eager", "dropin_call": "eager",
+                "dropin_graph": "eager", "dropin_host_build": "eager", "dropin_graphed": "graph",
+                "dropin_graphed_call": "graph"}
+
+
+def _same_stage_outputs(ours, theirs) -> bool:
+    """Two answers of (build_ddtree_tree, build_eagle_tree_format) equal element for element (child maps
+    as lists)."""
+    import torch
+    (tree, eagle), (other_tree, other_eagle) = ours, theirs
+    return all(list(a) == list(b) if index == 3 else bool(torch.equal(a, b))
+               for index, (a, b) in enumerate(zip(tree, other_tree))) and all(
+        bool(torch.equal(a, b)) for a, b in zip(eagle, other_eagle))
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """os.environ[name] = value for the block (the previous value, or none, restored)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def serving_worker_build(logp, ids, budget: int, root):
@@ -219,6 +254,16 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                 timings = {name: (wall_seconds(lambda: (path(), finish())), "wall") for name, path in paths.items()}
                 dropin_parts, dropin_topk_path = _dropin_parts(logits, budget, finish)
                 timings.update(dropin_parts)
+                graphed, how = None, dict(DROPIN_PATHS)
+                if device == "cuda":  # the drop-in's own graph replay (KDTREE_SGLANG_GRAPH=1): its calls as they are
+                    with _environment(dropin.GRAPH_ENV, "1"):
+                        graphed = paths["dropin"]()  # captures
+                        finish()
+                        timings["dropin_graphed"] = (wall_seconds(lambda: (paths["dropin"](), finish())), "wall")
+                        timings["dropin_graphed_call"] = (host_seconds(paths["dropin"]), "host")
+                        replayed = dropin.prepared_build(logits, budget).graph is not None  # else above its bound
+                    how.update(dropin_graphed="graph" if replayed else "eager",
+                               dropin_graphed_call="graph" if replayed else "eager")
                 topk_paths = dict(STAGE_TOPK_PATHS)
                 topk_paths.update({name: dropin_topk_path for name in DROPIN_TOPK_METHODS})
                 if device == "cuda":
@@ -229,20 +274,22 @@ def bench_tree_stage(sglang_utils=None, batches=BATCHES, depths=DEPTHS, budgets=
                     fused_build = prepare_build_launch(fused(), budget)
                     timings["kdtree_graph_fused"] = graph_seconds(lambda: (fused(), fused_build()))
                     topk_paths["kdtree_graph_fused"] = fused.path
-                matches = ""
+                matches = graphed_matches = ""
                 if sglang_utils is not None:
-                    (ours, our_eagle), (theirs, their_eagle) = paths["dropin"](), paths["sglang"]()
-                    matches = all(list(a) == list(b) if name == 3 else bool(torch.equal(a, b))
-                                  for name, (a, b) in enumerate(zip(ours, theirs))) and all(
-                        bool(torch.equal(a, b)) for a, b in zip(our_eagle, their_eagle))
+                    ours, theirs = paths["dropin"](), paths["sglang"]()
+                    matches = _same_stage_outputs(ours, theirs)
+                    if graphed is not None:
+                        graphed_matches = matches and _same_stage_outputs(graphed, ours)
                 sglang_seconds = timings.get("sglang", (None,))[0]
                 for name, (seconds, timing) in timings.items():
+                    whole = name == "dropin_graphed" or not name.startswith("dropin_")  # the same call as SGLang's
                     rows.append(dict(stage="tree_stage", batch=batch, depth=depth, vocab=vocab, budget=budget,
                                      method=name, backend="cupy" if name.startswith("kdtree") else "torch",
-                                     topk_path=topk_paths.get(name, "exact"),
-                                     time_us=round(seconds * 1e6, 3), timing=timing, matches_sglang=matches,
+                                     topk_path=topk_paths.get(name, "exact"), dropin_path=how.get(name, ""),
+                                     time_us=round(seconds * 1e6, 3), timing=timing,
+                                     matches_sglang=graphed_matches if name.startswith("dropin_graphed") else matches,
                                      speedup_vs_sglang=round(sglang_seconds / seconds, 2)
-                                     if sglang_seconds and not name.startswith("dropin_") else ""))
+                                     if sglang_seconds and whole else ""))
                 print(f"tree stage D={depth:2d} B={batch:3d} budget={budget:4d}: " + "  ".join(
                     f"{name} {seconds * 1e6:9.1f} us" for name, (seconds, _) in timings.items())
                     + f"  dropin == sglang: {matches}", flush=True)
@@ -484,7 +531,8 @@ def stage_targets(rows: list[dict]) -> list[dict]:
         return found[0]["time_us"] if found else None
 
     lines = []
-    for r in sorted(results.select(stage, method="dropin"), key=lambda r: (r["batch"], r["budget"])):
+    rows_of = [r for method in ("dropin", "dropin_graphed") for r in results.select(stage, method=method)]
+    for r in sorted(rows_of, key=lambda r: (r["method"] != "dropin", r["batch"], r["budget"])):
         batch, budget = r["batch"], r["budget"]
         target = (STAGE_TARGET_B1 if batch == 1 else STAGE_TARGET_B64_SMALL if batch == 64 and budget == 8
                   else STAGE_TARGET_B64_LARGE if batch == 64 and budget >= 32 else None)
@@ -492,9 +540,10 @@ def stage_targets(rows: list[dict]) -> list[dict]:
         if target is None or sglang is None:
             continue
         ratio = sglang / r["time_us"]
-        lines.append(dict(what="dropin", batch=batch, budget=budget, time_us=r["time_us"], sglang_us=sglang,
+        host = "dropin_call" if r["method"] == "dropin" else "dropin_graphed_call"  # its host time per call
+        lines.append(dict(what=r["method"], batch=batch, budget=budget, time_us=r["time_us"], sglang_us=sglang,
                           ratio=round(ratio, 1), target=target, met=ratio >= target,
-                          host_us=time_of("dropin_call", batch, budget), graph_us=time_of("dropin_graph", batch, budget),
+                          host_us=time_of(host, batch, budget), graph_us=time_of("dropin_graph", batch, budget),
                           topk_us=time_of("dropin_topk", batch, budget), kernel_us=time_of("dropin_kernel", batch, budget)))
     for r in sorted(results.select(stage, method="kdtree_graph_fused", batch=1), key=lambda r: r["budget"]):
         if r["budget"] <= 64:
@@ -508,16 +557,22 @@ def stage_takeaway(rows: list[dict]) -> str:
     each target met or missed and by how much, and where the drop-in's time goes (host time per call
     against its launches in a graph at B=1; its top-k and build kernel at B=64)."""
     lines = stage_targets(rows)
-    dropin = [line for line in lines if line["what"] == "dropin"]
     graph = [line for line in lines if line["what"] == "kdtree_graph_fused"]
-    text = [f"the drop-in over SGLang's path (eager, same call, D=7): {sum(l['met'] for l in dropin)} of "
-            f"{len(dropin)} targets met"]
-    for line in dropin:
-        verdict = "met" if line["met"] else f"MISSED by {line['target'] / line['ratio']:.1f}x"
-        where = (f"host time per call {line['host_us']:.1f} us, its calls in a CUDA graph {line['graph_us']:.1f} us"
-                 if line["batch"] == 1 else f"its top-k {line['topk_us']:.1f} us, its build kernel {line['kernel_us']:.1f} us")
-        text.append(f"  B={line['batch']:2d} budget {line['budget']:3d}: {line['time_us']:.1f} vs {line['sglang_us']:.1f} us "
-                    f"= {line['ratio']}x (target {line['target']:.0f}x: {verdict}); {where}")
+    text = []
+    for what, how in (("dropin", "eager"), ("dropin_graphed", "its own CUDA graph replayed, KDTREE_SGLANG_GRAPH=1")):
+        dropin = [line for line in lines if line["what"] == what]
+        if not dropin and what != "dropin":
+            continue
+        text.append(f"the drop-in over SGLang's path ({how}, same call, D=7): {sum(l['met'] for l in dropin)} of "
+                    f"{len(dropin)} targets met")
+        for line in dropin:
+            verdict = "met" if line["met"] else f"MISSED by {line['target'] / line['ratio']:.1f}x"
+            where = (f"host time per call {_us(line['host_us'])} us, its calls in a CUDA graph "
+                     f"{_us(line['graph_us'])} us" if line["batch"] == 1 else
+                     f"its top-k {_us(line['topk_us'])} us, its build kernel {_us(line['kernel_us'])} us")
+            text.append(f"  B={line['batch']:2d} budget {line['budget']:3d}: {line['time_us']:.1f} vs "
+                        f"{line['sglang_us']:.1f} us = {line['ratio']}x (target {line['target']:.0f}x: {verdict}); "
+                        f"{where}")
     if graph:
         text.append(f"kdtree's stage in a CUDA graph (fused top-k), B=1 D=7: {sum(l['met'] for l in graph)} of "
                     f"{len(graph)} budgets <= 64 within {STAGE_GRAPH_TARGET_US:.0f} us: " + ", ".join(
@@ -525,6 +580,11 @@ def stage_takeaway(rows: list[dict]) -> str:
                                                                         f" (over by {l['time_us'] - l['target']:.1f} us)")
                         for l in graph))
     return "\n".join(text)
+
+
+def _us(value) -> str:
+    """A time in microseconds as the takeaway prints it ("?" for a row the run did not write)."""
+    return "?" if value is None else f"{value:.1f}"
 
 
 PARTS = ("build", "topk", "stage")

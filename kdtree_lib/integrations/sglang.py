@@ -25,31 +25,45 @@ each other: two candidates' weights (at different depths, or exactly tied logits
 early-stop threshold; and of those only the comparisons that decide which nodes are taken (the last
 node taken against the first left out, a candidate against the threshold): the order in which two
 taken nodes pop changes nothing (each node's pushes are its own, and the breadth-first relabel orders
-a parent's children by rank, which is their pop order). tests/test_integration_sglang.py counts such differences on peaked, Zipf-like and
-drafter-like logits. Each shape (batch, depth, budget, vocab, dtype, device, knobs) is prepared once
-(`prepared_build`): the fused top-k and its buffers, the build, the outputs' layout; a later call
-costs its launches (one for the fused top-k, one for the build) and the allocation of what it returns
-fresh: the caller's _out_* buffers are written in place (SGLang's worker passes all four, so its call
-allocates only the sizes; the other outputs are fresh tensors, as SGLang returns them). The fused top-k's log-probabilities and ids live in
-the prepared launch's buffers, rewritten by the next call of that shape on the stream (calls of one
-shape are ordered on torch's current stream); it keeps no reference to any call's logits (a worker
-prepares a shape per batch size: each holding a logits tensor would hold gigabytes). The per-request child maps are built on
-the host only when a caller reads them. Nothing on this path reads a device value, except the value
-check below; it is capturable in a CUDA graph (the check is skipped while capturing).
+a parent's children by rank, which is their pop order). tests/test_integration_sglang.py counts such
+differences on peaked, Zipf-like and drafter-like logits.
 
-Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes,
-devices, the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
-SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1, KDTREE_SGLANG_TOPK fused
-or exact): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a row entirely
--inf, make NaN log-probabilities on both top-k paths (torch's formula by arithmetic; the fused kernel
-flags the row on the device and writes it as NaN). The build kernel flags such a request and builds
-its root alone: by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step
-keeps no host synchronisation, and a flagged request gets a root-only tree (no speculation for it;
-verification still commits the target's own token, so the output stays exact). With
-KDTREE_SGLANG_CHECK_VALUES=1 the call reads that flag after the launches (one host synchronisation)
-and raises a ValueError naming draft_logits: for debugging a worker, not for serving. On the CPU
-the build is kdtree's host reference (tree_build.build_tree, policy "sglang") on torch's exact
-top-k, values checked first.
+Per call: each call key (the logits' type, shape, dtype and device, the budget, the device argument, and
+the knobs' raw text, read from os.environ's own table) gets a PreparedCall the first time its checks
+pass; a later call with that key skips them (nothing they read can differ) and costs the key, the
+allocation of what it returns fresh (one torch.empty per output shape: the four [B, N] int64 outputs
+share one), its parameter writes (raw addresses; the logits' slot only when the address moved) and two
+launches (fused top-k, build). What it returns is the caller's to keep: no later call writes into it;
+the caller's _out_* buffers are written in place, as SGLang's are (SGLang's worker passes all four, so
+its call allocates only the sizes and the EAGLE arrays; a PreparedCall holds the last four it was
+handed, with their rows' views, so the same buffers next step cost no slicing). The shape's launches
+(`prepared_build`: the fused top-k and its buffers, the build, the outputs' layout) are shared by its
+keys. The fused top-k's log-probabilities and ids live in the prepared launch's buffers, rewritten by
+the next call of that shape (calls of one shape are ordered on torch's current stream); it keeps no
+reference to any call's logits (a worker prepares a shape per batch size: each holding a logits tensor
+would hold gigabytes). The per-request child maps are built on the host only when a caller reads them.
+Nothing on this path reads a device value, except the value check below; it is capturable in a CUDA
+graph (the check is skipped while capturing).
+
+KDTREE_SGLANG_GRAPH=1 (opt-in): the call copies its logits into a static float32 buffer and replays
+one CUDA graph of the top-k and the build (captured on a side stream at the shape's first such call,
+which synchronises once), then copies the outputs into its own (fresh, or the caller's buffers), so
+it returns what the eager call returns. Bounded: static logits at most GRAPH_LOGITS_BYTES (a larger
+batch runs eagerly), at most GRAPH_LIMIT graphs (the least recently used dropped). Inside a caller's
+own capture the launches run eagerly (into that capture).
+
+Checks, before any launch and without reading device values: the arguments' types, dtypes, shapes, devices,
+the budget (1..1024) and depth (1..32), and the knobs (SGLANG_DDTREE_MAX_TOPK an integer >= 1,
+SGLANG_DDTREE_DEPTH_BONUS a finite number, KDTREE_SGLANG_CHECK_VALUES 0 or 1, KDTREE_SGLANG_TOPK fused or
+exact, KDTREE_SGLANG_GRAPH 0 or 1): a ValueError naming the argument or knob. Values: NaN or +inf logits, or a
+row entirely -inf, make NaN log-probabilities on both top-k paths (torch's formula by arithmetic; the fused
+kernel flags the row on the device and writes it as NaN). The build kernel flags such a request and builds its
+root alone: by default (KDTREE_SGLANG_CHECK_VALUES=0) nothing is read back, so the worker's step keeps no host
+synchronisation, and a flagged request gets a root-only tree (no speculation for it; verification still
+commits the target's own token, so the output stays exact). With KDTREE_SGLANG_CHECK_VALUES=1 the call reads
+that flag after the launches (one host synchronisation) and raises a ValueError naming draft_logits: for
+debugging a worker, not for serving. On the CPU the build is kdtree's host reference (tree_build.build_tree,
+policy "sglang") on torch's exact top-k, values checked first.
 
 `install()` patches SGLang's module (and every loaded module that imported these functions by name);
 `python -m kdtree_lib.integrations.sglang install|uninstall|status --site-packages DIR` makes every
@@ -65,8 +79,10 @@ import math
 import os
 import runpy
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -84,22 +100,73 @@ INSTALL_ENV = "KDTREE_SGLANG_PATCH"  # "1": every process importing this module 
 CHECK_ENV = "KDTREE_SGLANG_CHECK_VALUES"
 TOPK_ENV = "KDTREE_SGLANG_TOPK"  # "fused" (default): draft_topk's fused kernel; "exact": torch's formula, SGLang's bits
 TOPK_CHOICES = ("fused", "exact")
+GRAPH_ENV = "KDTREE_SGLANG_GRAPH"  # "1": one CUDA graph of top-k + build per shape, replayed (logits copied in)
+GRAPH_LOGITS_BYTES = 64 << 20  # a graphed shape's static float32 logits at most this; a larger batch runs eagerly
+GRAPH_LIMIT = 8  # graphs kept (the least recently used is dropped)
 DEFAULT_MAX_TOPK = 6
 DEFAULT_DEPTH_BONUS = 0.2
 PREPARED_LIMIT = 64  # prepared shapes kept (a worker sees a handful: its batch sizes x one budget)
 
 
-def policy_from_environment() -> SGLangPolicy:
-    """SGLang's policy with its environment knobs applied, as its build reads them per call; a knob
-    SGLang could not use (not an integer >= 1, not a finite number) is refused by name."""
-    return _policy_from(os.environ.get("SGLANG_DDTREE_MAX_TOPK", str(DEFAULT_MAX_TOPK)),
-                        os.environ.get("SGLANG_DDTREE_DEPTH_BONUS", str(DEFAULT_DEPTH_BONUS)))
+KNOBS = ("SGLANG_DDTREE_MAX_TOPK", "SGLANG_DDTREE_DEPTH_BONUS", CHECK_ENV, TOPK_ENV, GRAPH_ENV)
+
+# The knobs are read per call (SGLang reads its own per call), straight from os.environ's own table
+# (bytes on POSIX): os.environ.get encodes the key and decodes the value, 1.1-1.7 us a knob on a 2-core
+# CPU host, five knobs a call. The raw values key the prepared calls; _knobs_from parses each text once.
+_ENVIRON = getattr(os.environ, "_data", None)
+if isinstance(_ENVIRON, dict):
+    _KNOB_KEYS = tuple(os.environ.encodekey(name) for name in KNOBS)
+    _knob_value = os.environ.decodevalue
+else:  # another Python's os.environ: its public mapping
+    _ENVIRON, _KNOB_KEYS, _knob_value = os.environ, KNOBS, str
+
+
+def knob_text() -> tuple:
+    """The knobs' raw values now, in KNOBS order (None where unset): what a prepared call is keyed on."""
+    return tuple(map(_ENVIRON.get, _KNOB_KEYS))
+
+
+class Knobs(NamedTuple):
+    """What the knobs' text means (_knobs_from)."""
+    policy: SGLangPolicy
+    check_values: bool  # KDTREE_SGLANG_CHECK_VALUES=1: read the bad-row flags back (one synchronisation)
+    topk: str           # KDTREE_SGLANG_TOPK: "fused" or "exact"
+    graph: bool         # KDTREE_SGLANG_GRAPH=1: replay one CUDA graph per shape (logits copied in)
 
 
 @functools.lru_cache(maxsize=64)
+def _knobs_from(text: tuple) -> Knobs:
+    """The knobs' raw values -> their meaning, parsed once per text (a refusal raises, naming the knob,
+    and is not cached)."""
+    raw = dict(zip(KNOBS, (None if value is None else _knob_value(value) for value in text)))
+    topk, bonus = raw["SGLANG_DDTREE_MAX_TOPK"], raw["SGLANG_DDTREE_DEPTH_BONUS"]
+    policy = _policy_from(str(DEFAULT_MAX_TOPK) if topk is None else topk,
+                          str(DEFAULT_DEPTH_BONUS) if bonus is None else bonus)
+    choices = {CHECK_ENV: ("0", "1"), TOPK_ENV: TOPK_CHOICES, GRAPH_ENV: ("0", "1")}
+    defaults = {CHECK_ENV: "0", TOPK_ENV: "fused", GRAPH_ENV: "0"}
+    values = {}
+    for name, allowed in choices.items():
+        value = defaults[name] if raw[name] is None else raw[name]
+        if value not in allowed:
+            raise ValueError(f"{name}: expected {' or '.join(allowed)}, got {value!r}")
+        values[name] = value
+    return Knobs(policy, values[CHECK_ENV] == "1", values[TOPK_ENV], values[GRAPH_ENV] == "1")
+
+
+def knobs_from_environment() -> Knobs:
+    """Every knob now, checked (a ValueError naming the first unusable one)."""
+    return _knobs_from(knob_text())
+
+
+def policy_from_environment() -> SGLangPolicy:
+    """SGLang's policy with its environment knobs applied, as its build reads them per call; a knob
+    SGLang could not use (not an integer >= 1, not a finite number) is refused by name."""
+    text = knob_text()
+    return _knobs_from((text[0], text[1]) + (None,) * (len(KNOBS) - 2)).policy
+
+
 def _policy_from(raw_topk: str, raw_bonus: str) -> SGLangPolicy:
-    """The knobs' text -> the policy, parsed once per value (a worker reads the same text every call;
-    a refusal raises and is not cached)."""
+    """The two policy knobs' text -> the policy."""
     try:
         max_topk = int(raw_topk)
     except ValueError:
@@ -117,18 +184,7 @@ def _policy_from(raw_topk: str, raw_bonus: str) -> SGLangPolicy:
 
 
 def check_values_from_environment() -> bool:
-    raw = os.environ.get(CHECK_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{CHECK_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def topk_choice_from_environment() -> str:
-    """KDTREE_SGLANG_TOPK: "fused" (the default) or "exact" (the module's docstring says what each gives)."""
-    raw = os.environ.get(TOPK_ENV, "fused")
-    if raw not in TOPK_CHOICES:
-        raise ValueError(f"{TOPK_ENV}: expected {' or '.join(TOPK_CHOICES)}, got {raw!r}")
-    return raw
+    return knobs_from_environment().check_values
 
 
 class ChildMaps(Sequence):
@@ -226,7 +282,7 @@ class PreparedBuild:
     """build_ddtree_tree's launches for one shape on one CUDA device: the top-k width, the top-k (the
     fused kernel where it applies, else torch's exact formula), the build kernel (SGLangBuildLaunch),
     and the layout of the outputs a call allocates. Made on a call's logits (the fused launch is
-    prepared over them, then runs over each call's own through TopKLaunch.launch_over, which keeps
+    prepared over them, then runs over each call's own through TopKLaunch.launch_at, which keeps
     none of them)."""
 
     def __init__(self, draft_logits, budget: int, policy: SGLangPolicy, choice: str):
@@ -241,18 +297,25 @@ class PreparedBuild:
             if self.fused.path != "fused_v3":
                 self.fused = None
         self.topk_path = self.fused.path if self.fused is not None else "exact"
+        self.float32 = draft_logits.dtype == torch.float32
+        if self.fused is not None:  # the fused top-k's own outputs: the build's draft, every call
+            self._fused_out = (self.fused.out.logp.data_ptr(), self.fused.out.ids.data_ptr())
         # links and index: the EAGLE arrays of build_eagle_tree_format(parents, sizes, budget + 1), handed
         # over without a launch when the caller passes this call's parents and sizes back unchanged
         self.launch = SGLangBuildLaunch(batch, depth, self.topk, budget, draft_logits.device.index, policy=policy,
                                         ids_int64=self.fused is None, links=True, index=True)
         self.bad = torch.empty(batch, dtype=torch.int32, device=draft_logits.device)  # read only by the value check
         self.device = draft_logits.device
+        self.shape = tuple(draft_logits.shape)
         nodes = budget + 1
-        # the outputs a call returns (the first four also as the caller's _out_* buffers), then the EAGLE arrays
+        # every output in SGLANG_OUTPUTS order but `bad` (prepared): the first four are also the caller's
+        # _out_* buffers (OUT_NAMES), then the sizes and the EAGLE arrays
         self.layout = {"node_tokens": ((batch, budget), torch.int64), "node_depths": ((batch, budget), torch.int64),
                        "parents": ((batch, nodes), torch.int64), "visibility": ((batch, nodes, nodes), torch.bool),
-                       "sizes": ((batch,), torch.int64), "retrive_index": ((batch, nodes), torch.int64),
-                       "next_token": ((batch, nodes), torch.int64), "next_sibling": ((batch, nodes), torch.int64)}
+                       "sizes": ((batch,), torch.int64), "next_token": ((batch, nodes), torch.int64),
+                       "next_sibling": ((batch, nodes), torch.int64), "retrive_index": ((batch, nodes), torch.int64)}
+        self._plans: dict[tuple, tuple] = {}
+        self.graph = None  # a GraphReplay once KDTREE_SGLANG_GRAPH=1 has run this shape (None: not captured)
 
     @staticmethod
     def _float32(draft_logits, alignment: int):
@@ -270,27 +333,109 @@ class PreparedBuild:
         the next call of this shape; ids int32 there, int64 from torch)."""
         if self.fused is None:
             return torch_topk_logprobs(draft_logits, self.topk)
-        out = self.fused.launch_over(self._float32(draft_logits, self.fused.alignment))
+        out = self.fused.launch_at(self._float32(draft_logits, self.fused.alignment).data_ptr())
         return out.logp, out.ids
 
-    def outputs(self, given: dict) -> dict:
-        """The build's outputs: the caller's buffers where given (written in place: SGLang's worker
-        passes all four _out_* buffers, so its call allocates `sizes` and the EAGLE arrays alone), the
-        rest fresh (the caller may keep what it is returned, as SGLang's are), and the prepared `bad`
-        flags. One torch.empty per fresh output: carving several from one allocation costs three tensor
-        operations each (slice, dtype view, shape view), measured dearer than an empty on this host."""
+    def outputs(self, given: tuple) -> list:
+        """The build's outputs in SGLANG_OUTPUTS order: `given` (one entry per OUT_NAMES: the caller's
+        buffer the kernel writes in place, or None) where given, the prepared `bad` flags last, the rest
+        fresh (the caller may keep what it is returned, as SGLang's are): one torch.empty per shape,
+        unbound into the outputs of that shape (the four [B, N] int64 outputs share one)."""
         import torch
-        out = given
-        for name, (shape, dtype) in self.layout.items():
-            if name not in out:
-                out[name] = torch.empty(shape, dtype=dtype, device=self.device)
-        out["bad"] = self.bad
+        tokens, depths, parents, visibility = given
+        mask = (tokens is None, depths is None, parents is None, visibility is None)
+        plan = self._plans.get(mask)
+        if plan is None:
+            groups: dict[tuple, list[int]] = {}
+            for index, (shape, dtype) in enumerate(self.layout.values()):
+                if index >= len(mask) or mask[index]:
+                    groups.setdefault((shape, dtype), []).append(index)
+            plan = self._plans[mask] = tuple(((len(ix),) + shape if len(ix) > 1 else shape, dtype, tuple(ix))
+                                             for (shape, dtype), ix in groups.items())
+        out = [tokens, depths, parents, visibility, None, None, None, None, self.bad]
+        device = self.device
+        for shape, dtype, indices in plan:
+            block = torch.empty(shape, dtype=dtype, device=device)
+            if len(indices) == 1:
+                out[indices[0]] = block
+            else:
+                for index, tensor in zip(indices, block.unbind()):
+                    out[index] = tensor
         return out
 
-    def __call__(self, draft_logits, given: dict) -> dict:
-        """The launches; `given` (the caller's buffers by output name) becomes the outputs' dict."""
-        logp, ids = self.draft(draft_logits)
-        return self.launch(logp, ids, self.outputs(given))
+    def enqueue(self, draft_logits, out: list) -> None:
+        """The launches over these logits into `out` (SGLANG_OUTPUTS order): the top-k, then the build.
+        The logits fit the prepared shape, dtype and device (the call's key says so); the fused top-k
+        reads them in place when they are float32, C-contiguous and aligned, else a float32 copy."""
+        fused = self.fused
+        if fused is None:
+            logp, ids = torch_topk_logprobs(draft_logits, self.topk)
+            logp_address, ids_address = logp.data_ptr(), ids.data_ptr()
+        else:
+            address = draft_logits.data_ptr()
+            if not self.float32 or address % fused.alignment or not draft_logits.is_contiguous():
+                draft_logits = self._float32(draft_logits, fused.alignment)  # held until both launches are queued
+                address = draft_logits.data_ptr()
+            fused.launch_at(address)
+            logp_address, ids_address = self._fused_out
+        self.launch.launch_at(logp_address, ids_address, [t.data_ptr() for t in out])
+
+
+class GraphReplay:
+    """KDTREE_SGLANG_GRAPH=1: one PreparedBuild's top-k and build captured in a CUDA graph (on a side
+    stream) over static float32 logits and static outputs. A call copies its logits in (converting
+    as SGLang's `.float()` does), replays the graph on the current stream and copies the outputs out
+    into its own (fresh, or the caller's buffers) with one torch._foreach_copy_, so what the caller
+    keeps is never rewritten by a later call. The static logits are at most GRAPH_LOGITS_BYTES; at most
+    GRAPH_LIMIT graphs are kept (the least recently used dropped)."""
+
+    def __init__(self, build: PreparedBuild):
+        import torch
+        self.logits = torch.zeros(build.shape, dtype=torch.float32, device=build.device)
+        self.out = build.outputs(NO_BUFFERS)
+        with torch.cuda.device(build.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # torch's lazy initialisation (the exact top-k) is not captured
+                build.enqueue(self.logits, self.out)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=side):
+                build.enqueue(self.logits, self.out)
+        self.static = self._integers(self.out)  # `bad` is the build's own
+
+    @staticmethod
+    def _integers(out: list) -> list:
+        """The int64 outputs (all but visibility and `bad`): one torch._foreach_copy_ takes them."""
+        return out[:3] + out[4:-1]
+
+    def replay(self, draft_logits, out: list) -> None:
+        import torch
+        self.logits.copy_(draft_logits)
+        self.graph.replay()
+        torch._foreach_copy_(self._integers(out), self.static)
+        out[3].copy_(self.out[3])
+
+
+_GRAPHED: OrderedDict = OrderedDict()  # id(PreparedBuild) -> PreparedBuild holding a graph, least recently used first
+
+
+def graph_of(build: PreparedBuild):
+    """The build's GraphReplay, captured on first use; None where a graph does not apply: logits above
+    GRAPH_LOGITS_BYTES as float32, or the current stream being captured (the caller's own graph then
+    captures the eager launches)."""
+    import torch
+    if torch.cuda.is_current_stream_capturing() or 4 * math.prod(build.shape) > GRAPH_LOGITS_BYTES:
+        return None
+    key = id(build)
+    if build.graph is None:
+        build.graph = GraphReplay(build)
+        _GRAPHED[key] = build
+        while len(_GRAPHED) > GRAPH_LIMIT:
+            _GRAPHED.popitem(last=False)[1].graph = None
+    else:
+        _GRAPHED.move_to_end(key)
+    return build.graph
 
 
 _PREPARED: dict[tuple, object] = {}
@@ -300,22 +445,22 @@ def _prepared(key: tuple, make):
     prepared = _PREPARED.get(key)
     if prepared is None:
         if len(_PREPARED) >= PREPARED_LIMIT:
-            _PREPARED.pop(next(iter(_PREPARED)))
+            dropped = _PREPARED.pop(next(iter(_PREPARED)))
+            if _GRAPHED.pop(id(dropped), None) is not None:
+                dropped.graph = None
         prepared = _PREPARED[key] = make()
     return prepared
 
 
-def _check_build_args(draft_logits, tree_budget):
-    """build_ddtree_tree's checks (metadata and knobs): (batch, depth, vocab, budget, policy, check
-    values, top-k choice)."""
+def _check_build_args(draft_logits, tree_budget) -> tuple:
+    """build_ddtree_tree's checks (metadata and knobs): (batch, depth, vocab, budget, knobs)."""
     _check_tensor("draft_logits", draft_logits, ndim=3, dtypes=LOGIT_DTYPES)
     budget = _check_budget("tree_budget", tree_budget)
     batch, depth, vocab = (int(n) for n in draft_logits.shape)
     _check_depth("draft_logits", depth)
     if vocab < 1:
         raise ValueError(f"draft_logits: expected a vocabulary of at least 1 token, got shape {tuple(draft_logits.shape)}")
-    return (batch, depth, vocab, budget, policy_from_environment(), check_values_from_environment(),
-            topk_choice_from_environment())
+    return batch, depth, vocab, budget, knobs_from_environment()
 
 
 def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int:
@@ -324,15 +469,108 @@ def topk_width(policy: SGLangPolicy, budget: int, depth: int, vocab: int) -> int
 
 
 def prepared_build(draft_logits, tree_budget: int) -> PreparedBuild:
-    """The prepared build for these logits' shape, budget and the knobs now (checked), made once."""
-    return _prepared_build(draft_logits, *_check_build_args(draft_logits, tree_budget))[0]
-
-
-def _prepared_build(draft_logits, batch, depth, vocab, budget, policy, check_values, choice):
-    if draft_logits.device.type != "cuda":
+    """The prepared build for these logits' shape, budget and the knobs now (checked), made once: the
+    one build_ddtree_tree(draft_logits, tree_budget, draft_logits.device) runs."""
+    try:
+        call = _CALLS.get(_call_key(draft_logits, tree_budget, draft_logits.device))
+    except (AttributeError, TypeError):
+        call = None
+    call = call or _prepared_call(draft_logits, tree_budget, draft_logits.device)
+    if call is None:
         raise ValueError(f"draft_logits: the kernel build needs a CUDA tensor, got device {draft_logits.device}")
-    key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, policy, choice)
-    return _prepared(key, lambda: PreparedBuild(draft_logits, budget, policy, choice)), check_values
+    return call.build
+
+
+class PreparedCall:
+    """build_ddtree_tree for one call key (_call_key: the logits' type, shape, dtype and device, the
+    budget and its type, the device argument, the knobs' raw text), made once that key's first call
+    passed every check: a later call with that key skips them (nothing they read can differ), so it
+    costs the key, the outputs' allocation and the launches. Holds the shared PreparedBuild, what
+    the knobs asked for, and the caller's last _out_* buffers with the views the kernel writes (a
+    worker passes the same four every step; held, so no other tensor can take their addresses)."""
+
+    __slots__ = ("build", "device", "same_device", "check_values", "graph", "_buffers")
+
+    def __init__(self, build: PreparedBuild, device, knobs: Knobs):
+        self.build, self.device, self.same_device = build, device, _same_device(build.bad, device)
+        self.check_values, self.graph = knobs.check_values, knobs.graph
+        self._buffers = None  # (buffers, their views, the signature of both)
+
+    def in_place(self, buffers: tuple) -> tuple:
+        """Per _out_* buffer, the rows the kernel writes directly (_in_place), else None; the last
+        call's views again when handed the same buffers, unchanged (same objects, addresses, shapes)."""
+        cached = self._buffers
+        if cached is not None and all(a is b for a, b in zip(buffers, cached[0])):
+            if _buffer_signature(buffers + cached[1]) == cached[2]:
+                return cached[1]
+        layout, device = self.build.layout, self.build.device
+        views = tuple(None if buffer is None else _in_place(buffer, *layout[name], device)
+                      for name, buffer in zip(OUT_NAMES, buffers))
+        self._buffers = (buffers, views, _buffer_signature(buffers + views))
+        return views
+
+    def __call__(self, draft_logits, buffers: tuple, device) -> tuple:
+        """build_ddtree_tree's answer (the tree and the sizes), recording the EAGLE arrays' hand-over."""
+        build = self.build
+        views = NO_BUFFERS if buffers is NO_BUFFERS or not self.same_device else self.in_place(buffers)
+        out = build.outputs(views)
+        graph = graph_of(build) if self.graph else None
+        if graph is None:
+            build.enqueue(draft_logits, out)
+        else:
+            graph.replay(draft_logits, out)
+        if self.check_values:
+            _raise_if_flagged(build.bad, "draft_logits")
+        tokens, depths, parents, visibility, sizes, next_token, next_sibling, index, _ = out
+        if self.same_device:
+            _HANDOVER[0] = _Handover(parents, sizes, (index, next_token, next_sibling), device)
+            if buffers is NO_BUFFERS:
+                return tokens, depths, parents, ChildMaps(tokens, parents, sizes), visibility, sizes
+        else:  # the EAGLE arrays stay on the logits' device: not handed over
+            tokens, depths, parents, visibility, sizes = (t.to(self.device) for t in (tokens, depths, parents,
+                                                                                       visibility, sizes))
+            _HANDOVER[0] = None
+        if any(buffer is not None and view is None for buffer, view in zip(buffers, views)):
+            tokens, depths, parents, visibility = (
+                fresh if buffer is None or view is not None else _into(buffer, fresh, fill, name)
+                for buffer, view, fresh, fill, name in zip(buffers, views, (tokens, depths, parents, visibility),
+                                                          OUT_FILLS, OUT_ARGUMENTS))
+        return tokens, depths, parents, ChildMaps(tokens, parents, sizes), visibility, sizes
+
+
+def _buffer_signature(tensors: tuple) -> list:
+    return [None if t is None else (t.data_ptr(), t.shape) for t in tensors]
+
+
+_CALLS: dict[tuple, PreparedCall] = {}
+
+
+def _call_key(draft_logits, tree_budget, device) -> tuple:
+    """What a prepared call is keyed on (AttributeError for an argument that is no tensor, TypeError for
+    an unhashable one: the caller then takes the checked path)."""
+    return (type(draft_logits), draft_logits.shape, draft_logits.dtype, draft_logits.device, tree_budget,
+            type(tree_budget), device, knob_text())
+
+
+def _prepared_call(draft_logits, tree_budget, device) -> PreparedCall | None:
+    """Every check of build_ddtree_tree (a ValueError naming the argument or knob, before any launch),
+    then its prepared call, made once per key; None where the logits are not on a CUDA device (the
+    host build, not prepared)."""
+    batch, depth, vocab, budget, knobs = _check_build_args(draft_logits, tree_budget)
+    parsed = _torch_device(device)
+    if draft_logits.device.type != "cuda":
+        return None
+    key = ("main", batch, depth, vocab, budget, draft_logits.dtype, draft_logits.device, knobs.policy, knobs.topk)
+    build = _prepared(key, lambda: PreparedBuild(draft_logits, budget, knobs.policy, knobs.topk))
+    call = PreparedCall(build, parsed, knobs)
+    try:
+        call_key = _call_key(draft_logits, tree_budget, device)
+        if len(_CALLS) >= PREPARED_LIMIT:
+            _CALLS.pop(next(iter(_CALLS)))
+        _CALLS[call_key] = call
+    except TypeError:  # an unhashable device argument: checked and run, not kept
+        pass
+    return call
 
 
 def _raise_if_flagged(bad, name: str) -> None:
@@ -363,13 +601,15 @@ def _into(given, fresh, fill, name: str):
 
 
 OUT_NAMES = ("node_tokens", "node_depths", "parents", "visibility")  # build_ddtree_tree's _out_* buffers, in order
+OUT_ARGUMENTS = ("_out_node_token_ids", "_out_node_depths", "_out_parents", "_out_visibility")
 OUT_FILLS = (0, 0, -1, False)  # what SGLang fills their padding with
+NO_BUFFERS = (None,) * len(OUT_NAMES)
 
 
 def _in_place(given, shape, dtype, device):
     """`given`'s first rows, when the kernel can write them directly (SGLang's own reuse of a caller's
     buffer, whose padding the kernel writes too): same trailing shape, dtype and device, contiguous."""
-    if given is None or given.dtype != dtype or given.device != device:
+    if given.dtype != dtype or given.device != device:
         return None
     size = given.shape
     if size[0] < shape[0] or size[1:] != shape[1:]:
@@ -385,35 +625,28 @@ def build_ddtree_tree(draft_logits, tree_budget: int, device, _out_node_token_id
     visibility [bs, budget + 1, budget + 1] bool, actual_tree_sizes [bs] int64), on `device`;
     the _out_* buffers are used when they hold at least bs rows, as SGLang's are (the kernel writes
     their first bs rows directly when their trailing shape, dtype and device are the outputs'; the
-    other outputs are fresh tensors). Checks: the module's docstring."""
-    device = _torch_device(device)
-    buffers = (_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility)
-    prepared = None
-    logits_device = getattr(draft_logits, "device", None)  # a tensor's .device is a new object per read
-    if getattr(logits_device, "type", None) == "cuda":
-        prepared, check_values = _prepared_build(draft_logits, *_check_build_args(draft_logits, tree_budget))
-        given = {}
-        if _same_device(draft_logits, device):
-            for name, buffer in zip(OUT_NAMES, buffers):
-                rows = buffer if buffer is None else _in_place(buffer, *prepared.layout[name], logits_device)
-                if rows is not None:
-                    given[name] = rows
-        buffers = [None if name in given else buffer for name, buffer in zip(OUT_NAMES, buffers)]
-        out = prepared(draft_logits, given)
-        if check_values:
-            _raise_if_flagged(out["bad"], "draft_logits")
-        fresh = [out[name] for name in OUT_NAMES]
-        sizes = out["sizes"]
-        if not _same_device(sizes, device):
-            fresh, sizes = [t.to(device) for t in fresh], sizes.to(device)
-            prepared = None  # the EAGLE arrays stay on the logits' device: not handed over
-    else:
-        fresh, sizes = _host_build(draft_logits, tree_budget, device)
-    names = ("_out_node_token_ids", "_out_node_depths", "_out_parents", "_out_visibility")
+    other outputs are fresh tensors). Checks: the module's docstring; a call whose key (the logits'
+    type, shape, dtype, device, the budget, the device argument, the knobs' text) passed them before
+    goes straight to its PreparedCall."""
+    buffers = (NO_BUFFERS if _out_node_token_ids is None and _out_node_depths is None and _out_parents is None
+               and _out_visibility is None else (_out_node_token_ids, _out_node_depths, _out_parents, _out_visibility))
+    try:
+        call = _CALLS.get(_call_key(draft_logits, tree_budget, device))
+    except (AttributeError, TypeError):
+        call = None
+    if call is None:
+        call = _prepared_call(draft_logits, tree_budget, device)
+        if call is None:
+            _HANDOVER[0] = None
+            return _host_tree(draft_logits, tree_budget, _torch_device(device), buffers)
+    return call(draft_logits, buffers, device)
+
+
+def _host_tree(draft_logits, tree_budget, device, buffers):
+    """build_ddtree_tree on the host (logits on the CPU): kdtree's host reference, in SGLang's layout."""
+    fresh, sizes = _host_build(draft_logits, tree_budget, device)
     tokens, depths, parents, visibility = (_into(given, t, fill, name) for given, t, fill, name in
-                                           zip(buffers, fresh, OUT_FILLS, names))
-    _HANDOVER[0] = None if prepared is None else _Handover(parents, sizes, (out["retrive_index"], out["next_token"],
-                                                                           out["next_sibling"]))
+                                           zip(buffers, fresh, OUT_FILLS, OUT_ARGUMENTS))
     return tokens, depths, parents, ChildMaps(tokens, parents, sizes), visibility, sizes
 
 
@@ -421,13 +654,14 @@ class _Handover:
     """build_eagle_tree_format's answer for one build's parents and sizes, computed by its kernel: the
     tensors returned (held, so no other tensor can take their addresses while this is kept), their
     addresses, shapes, strides and torch versions then (an in-place change through any view bumps
-    the version they share), and the EAGLE arrays, handed out once."""
+    the version they share), the device argument of that build, and the EAGLE arrays, handed out once."""
 
-    __slots__ = ("parents", "sizes", "signature", "arrays")
+    __slots__ = ("parents", "sizes", "signature", "arrays", "device", "width")
 
-    def __init__(self, parents, sizes, arrays):
-        self.parents, self.sizes, self.arrays = parents, sizes, arrays
+    def __init__(self, parents, sizes, arrays, device):
+        self.parents, self.sizes, self.arrays, self.device = parents, sizes, arrays, device
         self.signature = _handover_signature(parents, sizes)
+        self.width = int(parents.shape[1])
 
 
 def _handover_signature(parents, sizes) -> tuple:
@@ -436,6 +670,23 @@ def _handover_signature(parents, sizes) -> tuple:
 
 
 _HANDOVER: list = [None]  # the last GPU build's _Handover (any shape: a later build may rewrite the same buffers)
+
+
+def _handed(parents, sizes, draft_token_num, device):
+    """The last build's EAGLE arrays for the very tensors it returned, with its node count (an int) and
+    its device argument, unchanged since (the per-call path: no argument check needed); else None."""
+    handover = _HANDOVER[0]
+    if (handover is None or parents is not handover.parents or sizes is not handover.sizes
+            or type(draft_token_num) is not int or draft_token_num != handover.width):
+        return None
+    try:
+        same_device = device is handover.device or device == handover.device
+    except Exception:  # an object whose comparison fails is no device of that build
+        return None
+    if not same_device or _handover_signature(parents, sizes) != handover.signature:
+        return None
+    _HANDOVER[0] = None
+    return handover.arrays
 
 
 def _take_handover(parents, sizes, width: int, device):
@@ -454,7 +705,8 @@ def _take_handover(parents, sizes, width: int, device):
 def _host_build(draft_logits, tree_budget, device):
     """kdtree's host reference of the policy, in SGLang's layout (logits on the CPU; values checked)."""
     import torch
-    batch, depth, vocab, budget, policy, _, _ = _check_build_args(draft_logits, tree_budget)
+    batch, depth, vocab, budget, knobs = _check_build_args(draft_logits, tree_budget)
+    policy = knobs.policy
     logp, ids = torch_topk_logprobs(draft_logits, topk_width(policy, budget, depth, vocab))
     draft = DraftTopK(logp=logp.cpu().numpy(), ids=ids.to(torch.int32).cpu().numpy())
     if not np.isfinite(draft.logp[..., 0]).all():
@@ -483,6 +735,9 @@ def build_eagle_tree_format(parents, actual_tree_sizes, draft_token_num: int, de
     unchanged. A size above min(draft_token_num, max_nodes) counts as that (SGLang's loop raises an
     IndexError)."""
     import torch
+    handed = _handed(parents, actual_tree_sizes, draft_token_num, device)  # the worker's call: checked by its build
+    if handed is not None:
+        return handed
     _check_tensor("parents", parents, ndim=2, dtypes=INTEGER_DTYPES)
     _check_tensor("actual_tree_sizes", actual_tree_sizes, ndim=1, dtypes=INTEGER_DTYPES)
     batch, columns = (int(n) for n in parents.shape)

@@ -52,6 +52,7 @@ TOPK_PATHS = {  # topk_path -> (label, style)
 def plot_tree_stage(ax, rows: list[dict], *, batch: int, depth: int) -> None:
     """Time per step vs budget for SGLang's build path, the drop-in and kdtree's stage (eager and graph)."""
     series = [("sglang", "SGLang's build path", "o-"), ("dropin", "the drop-in", "s-"),
+              ("dropin_graphed", "the drop-in, KDTREE_SGLANG_GRAPH=1", "s:"),
               ("kdtree", "kdtree draft_topk → build_tree", "^-"), ("kdtree_graph", "kdtree, CUDA graph", "^:"),
               ("kdtree_graph_fused", "kdtree, CUDA graph, fused top-k", "v:")]
     _time_vs_budget(ax, rows, series, title=f"tree stage, B={batch}, D={depth}", stage="tree_stage", batch=batch,

@@ -104,11 +104,11 @@ __device__ __forceinline__ SoftmaxState kd_shfl_xor(SoftmaxState state, int offs
 }
 
 // The smallest and largest of a set of keys, reduced in one pass.
-struct KeyRange {
+struct KeySpan {
     unsigned long long lo, hi;
 };
 
-__device__ __forceinline__ KeyRange kd_shfl_xor(KeyRange range, int offset) {  // for kd_block_all_reduce
+__device__ __forceinline__ KeySpan kd_shfl_xor(KeySpan range, int offset) {  // for kd_block_all_reduce
     return {kd_shfl_xor(range.lo, offset), kd_shfl_xor(range.hi, offset)};
 }
 
@@ -363,7 +363,7 @@ union FusedScratch {
         RadixScratch<KD_TOPK_MERGE_BITS> radix;
         int count[KD_TOPK_MAX_SLICES];  // candidates of each slice of the row
         float certs[KD_TOPK_CERT_SLICES * KD_TOPK_CERTS];
-        KeyRange ranges[32];            // block reductions' scratch
+        KeySpan ranges[32];            // block reductions' scratch
         float bounds[32];
         unsigned flags;                 // the row's flags, read (and cleared) once
     } merge;
@@ -451,8 +451,8 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
             }
         }
     }
-    const KeyRange range = kd_block_all_reduce(KeyRange{lo, hi}, [](KeyRange a, KeyRange b) {
-        return KeyRange{min(a.lo, b.lo), max(a.hi, b.hi)};
+    const KeySpan range = kd_block_all_reduce(KeySpan{lo, hi}, [](KeySpan a, KeySpan b) {
+        return KeySpan{min(a.lo, b.lo), max(a.hi, b.hi)};
     }, sh.merge.ranges);
     lo = range.lo;
     hi = range.hi;

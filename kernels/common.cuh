@@ -2,8 +2,9 @@
 //
 // No kernel-specific logic lives here: the fixed-width names of raw words, integer helpers, IEEE
 // infinities and NaN, two float constants without <math.h> (NVRTC compiles these files without system
-// headers), MUFU's 2^x, lane/warp indices, warp and block scans, a block-wide reduction, two warp-aggregated shared-memory atomics
-// (histogram increment, append to a list), and the PTX wrappers more than one kernel file uses:
+// headers), MUFU's 2^x, lane/warp indices, warp and block scans, a block-wide reduction, two
+// warp-aggregated shared-memory atomics (histogram increment, append to a list), and the PTX wrappers
+// more than one kernel file uses:
 // the block's dynamic shared memory size, shared-window addresses, 16-byte cp.async, 16-bit pair
 // conversions and the mma.sync m16n8k16 tile (bf16 or f16 in, fp32 accumulators).
 // Every block-level helper must be called by all threads of the block (blockDim.x a multiple of 32).

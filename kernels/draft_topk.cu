@@ -672,10 +672,10 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, certs, row_flags, row_ticket, status, \
         out_logp, out_ids
 
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4) draft_topk_fused_vec4(KD_TOPK_FUSED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 3) draft_topk_fused_vec4(KD_TOPK_FUSED_PARAMS) {
     topk_slice<4>(KD_TOPK_FUSED_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4) draft_topk_fused_vec1(KD_TOPK_FUSED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 3) draft_topk_fused_vec1(KD_TOPK_FUSED_PARAMS) {
     topk_slice<1>(KD_TOPK_FUSED_ARGS);
 }

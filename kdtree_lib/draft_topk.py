@@ -50,7 +50,6 @@ SLICE = 4096         # KD_TOPK_SLICE: logits per v3 chunk
 FAST_MAX_K = 128     # KD_TOPK_FAST_MAX_K: v3 up to this k, v1 above
 MAX_CHUNKS = 4       # KD_TOPK_MAX_CHUNKS: SLICE-logit chunks per v3 slice
 MAX_SLICES = 1024    # KD_TOPK_MAX_SLICES: v3's slices per row (the merging CTA holds their counts)
-CERTS = 8            # KD_TOPK_CERTS: each v3 slice's thread maxima at ranks 1, 2, 4, ..., k (the merge's floor)
 MAX_GRID_Y = 65_535  # v3's rows B*D run on the grid's y axis
 
 
@@ -151,12 +150,11 @@ class TopKLaunch(_PreparedTopK):
             raise ValueError(f"chunks: expected 1..{MAX_CHUNKS}, got {self.chunks}")
         slices = -(-vocab // (SLICE * self.chunks))
         if k <= FAST_MAX_K and rows <= MAX_GRID_Y and slices <= MAX_SLICES:
-            self.path, self.version = "fused_v3", 4
+            self.path, self.version = "fused_v3", 3
             cap = candidate_room(k)
             self._keys = cuda.device_empty(logits, (rows, slices, cap), "int64")
             self._counts = cuda.device_empty(logits, (rows, slices), "int32")
             self._states = cuda.device_empty(logits, (rows, slices, 4), "float32")
-            self._certs = cuda.device_empty(logits, (rows, slices, CERTS), "float32")
             self._row_flags = _device_zeros(logits, (rows,))
             self._tickets = _device_zeros(logits, (rows,))
             self._launches = [] if rows == 0 else [
@@ -165,8 +163,8 @@ class TopKLaunch(_PreparedTopK):
                     (SLICE_THREADS,),
                     (cuda.pointer(logits), np.int32(vocab), np.int32(k), np.int32(self.chunks), np.int32(slices),
                      np.int32(cap), cuda.pointer(self._keys), cuda.pointer(self._counts), cuda.pointer(self._states),
-                     cuda.pointer(self._certs), cuda.pointer(self._row_flags), cuda.pointer(self._tickets),
-                     cuda.pointer(self.status), cuda.pointer(out.logp), cuda.pointer(out.ids)), device=device)]
+                     cuda.pointer(self._row_flags), cuda.pointer(self._tickets), cuda.pointer(self.status),
+                     cuda.pointer(out.logp), cuda.pointer(out.ids)), device=device)]
         else:
             self.path, self.version = "fused_v1", 1
             self._launches = [] if rows == 0 else [

@@ -2,9 +2,8 @@
 //
 // No kernel-specific logic lives here: the fixed-width names of raw words, integer helpers, IEEE
 // infinities and NaN, two float constants without <math.h> (NVRTC compiles these files without system
-// headers), MUFU's 2^x, lane/warp indices, warp and block scans, a block-wide reduction, two
-// warp-aggregated shared-memory atomics (histogram increment, append to a list), and the PTX wrappers
-// more than one kernel file uses:
+// headers), lane/warp indices, warp and block scans, a block-wide reduction, two warp-aggregated shared-memory atomics
+// (histogram increment, append to a list), and the PTX wrappers more than one kernel file uses:
 // the block's dynamic shared memory size, shared-window addresses, 16-byte cp.async, 16-bit pair
 // conversions and the mma.sync m16n8k16 tile (bf16 or f16 in, fp32 accumulators).
 // Every block-level helper must be called by all threads of the block (blockDim.x a multiple of 32).
@@ -28,13 +27,6 @@ __host__ __device__ __forceinline__ constexpr int kd_ceil_div(int a, int b) { re
 __device__ __forceinline__ float kd_neg_inf_f() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ double kd_neg_inf_d() { return __longlong_as_double(0xfff0000000000000LL); }
 __device__ __forceinline__ float kd_nan_f() { return __int_as_float(0x7fc00000); }  // a quiet NaN
-
-// 2^x on the special-function unit (MUFU.EX2, flush-to-zero; about 2 ulp): exp(y) = fast_exp2(y * kd_log2e())
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 __device__ __forceinline__ int kd_lane() { return threadIdx.x & (KD_WARP_SIZE - 1); }
 __device__ __forceinline__ int kd_warp() { return threadIdx.x / KD_WARP_SIZE; }

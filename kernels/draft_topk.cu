@@ -20,11 +20,6 @@
 //       select from the staged keys' common prefix down to <= KD_TOPK_RANKED survivors, each
 //       survivor's rank counted against the others by a few threads (no sort), and the ticket reset
 //       for the next launch (CUDA graph replays). (docs/kernel-notes.md: v2 -> v3 and their H200 times.)
-//   v4  v3 with: exp(x - max) on MUFU.EX2 (fast_exp2) instead of expf; the next chunk's loads issued
-//       before the current one is reduced; each slice also writes its sorted thread maxima at ranks
-//       1, 2, 4, ..., k ("certificates"), from which the merge takes a floor near the row's k-th largest
-//       thread maximum (about k to 2k candidates left instead of hundreds, so the radix select is
-//       mostly skipped); the row's flags read at the merge's start; one reduction for the keys' range.
 //
 // The selected values are the logits themselves, so the ids and their order are exact (ties by
 // ascending id). The normaliser is this kernel's own float32 sum, which differs from torch's
@@ -51,15 +46,12 @@
 #define KD_TOPK_MERGE_STAGED 3840  // a row's candidates staged in shared memory (30 KB)
 #define KD_TOPK_MAX_SLICES 1024    // slices per row (draft_topk.TopKLaunch checks it)
 #define KD_TOPK_RANKED 128         // survivors ranked by counting (>= KD_TOPK_FAST_MAX_K)
-#define KD_TOPK_CERTS 8            // a slice's sorted thread maxima at ranks min(2^c, k), c < 8 (2^7 >= the largest k)
-#define KD_TOPK_CERT_SLICES 128    // the merge tightens its floor from certificates up to this many slices
 #define KD_TOPK_BAD_NAN 1u
 #define KD_TOPK_BAD_POS_INF 2u
 #define KD_TOPK_BAD_ALL_NEG_INF 4u
 
 static_assert(KD_TOPK_BINS % KD_TOPK_THREADS == 0, "each thread scans whole bins");
 static_assert((1 << KD_TOPK_MERGE_BITS) == KD_TOPK_SLICE_THREADS, "the merge's bins: one per thread");
-static_assert((1 << (KD_TOPK_CERTS - 1)) >= KD_TOPK_FAST_MAX_K, "the last certificate is the k-th maximum");
 static_assert(KD_TOPK_RANKED <= KD_TOPK_SLICE_THREADS && KD_TOPK_FAST_MAX_K <= KD_TOPK_RANKED, "a survivor per thread");
 
 
@@ -101,15 +93,6 @@ __device__ __forceinline__ SoftmaxState softmax_merge(SoftmaxState a, SoftmaxSta
 
 __device__ __forceinline__ SoftmaxState kd_shfl_xor(SoftmaxState state, int offset) {  // for kd_block_all_reduce
     return {kd_shfl_xor(state.max, offset), kd_shfl_xor(state.sum, offset)};
-}
-
-// The smallest and largest of a set of keys, reduced in one pass.
-struct KeySpan {
-    unsigned long long lo, hi;
-};
-
-__device__ __forceinline__ KeySpan kd_shfl_xor(KeySpan range, int offset) {  // for kd_block_all_reduce
-    return {kd_shfl_xor(range.lo, offset), kd_shfl_xor(range.hi, offset)};
 }
 
 // The whole block's softmax state, returned to every thread. scratch: __shared__ SoftmaxState[32].
@@ -362,8 +345,7 @@ union FusedScratch {
         unsigned long long ranked[KD_TOPK_RANKED];
         RadixScratch<KD_TOPK_MERGE_BITS> radix;
         int count[KD_TOPK_MAX_SLICES];  // candidates of each slice of the row
-        float certs[KD_TOPK_CERT_SLICES * KD_TOPK_CERTS];
-        KeySpan ranges[32];            // block reductions' scratch
+        unsigned long long keys[32];    // block reductions' scratch
         float bounds[32];
         unsigned flags;                 // the row's flags, read (and cleared) once
     } merge;
@@ -376,16 +358,10 @@ union FusedScratch {
 // CTAs wrote through L2 (ld.cg): L1 is not coherent across CTAs.
 __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsigned long long* __restrict__ cand_keys,
                                const int* __restrict__ cand_count, const float4* __restrict__ states,
-                               const float* __restrict__ certs,
                                unsigned* __restrict__ row_flags, unsigned* __restrict__ row_ticket,
                                unsigned* __restrict__ status, float* __restrict__ out_logp, int* __restrict__ out_ids,
                                FusedScratch& sh, SoftmaxState* s_softmax, unsigned& s_staged, unsigned& s_taken) {
     const int t = threadIdx.x;
-    if (t == 0) {
-        sh.merge.flags = atomicExch(&row_flags[row], 0u);  // read now, used after the barriers below
-        s_staged = 0u;
-        s_taken = 0u;
-    }
     SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
     float bound = kd_neg_inf_f();
     for (int s = t; s < slices; s += blockDim.x) {
@@ -394,33 +370,14 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
         bound = fmaxf(bound, state.z);
         sh.merge.count[s] = __ldcg(cand_count + (long long)row * slices + s);
     }
-    const bool certified = slices <= KD_TOPK_CERT_SLICES;  // block-uniform
-    const int n_certs = slices * KD_TOPK_CERTS;
-    if (certified) {
-        for (int j = t; j < n_certs; j += blockDim.x) sh.merge.certs[j] = __ldcg(certs + (long long)row * n_certs + j);
+    if (t == 0) {
+        s_staged = 0u;
+        s_taken = 0u;
     }
-    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);  // synchronises: counts, certificates
-    // The floor below which no key is in the row's top k. A slice's r-th largest thread maximum M is
-    // the lowest of r distinct logits (r threads' maxima), so where the slices' certificates count
-    // >= k logits >= F, the row's k-th largest logit is >= F. Every slice's L (its k-th maximum) is
-    // such an F alone; the largest certified F is near the row's k-th largest thread maximum, which
-    // leaves about k to 2k candidates above it instead of the several hundred above the largest L.
-    if (certified) {
-        for (int j = t; j < n_certs; j += blockDim.x) {
-            const float value = sh.merge.certs[j];
-            if (!(value > bound)) continue;  // only a larger value can raise the floor
-            int counted = 0;
-            for (int s = 0; s < slices && counted < k; ++s) {
-                const float* mine = sh.merge.certs + s * KD_TOPK_CERTS;
-                int rank = 0;  // the certificates descend as their ranks grow: the last one >= value counts
-                for (int c = 0; c < KD_TOPK_CERTS && mine[c] >= value; ++c) rank = min(1 << c, k);
-                counted += rank;
-            }
-            if (counted >= k) bound = value;
-        }
-    }
+    const SoftmaxState total = softmax_block_merge(softmax, s_softmax);  // synchronises: counts, s_staged
     bound = kd_block_all_reduce(bound, [](float a, float b) { return fmaxf(a, b); }, sh.merge.bounds);
-    // (the lowest key of a value v has the id bits all 0)
+    // every slice's L is at most its k-th largest logit, so at most the row's: keys below the largest
+    // L are not in the row's top k (the lowest key of a value v has the id bits all 0)
     const unsigned long long floor = bound == kd_neg_inf_f() ? 0ull : topk_key(bound, -1);
 
     // stage the row's candidates >= floor in shared memory, every slot's load issued before any is used
@@ -451,11 +408,8 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
             }
         }
     }
-    const KeySpan range = kd_block_all_reduce(KeySpan{lo, hi}, [](KeySpan a, KeySpan b) {
-        return KeySpan{min(a.lo, b.lo), max(a.hi, b.hi)};
-    }, sh.merge.ranges);
-    lo = range.lo;
-    hi = range.hi;
+    lo = kd_block_all_reduce(lo, [](unsigned long long a, unsigned long long b) { return min(a, b); }, sh.merge.keys);
+    hi = kd_block_all_reduce(hi, [](unsigned long long a, unsigned long long b) { return max(a, b); }, sh.merge.keys);
     const unsigned staged = s_staged;  // published by the reductions' barriers
 
     // the keys >= threshold: every staged key when they are few, else the radix select's <= KD_TOPK_RANKED
@@ -486,6 +440,7 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
     };
     if (in_shared) from_shared(false, gather);
     else from_global(false, gather);
+    if (t == 0) sh.merge.flags = atomicExch(&row_flags[row], 0u);
     __syncthreads();
 
     // each survivor's rank among them (keys are unique): the top k go straight to their places
@@ -525,7 +480,7 @@ __device__ void topk_merge_row(int row, int slices, int cap, int k, const unsign
 template <int VEC>
 __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, int chunks, int slices, int cap,
                            unsigned long long* __restrict__ cand_keys, int* __restrict__ cand_count,
-                           float4* __restrict__ states, float* __restrict__ certs, unsigned* __restrict__ row_flags,
+                           float4* __restrict__ states, unsigned* __restrict__ row_flags,
                            unsigned* __restrict__ row_ticket, unsigned* __restrict__ status,
                            float* __restrict__ out_logp, int* __restrict__ out_ids) {
     __shared__ FusedScratch sh;
@@ -546,25 +501,19 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     float chunk_max[KD_TOPK_MAX_CHUNKS];
     SoftmaxState softmax = {kd_neg_inf_f(), 0.0f};
     bool has_nan = false;
-    float v[KD_TOPK_PER_THREAD], next[KD_TOPK_PER_THREAD];
-    load_chunk<VEC>(row_logits, vocab, base, next);  // used >= 1: a slice starts inside the row
+    float v[KD_TOPK_PER_THREAD];
 #pragma unroll
     for (int c = 0; c < KD_TOPK_MAX_CHUNKS; ++c) {
         chunk_max[c] = kd_neg_inf_f();
         if (c < used) {
-#pragma unroll
-            for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) v[e] = next[e];
-            // the next chunk's loads in flight while this one is reduced
-            if (c + 1 < used) load_chunk<VEC>(row_logits, vocab, base + (c + 1) * KD_TOPK_SLICE, next);
+            load_chunk<VEC>(row_logits, vocab, base + c * KD_TOPK_SLICE, v);
             float max = kd_neg_inf_f();
 #pragma unroll
             for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) max = fmaxf(max, v[e]);
             float sum = 0.0f;
             if (max != kd_neg_inf_f()) {
-                // exp(x - max) as 2^((x - max) log2 e) on MUFU.EX2: three instructions per logit, where
-                // expf's range reduction costs about ten (which made the slices issue-bound at B = 64)
 #pragma unroll
-                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += fast_exp2((v[e] - max) * kd_log2e());
+                for (int e = 0; e < KD_TOPK_PER_THREAD; ++e) sum += expf(v[e] - max);
             }
             has_nan |= sum != sum && max != -kd_neg_inf_f();
             if (max == kd_neg_inf_f()) {  // -inf or NaN only: the sum saw none of it
@@ -592,10 +541,6 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     // slower (H200, B=64 D=7 k=8, 4 chunks: 186 us at 6a36a18 against 151 at e2fc428; kernel-notes)
     const float ranked = block_sort_descending(thread_max, sh.slice.exchange);
     if (t == k - 1) s_bound = ranked;
-#pragma unroll
-    for (int c = 0; c < KD_TOPK_CERTS; ++c) {  // the certificates: the maxima at ranks 1, 2, 4, ..., k
-        if (t == min(1 << c, k) - 1) certs[cell * KD_TOPK_CERTS + c] = ranked;
-    }
     __syncthreads();
     const float bound = s_bound;
     if (t == 0) states[cell] = make_float4(total.max, total.sum, bound, 0.0f);
@@ -655,8 +600,8 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    topk_merge_row(row, slices, cap, k, cand_keys, cand_count, states, certs, row_flags, row_ticket, status, out_logp,
-                   out_ids, sh, s_softmax, s_staged, s_taken);
+    topk_merge_row(row, slices, cap, k, cand_keys, cand_count, states, row_flags, row_ticket, status, out_logp, out_ids,
+                   sh, s_softmax, s_staged, s_taken);
 }
 
 // logits [rows, vocab] float32 -> out_logp [rows, k] float32 (descending), out_ids [rows, k] int32, in one
@@ -666,16 +611,15 @@ __device__ void topk_slice(const float* __restrict__ logits, int vocab, int k, i
 #define KD_TOPK_FUSED_PARAMS                                                                                     \
     const float *__restrict__ logits, int vocab, int k, int chunks, int slices, int cap,                        \
         unsigned long long *__restrict__ cand_keys, int *__restrict__ cand_count, float4 *__restrict__ states, \
-        float *__restrict__ certs, unsigned *__restrict__ row_flags, unsigned *__restrict__ row_ticket,           \
-        unsigned *__restrict__ status, float *__restrict__ out_logp, int *__restrict__ out_ids
-#define KD_TOPK_FUSED_ARGS                                                                                   \
-    logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, certs, row_flags, row_ticket, status, \
-        out_logp, out_ids
+        unsigned *__restrict__ row_flags, unsigned *__restrict__ row_ticket, unsigned *__restrict__ status,     \
+        float *__restrict__ out_logp, int *__restrict__ out_ids
+#define KD_TOPK_FUSED_ARGS \
+    logits, vocab, k, chunks, slices, cap, cand_keys, cand_count, states, row_flags, row_ticket, status, out_logp, out_ids
 
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 3) draft_topk_fused_vec4(KD_TOPK_FUSED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4) draft_topk_fused_vec4(KD_TOPK_FUSED_PARAMS) {
     topk_slice<4>(KD_TOPK_FUSED_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 3) draft_topk_fused_vec1(KD_TOPK_FUSED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(KD_TOPK_SLICE_THREADS, 4) draft_topk_fused_vec1(KD_TOPK_FUSED_PARAMS) {
     topk_slice<1>(KD_TOPK_FUSED_ARGS);
 }

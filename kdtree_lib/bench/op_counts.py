@@ -322,7 +322,8 @@ def table(steps: list[StepCounts], *, by_op: bool = False) -> str:
         if by_op:
             ops = sorted({op for step in steps for (lab, op) in step.by_op if lab == label})
             for op in ops:
-                lines.append(f"{'    ' + op:<{width}}" + "".join(f"{step.by_op.get((label, op), 0):>11}" for step in steps))
+                counts = "".join(f"{step.by_op.get((label, op), 0):>11}" for step in steps)
+                lines.append(f"{'    ' + op:<{width}}" + counts)
     lines.append("-" * len(head))
     for stage in ("draft", "tree", "verify", "accept"):
         lines.append(f"{stage + ' (all parts)':<{width}}" + "".join(f"{s.stage_total(stage):>11}" for s in steps))

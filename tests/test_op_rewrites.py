@@ -103,6 +103,27 @@ def test_the_drafter_rope_equals_rotate_half(dtype, yarn):
     assert torch.equal(rotate(k, table[:, :, None], index), both[:, :, 4:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_rotates_every_layers_keys_as_key_value_does(dtype):
+    _, drafter = random_pair(vocab=48, dtype=dtype)
+    drafter.layers.append(type(drafter.layers[0])(drafter.config, drafter.tp).to(dtype))   # two layers
+    with torch.no_grad():
+        for i, weight in enumerate(drafter.layers[1].parameters()):
+            weight.copy_(0.2 * randn(*weight.shape, seed=30 + i))
+    cache = drafter.new_cache(2, 24)
+    cache.lengths.copy_(torch.tensor([3, 9]))
+    features = randn(2, 5, drafter.config.feature_size, seed=40, dtype=dtype)
+    drafter.extend(cache, features, static=True)
+    slots = torch.tensor([3, 9])[:, None] + torch.arange(5)
+    context = drafter.hidden_norm(drafter.fc(features))
+    rope = drafter._rope(slots)
+    for i, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.key_value(context, rope)                              # (B, G, T, d)
+        for b in range(2):
+            assert torch.equal(cache.keys[i][b, :, slots[b]], k[b])
+            assert torch.equal(cache.values[i][b, :, slots[b]], v[b])
+
+
 def test_the_drafter_mask_is_repeated_once_for_every_layer():
     _, drafter = random_pair(vocab=48)
     attention = drafter.layers[0].self_attn

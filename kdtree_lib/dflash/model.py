@@ -126,11 +126,16 @@ class Attention(nn.Module):
     def key_value(self, x, rope):
         """Keys (normed, rotated) and values of x (B, N, D): two (B, G, N, d); rope: (table (B, N, 2d),
         index), DFlashDrafter._rope's."""
-        batch, n = x.shape[:2]
         table, index = rope
+        k, v = self.unrotated_key_value(x)
+        return rotate(k, table[:, :, None], index).transpose(1, 2), v
+
+    def unrotated_key_value(self, x):
+        """Keys normed, not yet rotated, (B, N, G, d), and values (B, G, N, d) of x (B, N, D)."""
+        batch, n = x.shape[:2]
         k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(k, table[:, :, None], index).transpose(1, 2), v
+        return k, v
 
     def attention_mask(self, mask, context_len: int, queries: int):
         """The form of a block's mask (B, 1, Q, C + Q) forward takes: as is on the split path, else its
@@ -368,11 +373,14 @@ class DFlashDrafter(nn.Module):
                 raise ValueError(f"cache: {end} slots needed, capacity {cache.capacity}")
         slots = cache.lengths[:, None] + arange_on(self, count, device)         # (B, T)
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, T, D)
-        rope = self._rope(slots)
+        table, rope_index = self._rope(slots)
         index = slots[:, None, :, None].expand(-1, cache.keys[0].shape[1], -1, c.head_dim)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(context, rope)                    # (B, G, T, d)
-            cache.keys[i].scatter_(2, index, k)
+        projected = [layer.self_attn.unrotated_key_value(context) for layer in self.layers]
+        # every layer's keys rotated together (Attention.key_value's rotation): one gather, product and sum
+        keys = [k for k, _ in projected]
+        keys = rotate(keys[0] if len(keys) == 1 else torch.cat(keys, dim=2), table[:, :, None], rope_index)
+        for i, (k, (_, v)) in enumerate(zip(keys.split(projected[0][0].shape[2], dim=2), projected)):
+            cache.keys[i].scatter_(2, index, k.transpose(1, 2))                # (B, G, T, d)
             cache.values[i].scatter_(2, index, v)
         cache.lengths += n_new.long()  # in place: a prepared step or a captured graph reads this buffer
 

@@ -469,7 +469,7 @@ class Experts(nn.Module):
         ends = torch.searchsorted(by_expert, arange_on(self, experts, x.device), right=True, out_int32=True)
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # (N*k, D)
-        y = y * weights.flatten()[order, None]
+        y.mul_(weights.flatten()[order, None])                             # fp32 products, stored in y's dtype
         if mine is not None:                                               # rows past ends[-1] are not computed
             y = torch.where(mine.flatten()[order, None], y, 0)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))

@@ -44,7 +44,7 @@ from .config import DFlashConfig
 
 def rope_index(dim: int) -> torch.Tensor:
     """int64 [2d]: where `rotate` (model.model) reads x [..., d] from, as [x | x2 | x1] with x1, x2 its
-    halves: x cos + rotate_half(x) sin, rotate_half(x) = [-x2 | x1], with the table of Drafter._rope."""
+    halves: x cos + rotate_half(x) sin, rotate_half(x) = [-x2 | x1], with the table of DFlashDrafter._rope."""
     half = dim // 2
     steps = torch.arange(dim, device="cpu")  # cpu even when built on meta
     return torch.cat([steps, steps[half:], steps[:half]])

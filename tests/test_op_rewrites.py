@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kdtree_lib.decode import Decoder
 from kdtree_lib.dflash import DFlashConfig, DFlashDrafter
+from kdtree_lib.dflash.model import split_kv_attention, uses_split_kv
 from kdtree_lib.model import ModelConfig, TensorParallel
 from kdtree_lib.model.model import (Experts, Router, VocabParallelEmbedding, rope_index, rope_table, rotate,
                                     yarn_inv_freq)
@@ -101,6 +102,37 @@ def test_the_drafter_rope_equals_rotate_half(dtype, yarn):
     assert torch.equal(both[:, :, :4].transpose(1, 2), replaced_apply_rope(q.transpose(1, 2), cos, sin))
     assert torch.equal(both[:, :, 4:].transpose(1, 2), replaced_apply_rope(k.transpose(1, 2), cos, sin))
     assert torch.equal(rotate(k, table[:, :, None], index), both[:, :, 4:])
+
+
+def replaced_attention(a, x, context_k, context_v, cos, sin, mask):
+    batch, n = x.shape[:2]
+    q = a.q_norm(a.q_proj(x).view(batch, n, a.heads, a.head_dim)).transpose(1, 2)
+    q = replaced_apply_rope(q, cos, sin)
+    own_k = replaced_apply_rope(a.k_norm(a.k_proj(x).view(batch, n, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
+    own_v = a.v_proj(x).view(batch, n, a.kv_heads, a.head_dim).transpose(1, 2)
+    group = a.heads // a.kv_heads
+    q = q.reshape(batch, a.kv_heads, group * n, a.head_dim)
+    if mask is not None and uses_split_kv(context_k.shape[2], n):
+        out = split_kv_attention(q, context_k, context_v, own_k, own_v, mask)
+    else:
+        k, v = torch.cat([context_k, own_k], dim=2), torch.cat([context_v, own_v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, group, 1))
+    out = out.reshape(batch, a.heads, n, a.head_dim)
+    return a.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("context", (40, 2048))                                   # SDPA; the split path
+def test_the_drafter_attention_equals_its_per_layer_form(dtype, context):
+    _, drafter = random_pair(vocab=48, dtype=dtype)
+    attention = drafter.layers[0].self_attn
+    x = randn(2, 8, drafter.config.hidden_size, seed=50, dtype=dtype)
+    context_k, context_v = (randn(2, attention.kv_heads, context, 16, seed=s, dtype=dtype) for s in (51, 52))
+    mask = torch.rand(2, 1, 8, context + 8, generator=torch.Generator().manual_seed(53)) > 0.2
+    positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36, 37], [5, 6, 7, 8, 9, 10, 11, 12]])
+    cos, sin = replaced_drafter_rope(drafter, positions)
+    got = attention(x, context_k, context_v, drafter._rope(positions), attention.attention_mask(mask, context, 8))
+    assert torch.equal(got, replaced_attention(attention, x, context_k, context_v, cos, sin, mask))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

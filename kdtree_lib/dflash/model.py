@@ -151,9 +151,13 @@ class Attention(nn.Module):
         table, index = rope
         q = self.q_norm(self.q_proj(x).view(batch, n, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim))
-        # queries and the block's own keys rotated together: one gather, product and sum for both
-        q, own_k = rotate(torch.cat([q, k], dim=2), table[:, :, None], index).split([self.heads, self.kv_heads], dim=2)
-        q, own_k = q.transpose(1, 2), own_k.transpose(1, 2)                    # (B, H, Q, d), (B, G, Q, d)
+        # queries and the block's own keys rotated together (one gather, product and sum for both), stored
+        # head-major outside training (out= has no gradient): the GQA reshape below is then a view
+        both = torch.cat([q, k], dim=2)                                        # (B, Q, H + G, d)
+        head_major = None if both.requires_grad else both.new_empty(batch, self.heads + self.kv_heads, n,
+                                                                     self.head_dim).transpose(1, 2)
+        rotated = rotate(both, table[:, :, None], index, out=head_major).transpose(1, 2)
+        q, own_k = rotated.split([self.heads, self.kv_heads], dim=1)           # (B, H, Q, d), (B, G, Q, d)
         own_v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         # GQA: the H / G query heads of one key/value head become rows of its query block, so each
         # key is read once (enable_gqa with a mask falls back to a path that repeats the keys)

@@ -125,7 +125,8 @@ def rope_table(cos, sin, scale: float, dtype) -> torch.Tensor:
 
 def rotate(x, table, index, out=None):
     """RoPE in three ops: x [..., n] gathered at `index` [2n], times `table` [..., 2n] (broadcast), and
-    the two halves of the products added (into `out` when given: a prepared launch's query buffer).
+    the two halves of the products added (into `out` when given: a prepared launch's query buffer, or
+    a strided view that lays the result out as its reader wants it).
 
     Output element i is terms[i] + terms[n + i]: the tables place each output's cosine term in the
     first half and its sine term, sign included, in the second, so every element is the textbook

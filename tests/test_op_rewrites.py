@@ -1,6 +1,6 @@
 """The rewrites that cut an eager decode step's torch ops (issue 30; counted by bench.op_counts) give the
 same bits as the formulations they replaced: each replaced formulation is written out here as it was
-and compared with torch.equal on random inputs, float32 and bfloat16."""
+and compared with torch.equal on random inputs, float32 and bfloat16, on the CPU and (-m gpu) the GPU."""
 import numpy as np
 import pytest
 import torch
@@ -16,10 +16,11 @@ from kdtree_lib.model.config import tiny_config
 from kdtree_lib.pairs import random_pair
 
 DTYPES = (torch.float32, torch.bfloat16)
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 
 
-def randn(*shape, seed, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+def randn(*shape, seed, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,22 +37,25 @@ def replaced_target_rope(x, cos, sin, interleave: bool):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleave", (True, False))
 @pytest.mark.parametrize("scale", (1.0, 1.3466))
-def test_the_target_rope_table_and_rotation_equal_the_per_layer_formula(dtype, interleave, scale):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_target_rope_table_and_rotation_equal_the_per_layer_formula(dtype, interleave, scale, device):
     batch, nodes, heads, rope = 3, 9, 4, 64
-    positions = torch.randint(0, 70000, (batch, nodes), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    depths = torch.randint(0, 9, (batch, nodes), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
-    inv_freq = yarn_inv_freq(rope, 50000.0, 64.0, 4096)
+    positions = torch.randint(0, 70000, (batch, nodes), generator=torch.Generator().manual_seed(1),
+                              dtype=torch.int32).to(device)
+    depths = torch.randint(0, 9, (batch, nodes), generator=torch.Generator().manual_seed(2),
+                           dtype=torch.int32).to(device)
+    inv_freq = yarn_inv_freq(rope, 50000.0, 64.0, 4096).to(device)
     angles = (positions + depths).float()[..., None] * inv_freq                          # as the step made them
     cos, sin = ((f(angles) * scale).to(dtype) for f in (torch.cos, torch.sin))
     table = rope_table(torch.cos((positions + depths)[..., None] * inv_freq),
                        torch.sin((positions + depths)[..., None] * inv_freq), scale, dtype)
-    index = rope_index(rope, interleave)
-    q = randn(batch, nodes, heads, 192, seed=3, dtype=dtype)[..., 128:]                 # a strided slice, as in MLA
-    k = randn(batch, nodes, rope, seed=4, dtype=dtype)
+    index = rope_index(rope, interleave).to(device)
+    q = randn(batch, nodes, heads, 192, seed=3, dtype=dtype, device=device)[..., 128:]  # a strided slice, as in MLA
+    k = randn(batch, nodes, rope, seed=4, dtype=dtype, device=device)
     want_q = replaced_target_rope(q, cos[:, :, None], sin[:, :, None], interleave)
     assert torch.equal(rotate(q, table[:, :, None], index), want_q)
     assert torch.equal(rotate(k, table, index), replaced_target_rope(k, cos, sin, interleave))
-    out = torch.full((batch, nodes, heads, rope), float("nan"), dtype=dtype)          # a launch's query buffer
+    out = torch.full((batch, nodes, heads, rope), float("nan"), dtype=dtype, device=device)  # a launch's buffer
     assert rotate(q, table[:, :, None], index, out=out) is out and torch.equal(out, want_q)
 
 
@@ -87,17 +91,18 @@ def replaced_apply_rope(x, cos, sin):                                     # x (B
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("yarn", (None, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
-def test_the_drafter_rope_equals_rotate_half(dtype, yarn):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_drafter_rope_equals_rotate_half(dtype, yarn, device):
     raw = {"architectures": ["DFlashDraftModel"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 40, "block_size": 4,
            "mask_token_id": 39, "target_layer_ids": [1], "rope_theta": 10000.0, "rope_scaling": yarn}
     config = DFlashConfig.from_dict(raw)
     assert config.yarn is None if yarn is None else config.yarn.attention_factor != 1
-    drafter = DFlashDrafter(config).to(dtype)
-    positions = torch.randint(0, 9000, (2, 7), generator=torch.Generator().manual_seed(5))
+    drafter = DFlashDrafter(config).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 9000, (2, 7), generator=torch.Generator().manual_seed(5)).to(device)
+    table, index = drafter._rope(positions)                                   # moves inv_freq to the device
     cos, sin = replaced_drafter_rope(drafter, positions)
-    table, index = drafter._rope(positions)
-    q, k = randn(2, 7, 4, 16, seed=6, dtype=dtype), randn(2, 7, 2, 16, seed=7, dtype=dtype)   # (B, N, heads, d)
+    q, k = (randn(2, 7, heads, 16, seed=seed, dtype=dtype, device=device) for heads, seed in ((4, 6), (2, 7)))
     both = rotate(torch.cat([q, k], dim=2), table[:, :, None], index)
     assert torch.equal(both[:, :, :4].transpose(1, 2), replaced_apply_rope(q.transpose(1, 2), cos, sin))
     assert torch.equal(both[:, :, 4:].transpose(1, 2), replaced_apply_rope(k.transpose(1, 2), cos, sin))
@@ -123,15 +128,18 @@ def replaced_attention(a, x, context_k, context_v, cos, sin, mask):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("context", (40, 2048))                                   # SDPA; the split path
-def test_the_drafter_attention_equals_its_per_layer_form(dtype, context):
-    _, drafter = random_pair(vocab=48, dtype=dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_drafter_attention_equals_its_per_layer_form(dtype, context, device):
+    _, drafter = random_pair(vocab=48, dtype=dtype, device=device)
     attention = drafter.layers[0].self_attn
-    x = randn(2, 8, drafter.config.hidden_size, seed=50, dtype=dtype)
-    context_k, context_v = (randn(2, attention.kv_heads, context, 16, seed=s, dtype=dtype) for s in (51, 52))
-    mask = torch.rand(2, 1, 8, context + 8, generator=torch.Generator().manual_seed(53)) > 0.2
-    positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36, 37], [5, 6, 7, 8, 9, 10, 11, 12]])
+    x = randn(2, 8, drafter.config.hidden_size, seed=50, dtype=dtype, device=device)
+    context_k, context_v = (randn(2, attention.kv_heads, context, 16, seed=s, dtype=dtype, device=device)
+                            for s in (51, 52))
+    mask = (torch.rand(2, 1, 8, context + 8, generator=torch.Generator().manual_seed(53)) > 0.2).to(device)
+    positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36, 37], [5, 6, 7, 8, 9, 10, 11, 12]], device=device)
+    rope = drafter._rope(positions)
     cos, sin = replaced_drafter_rope(drafter, positions)
-    got = attention(x, context_k, context_v, drafter._rope(positions), attention.attention_mask(mask, context, 8))
+    got = attention(x, context_k, context_v, rope, attention.attention_mask(mask, context, 8))
     assert torch.equal(got, replaced_attention(attention, x, context_k, context_v, cos, sin, mask))
 
 
@@ -177,13 +185,14 @@ def replaced_embedding(module, ids):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rank", (0, 1))
-def test_the_embedding_equals_the_masked_lookup(dtype, rank):
-    module = VocabParallelEmbedding(64, 16, TensorParallel(rank=rank, size=2)).to(dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_embedding_equals_the_masked_lookup(dtype, rank, device):
+    module = VocabParallelEmbedding(64, 16, TensorParallel(rank=rank, size=2)).to(device=device, dtype=dtype)
     module.tp = TensorParallel()  # rank `rank`'s rows, compared before the all-reduce
     with torch.no_grad():
         module.weight.copy_(randn(32, 16, seed=9))
         module.weight[3, 0] = -0.0                                               # x * 1 keeps a negative zero
-    ids = torch.randint(-3, 70, (3, 11), generator=torch.Generator().manual_seed(10))
+    ids = torch.randint(-3, 70, (3, 11), generator=torch.Generator().manual_seed(10)).to(device)
     for given in (ids, ids.to(torch.int32)):
         assert torch.equal(module(given), replaced_embedding(module, ids))
 
@@ -207,15 +216,16 @@ def replaced_router(router, x):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups", ({}, {"n_group": 4, "topk_group": 2}))
-def test_the_router_keeps_one_fp32_weight_and_routes_the_same(dtype, groups):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_router_keeps_one_fp32_weight_and_routes_the_same(dtype, groups, device):
     config = ModelConfig.from_dict(tiny_config(n_routed_experts=16, num_experts_per_tok=4, **groups))
     router = Router(config)
     with torch.no_grad():
         router.weight.copy_(randn(*router.weight.shape, seed=11))
         router.e_score_correction_bias.copy_(0.1 * randn(16, seed=12))
-    router = router.to(dtype)
+    router = router.to(device=device, dtype=dtype)
     assert router.e_score_correction_bias.dtype == torch.float32
-    x = randn(23, config.hidden_size, seed=13, dtype=dtype)
+    x = randn(23, config.hidden_size, seed=13, dtype=dtype, device=device)
     for _ in range(2):
         got, want = router(x), replaced_router(router, x)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -243,16 +253,18 @@ def replaced_grouped(experts, x, ids, weights):
 
 
 @pytest.mark.parametrize("moe_parallel, size, rank", [("tp", 1, 0), ("tp", 2, 1), ("ep", 2, 0), ("ep", 2, 1)])
-def test_the_grouped_experts_equal_the_masked_dispatch(moe_parallel, size, rank):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_grouped_experts_equal_the_masked_dispatch(moe_parallel, size, rank, device):
     config = ModelConfig.from_dict(tiny_config())
-    experts = Experts(config, TensorParallel(rank=rank, size=size), moe_parallel).to(torch.bfloat16)
+    experts = Experts(config, TensorParallel(rank=rank, size=size), moe_parallel)
+    experts = experts.to(device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         for i, weight in enumerate(experts.parameters()):
             weight.copy_(0.1 * randn(*weight.shape, seed=14 + i))
     generator = torch.Generator().manual_seed(16)
-    x = randn(37, config.hidden_size, seed=17, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)[:2] for _ in range(37)])
-    weights = torch.rand(37, 2, generator=generator)
+    x = randn(37, config.hidden_size, seed=17, dtype=torch.bfloat16, device=device)
+    ids = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)[:2] for _ in range(37)]).to(device)
+    weights = torch.rand(37, 2, generator=generator).to(device)
     assert torch.equal(experts.grouped(x, ids, weights), replaced_grouped(experts, x, ids, weights))
 
 
@@ -286,26 +298,28 @@ COMMIT_STATE = ("out", "out_len", "accepted", "round", "root", "active", "featur
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_commit_writes_what_it_wrote(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_commit_writes_what_it_wrote(dtype, device):
     """Random rounds through both commits, from the same state: every buffer equal after each."""
-    target, drafter = random_pair(vocab=48, dtype=dtype)
+    target, drafter = random_pair(vocab=48, dtype=dtype, device=device)
     decoders = [Decoder(target, drafter, method="ddtree", budget=6, batch=4, capacity=64, temperature=0.0,
                         backend="numpy") for _ in range(2)]
     rng = np.random.default_rng(18)
     for d in decoders:
         d.max_new_tokens = 20
         d._start_rows(slice(None), torch.tensor([3, 4, 5, 6]))
-        d.stop_table[:2] = torch.tensor([7, 11])
+        d.stop_table[:2] = torch.tensor([7, 11], device=device)
         d.active[2] = False                                                          # a finished request
         d.max_new[1] = 5
     width = drafter.config.draft_depth + 1
     for _ in range(5):
-        n_accepted = torch.as_tensor(rng.integers(1, width + 1, 4))
-        path = torch.as_tensor(np.where(np.arange(width) < n_accepted.numpy()[:, None],
-                                        rng.integers(0, 7, (4, width)), -1))
-        tokens = torch.as_tensor(rng.integers(0, 48, (4, 7)))
-        features = randn(4, 7, drafter.config.feature_size, seed=int(rng.integers(1000)), dtype=dtype)
-        bonus = torch.as_tensor(rng.integers(0, 48, 4))
+        accepted = rng.integers(1, width + 1, 4)
+        n_accepted = torch.as_tensor(accepted, device=device)
+        path = torch.as_tensor(np.where(np.arange(width) < accepted[:, None], rng.integers(0, 7, (4, width)), -1),
+                               device=device)
+        tokens = torch.as_tensor(rng.integers(0, 48, (4, 7)), device=device)
+        features = randn(4, 7, drafter.config.feature_size, seed=int(rng.integers(1000)), dtype=dtype, device=device)
+        bonus = torch.as_tensor(rng.integers(0, 48, 4), device=device)
         new_lengths = decoders[0].cache.lengths + n_accepted.to(torch.int32)
         decoders[0]._commit(tokens, features, path, n_accepted, bonus, new_lengths)
         replaced_commit(decoders[1], tokens, features, path, n_accepted, bonus, new_lengths)

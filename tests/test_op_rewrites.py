@@ -130,10 +130,18 @@ def replaced_attention(a, x, context_k, context_v, cos, sin, mask):
 @pytest.mark.parametrize("context", (40, 2048))                                   # SDPA; the split path
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_drafter_attention_equals_its_per_layer_form(dtype, context, device):
-    _, drafter = random_pair(vocab=48, dtype=dtype, device=device)
+    """At the stand-in drafter's attention shape (4 query heads, 2 key/value heads of 64): on a GPU the
+    attention backend SDPA picks depends on it."""
+    config = DFlashConfig(hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, vocab_size=64, block_size=8, mask_token_id=63,
+                          target_layer_ids=(1,), num_target_layers=3)
+    torch.manual_seed(54)
+    drafter = DFlashDrafter(config)
+    drafter.init_weights(0.05)
+    drafter = drafter.to(device=device, dtype=dtype)
     attention = drafter.layers[0].self_attn
-    x = randn(2, 8, drafter.config.hidden_size, seed=50, dtype=dtype, device=device)
-    context_k, context_v = (randn(2, attention.kv_heads, context, 16, seed=s, dtype=dtype, device=device)
+    x = randn(2, 8, config.hidden_size, seed=50, dtype=dtype, device=device)
+    context_k, context_v = (randn(2, attention.kv_heads, context, 64, seed=s, dtype=dtype, device=device)
                             for s in (51, 52))
     mask = (torch.rand(2, 1, 8, context + 8, generator=torch.Generator().manual_seed(53)) > 0.2).to(device)
     positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36, 37], [5, 6, 7, 8, 9, 10, 11, 12]], device=device)

@@ -147,7 +147,7 @@ def test_the_drafter_attention_equals_its_per_layer_form(dtype, context, device)
     positions = torch.tensor([[30, 31, 32, 33, 34, 35, 36, 37], [5, 6, 7, 8, 9, 10, 11, 12]], device=device)
     rope = drafter._rope(positions)
     cos, sin = replaced_drafter_rope(drafter, positions)
-    got = attention(x, context_k, context_v, rope, attention.attention_mask(mask, context, 8))
+    got = attention(x, context_k, context_v, rope, attention.attention_mask(mask, context, 8, dtype))
     assert torch.equal(got, replaced_attention(attention, x, context_k, context_v, cos, sin, mask))
 
 
@@ -177,8 +177,10 @@ def test_the_drafter_mask_is_repeated_once_for_every_layer():
     attention = drafter.layers[0].self_attn
     mask = torch.rand(2, 1, 8, 40, generator=torch.Generator().manual_seed(8)) > 0.3
     group = attention.heads // attention.kv_heads
-    assert torch.equal(attention.attention_mask(mask, 32, 8), mask.repeat(1, 1, group, 1))
-    assert attention.attention_mask(mask, 2048, 8) is mask                   # the split path takes it as is
+    additive = attention.attention_mask(mask, 32, 8, torch.bfloat16)
+    assert additive.dtype == torch.bfloat16
+    assert torch.equal(additive == 0, mask.repeat(1, 1, group, 1)) and torch.isneginf(additive[additive != 0]).all()
+    assert attention.attention_mask(mask, 2048, 8, torch.bfloat16) is mask     # the split path takes it as is
 
 
 # ----------------------------------------------------------------------------------------------

@@ -137,12 +137,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         return k, v
 
-    def attention_mask(self, mask, context_len: int, queries: int):
-        """The form of a block's mask (B, 1, Q, C + Q) forward takes: as is on the split path, else its
-        rows repeated per query head of a key/value head (SDPA's query rows); made once per step."""
+    def attention_mask(self, mask, context_len: int, queries: int, dtype):
+        """The form of a block's mask (B, 1, Q, C + Q) forward takes, made once per step: as is on the
+        split path; else its rows repeated per query head of a key/value head (SDPA's query rows), as
+        the additive mask SDPA makes of a boolean one (0 visible, -inf not, in the queries' `dtype`)."""
         if mask is None or uses_split_kv(context_len, queries):
             return mask
-        return mask.repeat(1, 1, self.heads // self.kv_heads, 1)               # (B, 1, (H/G)·Q, C + Q)
+        additive = torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        return additive.repeat(1, 1, self.heads // self.kv_heads, 1)           # (B, 1, (H/G)·Q, C + Q)
 
     def forward(self, x, context_k, context_v, rope, mask):
         """x (B, Q, D) attends to [context keys (B, G, C, d) ; its own keys]; rope: as key_value's; mask:
@@ -339,7 +341,7 @@ class DFlashDrafter(nn.Module):
             window = self.config.window(i)
             if window not in masks:
                 masks[window] = layer.self_attn.attention_mask(self._mask(visible, query_pos, key_pos, i),
-                                                               context_k.shape[2], x.shape[1])
+                                                               context_k.shape[2], x.shape[1], x.dtype)
             x = layer(x, context_k, context_v, rope, masks[window])
         return self.norm(x)
 

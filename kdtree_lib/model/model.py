@@ -345,8 +345,8 @@ class Router(nn.Module):
         """The weight in float32 (the router's scores are fp32): cast once and kept until the weight
         changes (a load, a move or a cast: its address, version or dtype), not once per call."""
         weight = self.weight
-        if weight.dtype == torch.float32:
-            return weight
+        if weight.dtype == torch.float32 or weight.is_inference():  # an inference tensor has no version to watch
+            return weight.float()
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         return made_once(self, "_weight_fp32", key, weight.float)
 

@@ -170,6 +170,18 @@ def step_shape(method: str, budget: int, depth: int) -> tuple[int, int]:
     return step_budget, tree_nodes(step_budget)
 
 
+def shape_decoder(target, drafter, prompts, *, method: str, budget: int, new_tokens: int, backend: str) -> "Decoder":
+    """A Decoder of the step shape generate makes for (method, budget) and these prompts, reset with them
+    (greedy): what a benchmark times or counts step by step."""
+    depth = drafter.config.draft_depth if method != "ar" else 0
+    step_budget, nodes = step_shape(method, budget, depth)
+    decoder = Decoder(target, drafter if method != "ar" else None, method=method, budget=step_budget,
+                      batch=len(prompts), capacity=decoder_capacity(prompts, new_tokens, nodes, depth),
+                      temperature=0.0, backend=backend)
+    decoder.reset(prompts, max_new_tokens=new_tokens)
+    return decoder
+
+
 def resolve_backend(backend: str, target) -> str:
     """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU;
     "torch": the references, which are the tree ops' torch path)."""

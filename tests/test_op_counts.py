@@ -7,7 +7,7 @@ import torch
 
 from kdtree_lib.bench import op_counts
 from kdtree_lib.bench.op_counts import OpCounter, count_ops, host_decoder, step_counts
-from kdtree_lib.decode import Decoder, decoder_capacity, step_shape
+from kdtree_lib.decode import shape_decoder
 from kdtree_lib.pairs import pair_with_prompts, random_pair
 
 # torch ops of one eager step of the stand-in pair (k26-mini, batch 1, bf16), reached by the rewrites of
@@ -87,11 +87,7 @@ def test_the_host_stand_ins_decode_as_the_host_backend(method, budget):
     target, drafter = random_pair(vocab=48, draft_sharpness=0.05)
     prompts = [np.array([3, 9, 4, 17, 5]), np.array([8, 1, 30, 2, 7, 11, 6])]
     counted = host_decoder(target, drafter, prompts, method=method, budget=budget, new_tokens=12, counter=OpCounter())
-    depth = drafter.config.draft_depth
-    step_budget, nodes = step_shape(method, budget, depth)
-    plain = Decoder(target, drafter if method != "ar" else None, method=method, budget=step_budget, batch=2,
-                    capacity=decoder_capacity(prompts, 12, nodes, depth), temperature=0.0, backend="numpy")
-    plain.reset(prompts, max_new_tokens=12)
+    plain = shape_decoder(target, drafter, prompts, method=method, budget=budget, new_tokens=12, backend="numpy")
     for _ in range(4):
         counted.step()
         plain.step()

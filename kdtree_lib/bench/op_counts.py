@@ -29,7 +29,6 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import cli
 from ..checks import to_numpy
 from ..contracts import DraftTopK
-from ..decode import Decoder, PreparedStep, decoder_capacity, step_shape
+from ..decode import Decoder, PreparedStep, shape_decoder
 from ..dflash import model as dflash_model
 from ..draft_topk import draft_topk
 from ..model import model as target_model
@@ -281,12 +280,8 @@ class StepCounts:
 def host_decoder(target, drafter, prompts, *, method: str, budget: int, new_tokens: int = 32,
                  counter: OpCounter) -> Decoder:
     """A Decoder of this step shape on the host backend, its step the GPU's (HostLaunches), reset with `prompts`."""
-    depth = drafter.config.draft_depth if method != "ar" else 0
-    step_budget, nodes = step_shape(method, budget, depth)
-    decoder = Decoder(target, drafter if method != "ar" else None, method=method, budget=step_budget,
-                      batch=len(prompts), capacity=decoder_capacity(prompts, new_tokens, nodes, depth),
-                      temperature=0.0, backend="numpy")
-    decoder.reset(prompts, max_new_tokens=new_tokens)
+    decoder = shape_decoder(target, drafter, prompts, method=method, budget=budget, new_tokens=new_tokens,
+                            backend="numpy")
     decoder.prepared = HostLaunches(decoder, counter)
     return decoder
 

@@ -170,6 +170,18 @@ def step_shape(method: str, budget: int, depth: int) -> tuple[int, int]:
     return step_budget, tree_nodes(step_budget)
 
 
+def shape_decoder(target, drafter, prompts, *, method: str, budget: int, new_tokens: int, backend: str) -> "Decoder":
+    """A Decoder of the step shape generate makes for (method, budget) and these prompts, reset with them
+    (greedy): what a benchmark times or counts step by step."""
+    depth = drafter.config.draft_depth if method != "ar" else 0
+    step_budget, nodes = step_shape(method, budget, depth)
+    decoder = Decoder(target, drafter if method != "ar" else None, method=method, budget=step_budget,
+                      batch=len(prompts), capacity=decoder_capacity(prompts, new_tokens, nodes, depth),
+                      temperature=0.0, backend=backend)
+    decoder.reset(prompts, max_new_tokens=new_tokens)
+    return decoder
+
+
 def resolve_backend(backend: str, target) -> str:
     """The tree ops' backend: "numpy" or "cupy" ("auto": the kernels when the target is on a GPU;
     "torch": the references, which are the tree ops' torch path)."""
@@ -353,6 +365,7 @@ class Decoder:
         self.columns = torch.arange(width, **long)                             # (D+1,)
         self.root_path = torch.full((batch, width), -1, **long)
         self.root_path[:, 0] = 0
+        self.ones = torch.ones(batch, **long)                                  # an AR round commits one token
         self.posterior = torch.zeros(batch, self.nodes, **long)                # the target's token at each node
         self.generator = torch.Generator(device=device)
         self.root_tree = self._root_tree() if self.tree_mode == "root" else None
@@ -393,7 +406,7 @@ class Decoder:
                 path, n_accepted, bonus = (self._on_device(x) for x in (result.path, result.n_accepted, result.bonus))
             else:  # the root alone: its entry is already in place
                 new_lengths = self.cache.lengths + 1
-                path, n_accepted, bonus = self.root_path, torch.ones_like(self.root), posterior[:, 0]
+                path, n_accepted, bonus = self.root_path, self.ones, posterior[:, 0]
             self._commit(self._on_device(tree.tokens), out.features, path, n_accepted, bonus, new_lengths)
         return StepOutputs(draft=draft, tree=tree, logits=out.logits, posterior=posterior)
 
@@ -416,28 +429,30 @@ class Decoder:
         return torch.as_tensor(x, device=self.device).long()
 
     def _commit(self, tree_tokens, features, path, n_accepted, bonus, new_lengths) -> None:
-        """Emit the accepted drafts and the bonus, log the round, stop, and feed the drafter."""
-        live = self.active  # (B,): updated in place only by the last line, after every read
-        drafts = tree_tokens.gather(1, path[:, 1:].clamp(min=0))                         # (B, D) junk past n_acc-1
+        """Emit the accepted drafts and the bonus, log the round, stop, and feed the drafter. The
+        decoder's buffers are written in place (`out=`), each temporary made once."""
+        live = self.active  # (B,): updated in place only by the last two lines, after every read
+        nodes = path.clamp(min=0)                                                        # (B, D+1) junk past n_acc
+        drafts = tree_tokens.gather(1, nodes[:, 1:])                                     # (B, D) junk past n_acc-1
         emitted = torch.cat([drafts, bonus[:, None]], dim=1)                             # (B, D+1)
         emitted.scatter_(1, (n_accepted - 1)[:, None], bonus[:, None])                   # the bonus ends the run
         valid = live[:, None] & (self.columns < n_accepted[:, None])                     # (B, D+1)
         discard = self.out.shape[1] - 1
         self.out.scatter_(1, torch.where(valid, self.out_len[:, None] + self.columns, discard), emitted)
-        committed = torch.where(live, n_accepted, 0)
+        # n_accepted where live, else 0; it is also the drafter's new feature rows, written there at once
+        committed = torch.mul(n_accepted, live, out=self.n_features if self.drafting else None)
         # each request's own round count indexes its log, so a request admitted mid-flight logs from column 0
         column = self.round.clamp(max=self.accepted.shape[1] - 1)
         self.accepted.scatter_(1, column[:, None], committed[:, None])
         self.round += live
         stopped = (valid[..., None] & (emitted[..., None] == self.stop_table)).flatten(1).any(dim=1)
         self.out_len += committed
-        self.cache.lengths.copy_(torch.where(live, new_lengths, self.cache.lengths))
+        torch.where(live, new_lengths, self.cache.lengths, out=self.cache.lengths)
         if self.drafting:
-            rows = path.clamp(min=0)[..., None].expand(-1, -1, features.shape[-1])     # (B, D+1, F)
-            self.features.copy_(features.gather(1, rows))
-            self.n_features.copy_(committed)
-        self.root.copy_(torch.where(live, bonus, self.root))
-        self.active &= ~stopped & (self.out_len < self.max_new)
+            torch.gather(features, 1, nodes[..., None].expand(-1, -1, features.shape[-1]), out=self.features)
+        torch.where(live, bonus, self.root, out=self.root)
+        self.active.masked_fill_(stopped, False)
+        self.active &= self.out_len < self.max_new
 
     # ------------------------------------------------------------------------------------------
     # a request batch: prefill, then rounds
@@ -770,7 +785,7 @@ class PreparedStep:
                 path, n_accepted, bonus = result.path.long(), result.n_accepted.long(), result.bonus.long()
             else:  # the root alone: its entry is already in place
                 new_lengths = d.cache.lengths + 1
-                path, n_accepted, bonus = d.root_path, torch.ones_like(d.root), d.posterior[:, 0]
+                path, n_accepted, bonus = d.root_path, d.ones, d.posterior[:, 0]
             d._commit(self.tree.tokens.long(), out.features, path, n_accepted, bonus, new_lengths)
         return StepOutputs(draft=draft, tree=self.tree, logits=out.logits, posterior=d.posterior)
 

@@ -105,7 +105,8 @@ def test_yarn_rope_equals_transformers(rope, legacy_factor):
     positions = torch.arange(41)[None]
     for convention in ("transformers", "legacy"):
         drafter = DFlashDrafter(DFlashConfig.from_dict(raw, yarn_attention=convention))
-        cos, sin = drafter._rope(positions)
+        table, _ = drafter._rope(positions)  # [cos | -sin (first half) | sin (second half)]
+        cos, sin = table[..., :16], torch.cat([-table[..., 16:24], table[..., 24:]], dim=-1)
         factor = {"transformers": None, "legacy": 0.1 * math.log(rope["factor"]) + 1}[convention]
         explicit = raw if factor is None else raw | {"rope_scaling": rope | {"attention_factor": factor}}
         want_cos, want_sin = qwen3_rope(explicit, positions[0])

@@ -45,7 +45,7 @@ import torch
 from .. import cli, results
 from . import command_parser
 from ..pairs import pair_with_prompts, PairWithPrompts, stand_in_paths
-from ..decode import STAGES, DecodeResult, Decoder, StageTimer, decoder_capacity, generate, step_shape
+from ..decode import STAGES, DecodeResult, StageTimer, generate, shape_decoder
 from ..dflash import hf_features, load_drafter
 from ..tree_accept import accept
 from ..contracts import DraftTopK, unpack_mask
@@ -160,12 +160,8 @@ def step_profile(target, drafter, prompts, *, method: str, budget: int, new_toke
     eager step's median ms and the graph replay's (bench.timing.gpu_seconds, L2 kept), and
     eager_vs_graph. Steps past the requests' ends run at the same shapes, so every repeat is a full step."""
     from .timing import gpu_seconds
-    depth = drafter.config.draft_depth if method != "ar" else 0
-    step_budget, nodes = step_shape(method, budget, depth)
-    decoder = Decoder(target, drafter if method != "ar" else None, method=method, budget=step_budget,
-                      batch=len(prompts), capacity=decoder_capacity(prompts, new_tokens, nodes, depth),
-                      temperature=0.0, backend="cupy")
-    decoder.reset(prompts, max_new_tokens=new_tokens)
+    decoder = shape_decoder(target, drafter, prompts, method=method, budget=budget, new_tokens=new_tokens,
+                            backend="cupy")
     for _ in range(STEP_WARMUP):
         decoder.step()
     timer = StageTimer(decoder.device)

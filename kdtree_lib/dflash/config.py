@@ -137,6 +137,11 @@ class DFlashConfig:
         """F: width of the concatenated target features."""
         return len(self.target_layer_ids) * self.hidden_size
 
+    @property
+    def positional_mask(self) -> bool:
+        """Whether any layer's mask depends on positions (causal, or a sliding window)."""
+        return self.is_causal or any(self.window(i) is not None for i in range(self.num_hidden_layers))
+
     def window(self, layer: int) -> int | None:
         sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.model import RMSNorm, yarn_inv_freq
+from ..model.model import RMSNorm, arange_on, made_once, rotate, yarn_inv_freq
 from ..model.tp import TensorParallel
 from .config import DFlashConfig
 
@@ -42,14 +42,12 @@ from .config import DFlashConfig
 # ----------------------------------------------------------------------------------------------
 # modules (Qwen3's layers; attention takes the context's keys and values from outside)
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """x (B, heads, N, d); cos/sin (B, N, d)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+def rope_index(dim: int) -> torch.Tensor:
+    """int64 [2d]: where `rotate` (model.model) reads x [..., d] from, as [x | x2 | x1] with x1, x2 its
+    halves: x cos + rotate_half(x) sin, rotate_half(x) = [-x2 | x1], with the table of DFlashDrafter._rope."""
+    half = dim // 2
+    steps = torch.arange(dim, device="cpu")  # cpu even when built on meta
+    return torch.cat([steps, steps[half:], steps[:half]])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,19 +123,44 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def key_value(self, x, cos, sin):
-        """Keys (normed, rotated) and values of x (B, N, D): two (B, G, N, d)."""
-        batch, n = x.shape[:2]
-        k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+    def key_value(self, x, rope):
+        """Keys (normed, rotated) and values of x (B, N, D): two (B, G, N, d); rope: (table (B, N, 2d),
+        index), DFlashDrafter._rope's."""
+        table, index = rope
+        k, v = self.unrotated_key_value(x)
+        return rotate(k, table[:, :, None], index).transpose(1, 2), v
 
-    def forward(self, x, context_k, context_v, cos, sin, mask):
-        """x (B, Q, D) attends to [context keys (B, G, C, d) ; its own keys]; mask (B, 1, Q, C + Q) or None."""
+    def unrotated_key_value(self, x):
+        """Keys normed, not yet rotated, (B, N, G, d), and values (B, G, N, d) of x (B, N, D)."""
         batch, n = x.shape[:2]
-        q = self.q_norm(self.q_proj(x).view(batch, n, self.heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)                                            # (B, H, Q, d)
-        own_k, own_v = self.key_value(x, cos, sin)                             # (B, G, Q, d)
+        k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def attention_mask(self, mask, context_len: int, queries: int, dtype):
+        """The form of a block's mask (B, 1, Q, C + Q) forward takes, made once per step: as is on the
+        split path; else its rows repeated per query head of a key/value head (SDPA's query rows), as
+        the additive mask SDPA makes of a boolean one (0 visible, -inf not, in the queries' `dtype`)."""
+        if mask is None or uses_split_kv(context_len, queries):
+            return mask
+        additive = torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        return additive.repeat(1, 1, self.heads // self.kv_heads, 1)           # (B, 1, (H/G)·Q, C + Q)
+
+    def forward(self, x, context_k, context_v, rope, mask):
+        """x (B, Q, D) attends to [context keys (B, G, C, d) ; its own keys]; rope: as key_value's; mask:
+        attention_mask's form of (B, 1, Q, C + Q), or None."""
+        batch, n = x.shape[:2]
+        table, index = rope
+        q = self.q_norm(self.q_proj(x).view(batch, n, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim))
+        # queries and the block's own keys rotated together (one gather, product and sum for both), stored
+        # head-major outside training (out= has no gradient): the GQA reshape below is then a view
+        both = torch.cat([q, k], dim=2)                                        # (B, Q, H + G, d)
+        head_major = None if both.requires_grad else both.new_empty(batch, self.heads + self.kv_heads, n,
+                                                                     self.head_dim).transpose(1, 2)
+        rotated = rotate(both, table[:, :, None], index, out=head_major).transpose(1, 2)
+        q, own_k = rotated.split([self.heads, self.kv_heads], dim=1)           # (B, H, Q, d), (B, G, Q, d)
+        own_v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         # GQA: the H / G query heads of one key/value head become rows of its query block, so each
         # key is read once (enable_gqa with a mask falls back to a path that repeats the keys)
         group = self.heads // self.kv_heads
@@ -147,8 +170,6 @@ class Attention(nn.Module):
         else:
             k = torch.cat([context_k, own_k], dim=2)                           # (B, G, C + Q, d)
             v = torch.cat([context_v, own_v], dim=2)
-            if mask is not None:
-                mask = mask.repeat(1, 1, group, 1)                             # (B, 1, (H/G)·Q, C + Q)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)      # (B, G, (H/G)·Q, d)
         out = out.reshape(batch, self.heads, n, self.head_dim)                 # (B, H, Q, d)
         return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))          # (B, Q, D)
@@ -177,8 +198,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, context_k, context_v, cos, sin, mask):
-        attention = self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
+    def forward(self, x, context_k, context_v, rope, mask):
+        attention = self.self_attn(self.input_layernorm(x), context_k, context_v, rope, mask)
         h, x = self.post_attention_layernorm.add_forward(self.tp.all_reduce(attention), x)  # x += attention
         return x + self.tp.all_reduce(self.mlp(h))
 
@@ -254,6 +275,7 @@ class DFlashDrafter(nn.Module):
         self.target: TargetHead | None = None
         self.inv_freq = (config.yarn.inv_freq(config.head_dim, config.rope_theta) if config.yarn else
                          yarn_inv_freq(config.head_dim, config.rope_theta))  # float32 [d/2]
+        self.rope_index = rope_index(config.head_dim)
 
     def bind(self, target) -> "DFlashDrafter":
         head = target if isinstance(target, TargetHead) else TargetHead.of(target)
@@ -275,16 +297,19 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def _rope(self, positions):
-        """cos, sin (B, N, d) at integer positions (B, N), computed in float32 (times YaRN's
-        attention factor), over the full head_dim in rotate_half's layout."""
+        """(table (B, N, 2d), index): `rotate`'s RoPE at integer positions (B, N), made once per
+        step for every layer: cos and sin of the angles over the full head_dim (rotate_half's layout),
+        in float32, times YaRN's attention factor, as [cos | -sin (first half) | sin (second half)]."""
         c = self.config
         if self.inv_freq.device != positions.device:  # once: a graph cannot capture a host copy
-            self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.float()[..., None] * self.inv_freq                  # (B, N, d/2)
+            self.inv_freq, self.rope_index = self.inv_freq.to(positions.device), self.rope_index.to(positions.device)
+        angles = positions[..., None] * self.inv_freq                          # float32 (B, N, d/2)
         angles = torch.cat([angles, angles], dim=-1)
+        half = c.head_dim // 2
+        cos, sin = angles.cos(), angles.sin()
+        table = torch.cat([cos, -sin[..., :half], sin[..., half:]], dim=-1)
         scale = c.yarn.attention_factor if c.yarn else 1.0
-        dtype = self.fc.weight.dtype
-        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+        return (table if scale == 1 else table * scale).to(self.fc.weight.dtype), self.rope_index
 
     def _head(self):
         if self.target is None:
@@ -307,11 +332,17 @@ class DFlashDrafter(nn.Module):
         return visible[:, None]                                                # (B, 1, Q, K)
 
     def _run_layers(self, x, query_pos, context_kv, key_pos, visible):
-        """x (B, Q, D) through every layer; context_kv(layer, i) -> (k, v) (B, G, C, d)."""
-        cos, sin = self._rope(query_pos)
+        """x (B, Q, D) through every layer; context_kv(layer, i) -> (k, v) (B, G, C, d). The RoPE
+        table and each distinct mask (per sliding window) are made once, for all layers."""
+        rope = self._rope(query_pos)
+        masks = {}
         for i, layer in enumerate(self.layers):
             context_k, context_v = context_kv(layer, i)
-            x = layer(x, context_k, context_v, cos, sin, self._mask(visible, query_pos, key_pos, i))
+            window = self.config.window(i)
+            if window not in masks:
+                masks[window] = layer.self_attn.attention_mask(self._mask(visible, query_pos, key_pos, i),
+                                                               context_k.shape[2], x.shape[1], x.dtype)
+            x = layer(x, context_k, context_v, rope, masks[window])
         return self.norm(x)
 
     # ------------------------------------------------------------------------------------------
@@ -346,13 +377,16 @@ class DFlashDrafter(nn.Module):
             end = int(cache.lengths.max()) + count
             if end > cache.capacity:
                 raise ValueError(f"cache: {end} slots needed, capacity {cache.capacity}")
-        slots = cache.lengths[:, None] + torch.arange(count, device=device)     # (B, T)
+        slots = cache.lengths[:, None] + arange_on(self, count, device)         # (B, T)
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # (B, T, D)
-        cos, sin = self._rope(slots)
+        table, rope_index = self._rope(slots)
         index = slots[:, None, :, None].expand(-1, cache.keys[0].shape[1], -1, c.head_dim)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(context, cos, sin)                # (B, G, T, d)
-            cache.keys[i].scatter_(2, index, k)
+        projected = [layer.self_attn.unrotated_key_value(context) for layer in self.layers]
+        # every layer's keys rotated together (Attention.key_value's rotation): one gather, product and sum
+        keys = [k for k, _ in projected]
+        keys = rotate(keys[0] if len(keys) == 1 else torch.cat(keys, dim=2), table[:, :, None], rope_index)
+        for i, (k, (_, v)) in enumerate(zip(keys.split(projected[0][0].shape[2], dim=2), projected)):
+            cache.keys[i].scatter_(2, index, k.transpose(1, 2))                # (B, G, T, d)
             cache.values[i].scatter_(2, index, v)
         cache.lengths += n_new.long()  # in place: a prepared step or a captured graph reads this buffer
 
@@ -371,14 +405,17 @@ class DFlashDrafter(nn.Module):
         self.extend(cache, features, n_new, static=static)
         batch, device = features.shape[0], cache.lengths.device
         visible_slots = cache.attended_slots(static)
-        key_slot = torch.arange(visible_slots, device=device)
-        block_pos = cache.lengths[:, None] + torch.arange(c.block_size, device=device)      # (B, Q)
-        key_pos = torch.cat([key_slot.expand(batch, -1), block_pos], dim=1)                # (B, L' + Q)
+        key_slot = arange_on(self, visible_slots, device)
+        block_pos = cache.lengths[:, None] + arange_on(self, c.block_size, device)         # (B, Q)
+        # key positions matter only to causal or windowed layers (_mask)
+        key_pos = torch.cat([key_slot.expand(batch, -1), block_pos], dim=1) if c.positional_mask else None
+        own = made_once(self, "_own_block", (batch, c.block_size, device),                 # (B, Q, Q) all visible
+                        lambda: torch.ones(batch, c.block_size, c.block_size, dtype=torch.bool, device=device))
         visible = torch.cat([(key_slot[None, :] < cache.lengths[:, None])[:, None, :].expand(-1, c.block_size, -1),
-                             torch.ones(batch, c.block_size, c.block_size, dtype=torch.bool, device=device)],
-                            dim=2)                                                          # (B, Q, L' + Q)
-        block = torch.full((batch, c.block_size), c.mask_token_id, dtype=torch.long, device=device)
-        block[:, 0] = torch.as_tensor(bonus, device=device).long()
+                             own], dim=2)                                                   # (B, Q, L' + Q)
+        masks = made_once(self, "_mask_tokens", (batch, c.block_size, device), lambda: torch.full(
+            (batch, c.block_size - 1), c.mask_token_id, dtype=torch.long, device=device))    # (B, Q - 1)
+        block = torch.cat([torch.as_tensor(bonus, device=device).long()[:, None], masks], dim=1)  # [bonus, mask, ...]
         x = head.embed(block).to(self.fc.weight.dtype)                                    # (B, Q, D)
         hidden = self._run_layers(
             x, block_pos,
@@ -411,14 +448,14 @@ class DFlashDrafter(nn.Module):
 
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))            # (B, S, D)
         context_pos = torch.arange(length, device=device).expand(batch, -1)
-        cos, sin = self._rope(context_pos)
+        rope = self._rope(context_pos)
         block_id = torch.arange(n_blocks, device=device).repeat_interleave(c.block_size)   # (N*Q,)
         sees_context = context_pos[:, None, :] < anchors.repeat_interleave(c.block_size, dim=1)[:, :, None]
         same_block = (block_id[:, None] == block_id[None, :]).expand(batch, -1, -1)
         visible = torch.cat([sees_context, same_block], dim=2)                             # (B, N*Q, S + N*Q)
         key_pos = torch.cat([context_pos, block_pos], dim=1)
         hidden = self._run_layers(x, block_pos,
-                                  lambda layer, i: layer.self_attn.key_value(context, cos, sin),
+                                  lambda layer, i: layer.self_attn.key_value(context, rope),
                                   key_pos, visible)
         return hidden.view(batch, n_blocks, c.block_size, -1)
 

@@ -120,18 +120,53 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, yarn_mscale(factor)
 
 
-def apply_rope(x, cos, sin, interleave: bool, out=None):
-    """Rotate pairs of x [..., rope] by the angles in cos/sin [..., rope/2] (broadcast), into `out`
-    when given (a prepared launch's query buffer).
+def rope_index(rope: int, interleave: bool) -> torch.Tensor:
+    """int64 [2 rope]: where `rotate` reads a target key or query [..., rope] from, as [x1 | x2 | x2 | x1]
+    with x1, x2 the first and second elements of the rotated pairs: (0,1), (2,3), ... in interleaved
+    checkpoints, else the two halves. The output holds the rotated pairs as [first halves | second
+    halves], for queries and keys alike, so their dot products are right."""
+    first = torch.arange(0, rope, 2 if interleave else 1, device="cpu")[:rope // 2]  # cpu even when built on meta
+    second = first + (1 if interleave else rope // 2)
+    return torch.cat([first, second, second, first])
 
-    Interleaved checkpoints pair (0,1), (2,3), ...; the output holds the rotated pairs as
-    [first halves | second halves], for queries and keys alike, so their dot products are right.
-    """
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1, out=out)
+
+def rope_table(cos, sin, scale: float, dtype) -> torch.Tensor:
+    """rotate's table for rope_index's gather, [..., 2 rope] = [cos | cos | -sin | sin] x scale in
+    `dtype`, from float32 cos/sin [..., rope/2]: made once per step for all layers."""
+    table = torch.cat([cos, cos, -sin, sin], dim=-1)
+    return (table if scale == 1 else table * scale).to(dtype)  # x * 1 is x: the multiply is skipped
+
+
+def rotate(x, table, index, out=None):
+    """RoPE in three ops: x [..., n] gathered at `index` [2n], times `table` [..., 2n] (broadcast), and
+    the two halves of the products added (into `out` when given: a prepared launch's query buffer, or
+    a strided view that lays the result out as its reader wants it).
+
+    Output element i is terms[i] + terms[n + i]: the tables place each output's cosine term in the
+    first half and its sine term, sign included, in the second, so every element is the textbook
+    formula's products and sum, bit for bit (x1 cos - x2 sin = x1 cos + x2 (-sin) exactly)."""
+    n = x.shape[-1]
+    terms = x.index_select(-1, index) * table
+    return torch.add(terms[..., :n], terms[..., n:], out=out)
+
+
+def made_once(owner, name: str, key, make):
+    """owner's tensor `name`, made by make() and kept while `key` holds (a step's constant: offsets,
+    a cast weight), so a step does not launch it again. While a CUDA graph captures, make()'s kernel
+    is only recorded, so what it returns is not kept (the warm-up steps before a capture keep theirs)."""
+    held = owner.__dict__.get(name)
+    if held is not None and held[0] == key:
+        return held[1]
+    value = make()
+    if not (value.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        owner.__dict__[name] = (key, value)
+    return value
+
+
+def arange_on(owner, count: int, device) -> torch.Tensor:
+    """int64 arange(count) on `device`, made once per owner and count (made_once)."""
+    return made_once(owner, f"_arange_{count}", torch.device(device),
+                     lambda: torch.arange(count, device=device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,8 +178,8 @@ class Step:
     tree: Tree            # on the model's device; a chain for a prefill
     lengths: torch.Tensor  # int32 [B]: committed tokens, visible to every new token
     slots: torch.Tensor    # int64 [B, T]: cache slot of new token t = lengths + t
-    cos: torch.Tensor      # [B, T, rope/2] at positions lengths + depth
-    sin: torch.Tensor
+    rope: torch.Tensor     # [B, T, 2 rope]: rotate's table at positions lengths + depth (rope_table, once per step)
+    rope_index: torch.Tensor  # int64 [2 rope]: rotate's gather (rope_index, made once per model)
     visible: int           # slots any token may see: max(lengths) + T
     mask: torch.Tensor | None  # bool [B, T, visible]: for the naive path and the absorbed torch reference
                                # (once per step, on the device), None where the kernel attends
@@ -210,7 +245,6 @@ class Attention(nn.Module):
         tp.split(c.num_attention_heads, "num_attention_heads")
         self.heads = c.num_attention_heads // tp.size
         self.nope, self.rope, self.v_dim, self.latent = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        self.interleave = c.rope_interleave
         self.scale = c.softmax_scale
         self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
@@ -226,9 +260,9 @@ class Attention(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)                            # (B, T, H, 128|64)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope], dim=-1)  # (B, T, 512|64)
         prepared = step.prepared if step.prepared is not None and step.prepared.attention[layer] is not None else None
-        q_rope = apply_rope(q_rope, step.cos[:, :, None], step.sin[:, :, None], self.interleave,
-                            out=None if prepared is None else prepared.q_rope)  # straight into the launch's buffer
-        k_rope = apply_rope(k_rope, step.cos, step.sin, self.interleave)
+        q_rope = rotate(q_rope, step.rope[:, :, None], step.rope_index,
+                        out=None if prepared is None else prepared.q_rope)  # straight into the launch's buffer
+        k_rope = rotate(k_rope, step.rope, step.rope_index)
         entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)                   # (B, T, 576)
         rows = torch.arange(B, device=x.device)[:, None] if step.rows is None else step.rows
         kv[rows, step.slots] = entries.to(kv.dtype)
@@ -307,7 +341,7 @@ class Router(nn.Module):
 
     def forward(self, x):                                              # x (N, D)
         c = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()    # (N, E) fp32
+        scores = F.linear(x.float(), self.weight_fp32()).sigmoid()     # (N, E) fp32
         choice = scores + self.e_score_correction_bias
         if c.topk_group < c.n_group:
             groups = choice.view(len(x), c.n_group, -1)                # (N, G, E/G)
@@ -320,6 +354,15 @@ class Router(nn.Module):
         if c.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * c.routed_scaling_factor, ids
+
+    def weight_fp32(self) -> torch.Tensor:
+        """The weight in float32 (the router's scores are fp32): cast once and kept until the weight
+        changes (a load, a move or a cast: its address, version or dtype), not once per call."""
+        weight = self.weight
+        if weight.dtype == torch.float32 or weight.is_inference():  # an inference tensor has no version to watch
+            return weight.float()
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        return made_once(self, "_weight_fp32", key, weight.float)
 
     def _apply(self, fn, recurse=True):
         """Keep the correction bias in fp32 when the model is cast (as transformers does)."""
@@ -426,18 +469,24 @@ class Experts(nn.Module):
 
     def grouped(self, x, ids, weights):
         """Fixed shapes and no host synchronisation (a CUDA graph captures it): every (token, slot)
-        assignment is sorted by expert, other ranks' experts last, and those rows are dropped."""
+        assignment is sorted by expert, other ranks' experts last, and those rows are dropped. ids are
+        the router's, expert ids in [0, total_experts): where this rank holds every expert, all are its own."""
         experts = len(self.expert_ids)
-        local = ids - self.expert_ids.start                                # (N, k)
-        mine = (local >= 0) & (local < experts)
-        key = torch.where(mine, local, experts).flatten()                  # (N*k,) other ranks' experts sort last
-        order = torch.argsort(key, stable=True)
+        mine = None
+        if experts == self.total_experts:
+            key = ids.flatten()                                            # (N*k,)
+        else:
+            local = ids - self.expert_ids.start                            # (N, k)
+            mine = (local >= 0) & (local < experts)
+            key = torch.where(mine, local, experts).flatten()              # (N*k,) other ranks' experts sort last
+        by_expert, order = key.sort(stable=True)
         token = order // ids.shape[1]                                      # assignment n*k + j is token n
-        ends = torch.searchsorted(key[order], torch.arange(experts, device=x.device), right=True).to(torch.int32)
+        ends = torch.searchsorted(by_expert, arange_on(self, experts, x.device), right=True, out_int32=True)
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # (N*k, D)
-        keep = mine.flatten()[order, None]                                 # rows past ends[-1] are not computed
-        y = torch.where(keep, y * weights.flatten()[order, None], 0)
+        y.mul_(weights.flatten()[order, None])                             # fp32 products, stored in y's dtype
+        if mine is not None:                                               # rows past ends[-1] are not computed
+            y = torch.where(mine.flatten()[order, None], y, 0)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
@@ -526,11 +575,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(stop - self.start, dim))
         self.tp_dim = 0
 
-    def forward(self, ids):
-        local = ids - self.start
-        inside = (local >= 0) & (local < len(self.weight))
-        x = F.embedding(local.clamp(0, len(self.weight) - 1), self.weight)
-        return self.tp.all_reduce(x * inside[..., None].to(x.dtype))
+    def forward(self, ids):                                            # ids int32 or int64
+        local = ids if self.start == 0 else ids - self.start
+        clamped = local.clamp(0, len(self.weight) - 1)
+        x = F.embedding(clamped, self.weight)
+        return self.tp.all_reduce(x * (clamped == local)[..., None])  # rows outside this rank's: zero
 
 
 class Transformer(nn.Module):
@@ -548,6 +597,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = linear(config.hidden_size, len(self.embed_tokens.weight), tp_dim=0)
         self.inv_freq, self.rope_scale = rope_frequencies(config)
+        self.rope_index = rope_index(config.qk_rope_head_dim, config.rope_interleave)
 
     @property
     def device(self) -> torch.device:
@@ -641,7 +691,7 @@ class Transformer(nn.Module):
         if prepared is not None:
             prepared.check(tree, cache)
         step = self.step(tree, cache, static=static, prepared=prepared)
-        x = self.embed_tokens(tree.tokens.long())                       # (B, T, D)
+        x = self.embed_tokens(tree.tokens)                              # (B, T, D)
         outputs = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, step, cache.kv[i], path=self.attention, backend=self.attention_backend, layer=i)
@@ -665,20 +715,19 @@ class Transformer(nn.Module):
                 raise ValueError(f"cache: {nodes} new tokens after {int(lengths.max())} committed exceed "
                                  f"its capacity L_max={cache.capacity}")
         if self.inv_freq.device != self.device:  # once: a graph cannot capture a copy from pageable memory
-            self.inv_freq = self.inv_freq.to(self.device)
-        slots = lengths[:, None].long() + torch.arange(nodes, device=self.device)              # (B, T)
-        angles = (lengths[:, None] + tree.depths).float()[..., None] * self.inv_freq            # (B, T, rope/2)
-        dtype = self.embed_tokens.weight.dtype
-        cos, sin = ((f(angles) * self.rope_scale).to(dtype) for f in (torch.cos, torch.sin))
+            self.inv_freq, self.rope_index = self.inv_freq.to(self.device), self.rope_index.to(self.device)
+        slots = lengths[:, None] + arange_on(self, nodes, self.device)                          # int64 (B, T)
+        angles = (lengths[:, None] + tree.depths)[..., None] * self.inv_freq                     # fp32 (B, T, rope/2)
+        rope = rope_table(torch.cos(angles), torch.sin(angles), self.rope_scale, self.embed_tokens.weight.dtype)
         if prepared is not None:
             kernel = prepared.attention[0] is not None
         else:
             kernel = self.attention == "absorbed" and _backend.resolve(
                 self.attention_backend, ("torch", "numpy", "cupy"), cache.kv[0], kernel_dtypes=KERNEL_DTYPES) == "cupy"
         mask = None if kernel else key_mask(lengths, tree, visible, device=self.device)
-        rows = torch.arange(batch, device=self.device)[:, None]
-        return Step(tree=tree, lengths=lengths, slots=slots, cos=cos, sin=sin, visible=visible, mask=mask, rows=rows,
-                    prepared=prepared)
+        rows = arange_on(self, batch, self.device)[:, None]
+        return Step(tree=tree, lengths=lengths, slots=slots, rope=rope, rope_index=self.rope_index, visible=visible,
+                    mask=mask, rows=rows, prepared=prepared)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ Items (every figure is per GPU, computed from the configs, not measured):
                        4.5 bits at group 32), 1/tp of them per rank (width slices or whole experts)
     weights bf16       everything else, with kdtree_lib.model's split: q_b/kv_b/o_proj, dense and
                        shared MLPs, embedding and LM head 1/tp each; q_a/kv_a, norms and routers whole
-    weights fp32       the routers' correction biases (kept in fp32)
+    weights fp32       the routers' correction biases (kept in fp32) and the fp32 copy of each router's
+                       weight that model.Router.weight_fp32 keeps beside the bf16 one (cast once, not per call)
     MLA cache          [B, L, 576] bf16 per layer, whole on every rank (one latent per token, no heads
                        to split), L = the decoder's capacity for `context` tokens and one tree
     drafter            the DFlash weights in bf16: whole ("replicated") or their attention and MLP
@@ -181,6 +182,8 @@ def target_weight_bytes(config: ModelConfig, tp: int) -> dict[str, int]:
             fp32 += tensor.numel() * FP32_BYTES
         else:
             bf16 += tensor.numel() * BF16_BYTES
+            if name.endswith("gate.weight"):  # the Router's weight: its kept fp32 copy too
+                fp32 += tensor.numel() * FP32_BYTES
     quant = config.quantization
     int4 = expert_weights * (quant.num_bits + 16 / quant.group_size) / 8 if quant else 0
     bf16 += 0 if quant else expert_weights * BF16_BYTES

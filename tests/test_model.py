@@ -295,3 +295,24 @@ def test_compute_bound_nodes_is_the_first_tree_past_the_ridge():
     first = compute_bound_nodes(config, 4096, ridge, heads=8)
     assert first is not None and intensity(first) >= ridge and all(intensity(n) < ridge for n in range(1, first))
     assert compute_bound_nodes(config, 4096, 1e9, heads=8, max_nodes=8) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_slots_combine_in_slot_order_whatever_the_row_order(dtype):
+    """model.combine_slots: a token's slots are summed in fp32 in slot order, so the result does not depend
+    on the order its rows arrive in (index_add_ on a GPU added them in whatever order atomics landed),
+    and it is the fp32 weighted sum rounded once."""
+    from kdtree_lib.model.model import combine_slots
+    generator = torch.Generator().manual_seed(3)
+    tokens, k, hidden = 11, 4, 24
+    rows = torch.randn(tokens * k, hidden, generator=generator).to(dtype)   # assignment order n*k + j
+    weights = torch.rand(tokens, k, generator=generator)
+    results = []
+    for seed in (0, 1, 2):
+        order = torch.randperm(tokens * k, generator=torch.Generator().manual_seed(seed))
+        results.append(combine_slots(rows[order], order, weights, dtype))  # row i of y is assignment order[i]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    exact = (rows.double().view(tokens, k, hidden) * weights.double()[..., None]).sum(1)
+    bound = rounding_bound(torch.float32, terms=k, magnitude=float(exact.abs().max())) + \
+        torch.finfo(dtype).eps * exact.abs()  # fp32 sum, then one rounding to dtype
+    assert ((results[0].double() - exact).abs() <= bound).all()

@@ -10,7 +10,7 @@ from kdtree_lib.decode import Decoder
 from kdtree_lib.dflash import DFlashConfig, DFlashDrafter
 from kdtree_lib.dflash.model import split_kv_attention, uses_split_kv
 from kdtree_lib.model import ModelConfig, TensorParallel
-from kdtree_lib.model.model import (Experts, Router, VocabParallelEmbedding, rope_index, rope_table, rotate,
+from kdtree_lib.model.model import (Experts, Router, combine_slots, VocabParallelEmbedding, rope_index, rope_table, rotate,
                                     yarn_inv_freq)
 from kdtree_lib.model.config import tiny_config
 from kdtree_lib.pairs import random_pair
@@ -258,8 +258,7 @@ def replaced_grouped(experts, x, ids, weights):
     gate, up = torch._grouped_mm(x[token], experts.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, experts.down_proj.transpose(1, 2), offs=ends)
     keep = mine.flatten()[order, None]
-    y = torch.where(keep, y * weights.flatten()[order, None], 0)
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    return combine_slots(torch.where(keep, y, 0), order, weights, x.dtype)  # the combine is not the rewrite here
 
 
 @pytest.mark.parametrize("moe_parallel, size, rank", [("tp", 1, 0), ("tp", 2, 1), ("ep", 2, 0), ("ep", 2, 1)])

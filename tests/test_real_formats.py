@@ -161,7 +161,10 @@ def test_random_real_format_checkpoint_matches_the_memory_plan(tmp_path):
     config = load_config(path)
     assert len(set(index["weight_map"].values())) == config.num_hidden_layers + 1
     shape_records = 16 * sum(name.endswith("_shape") for name in index["weight_map"])
-    assert plan(config, 1, 1, 16, 4).weights == index["metadata"]["total_size"] - shape_records
+    # the plan also holds what loading adds beside the stored bytes: each router's fp32 copy of its weight
+    routers_fp32 = 4 * config.n_routed_experts * config.hidden_size * sum(
+        config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    assert plan(config, 1, 1, 16, 4).weights - routers_fp32 == index["metadata"]["total_size"] - shape_records
     model = load_target(path, dtype=torch.float32)
     logits = model.prefill(torch.tensor([[1, 2, 3]]), model.new_cache(1, 8), logits="last").logits
     assert logits.shape == (1, 1, config.vocab_size) and torch.isfinite(logits).all()

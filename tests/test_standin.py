@@ -1,6 +1,8 @@
 """The stand-in pairs' shapes and the drafter/target step-time ratio (kdtree_lib.standin): the layer-time
 model on hand-made rows, the proposal against the real pair's ratio as the CT200 projection computes it,
 and the command that prints them."""
+import re
+
 import pytest
 
 from kdtree_lib import standin
@@ -59,10 +61,13 @@ def test_step_bytes_count_the_touched_experts_only():
 
 
 def test_the_proposal_against_the_real_pair():
-    """The committed rows: the current pair's drafter costs about one target step; k26-deep's modelled
-    ratio lies between the real pair's at DDTree's budgets (32 and 8) and below its AR-step ratio."""
+    """The committed rows: the fit returns the current pair's own measured ratio, (chain round - AR step) /
+    AR step (0.84 on the H200 at 24eeaaa; about 1.0 before the RMSNorm kernel and the op cuts); k26-deep's
+    modelled ratio lies between the real pair's at DDTree's budgets (32 and 8) and below its AR-step ratio."""
     times = standin.committed_layer_times()
-    assert times.ratio(standin.current_configs()) == pytest.approx(1.0, abs=0.1)
+    ar, chain = (float(part.split(" ms")[0]) for part in re.findall(r"(?:AR step|chain round) ([\d.]+ ms)", times.source))
+    assert times.ratio(standin.current_configs()) == pytest.approx((chain - ar) / ar, abs=0.002)  # ms printed to 3 places
+    assert times.ratio(standin.current_configs()) < 1.0  # the current drafter: most of a target step
     proposed = times.ratio(standin.pair_configs(standin.shape_of(standin.DEEP)))
     real = standin.real_pair_ratios()
     assert real["budget 32"] < real["budget 8"] < real["AR step"]

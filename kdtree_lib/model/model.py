@@ -484,10 +484,19 @@ class Experts(nn.Module):
         ends = torch.searchsorted(by_expert, arange_on(self, experts, x.device), right=True, out_int32=True)
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # (N*k, D)
-        y.mul_(weights.flatten()[order, None])                             # fp32 products, stored in y's dtype
         if mine is not None:                                               # rows past ends[-1] are not computed
             y = torch.where(mine.flatten()[order, None], y, 0)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return combine_slots(y, order, weights, x.dtype)
+
+
+def combine_slots(y, order, weights, dtype):
+    """out[t] = sum over slots s of weights[t, s] * y[t, s] in fp32, then one rounding to dtype: the INT4
+    kernel's moe_combine. y holds the (token, slot) rows in expert order (row i is assignment order[i]).
+    Why not index_add_ into the output: on CUDA it adds with atomics in whatever order they land, so a
+    greedy decode did not repeat itself run to run (H200, 2026-12-02: 2 of 8 AR texts equal; 8 of 8 under
+    torch's deterministic algorithms); here every sum runs in slot order."""
+    slots = y.new_empty(y.shape).index_copy_(0, order, y)                 # back in assignment order n*k + j
+    return (slots.view(*weights.shape, -1).float() * weights[..., None]).sum(1).to(dtype)
 
 
 class MoE(nn.Module):

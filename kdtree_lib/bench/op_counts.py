@@ -9,6 +9,8 @@ eager step costs, and it can be counted without a GPU:
   decomposed, as a GPU runs them) and counts those that would launch work: not views and other
   metadata-only ops (OpOverload.is_view, METADATA_OPS), not bare allocations (ALLOCATIONS); the host
   reads (`_local_scalar_dense`: .item(), bool(), .tolist()) are counted apart.
+- In bf16/fp16 each RMSNorm (with its fused residual add) counts as the one kernel launch a GPU makes
+  (kernels/rms_norm.cu, norms_as_kernels); in fp32 a GPU runs torch's ops, and so are they counted.
 - The step counted is the GPU's: a Decoder on the host backend whose PreparedStep's launches (draft
   top-k, tree build, per layer the verify attention, accept, compaction) are host stand-ins
   (HostLaunches) that compute the same results with the references, uncounted, and count one prepared
@@ -40,6 +42,7 @@ from ..decode import Decoder, PreparedStep, shape_decoder
 from ..dflash import model as dflash_model
 from ..draft_topk import draft_topk
 from ..model import model as target_model
+from ..rms_norm import KERNEL_DTYPES
 from ..tree_accept import accept, compact_cache
 from ..tree_build import build_tree
 from ..verify_attn import LATENT_DIM, ROPE_DIM, verify_attention
@@ -277,6 +280,28 @@ class StepCounts:
         return sum(n for label, n in self.counts.items() if label.startswith(f"{stage} /"))
 
 
+@contextlib.contextmanager
+def norms_as_kernels(counter: OpCounter, dtype):
+    """While counting a step in a dtype the RMSNorm kernel takes (rms_norm.KERNEL_DTYPES), each norm (with
+    its fused residual add) is what a GPU runs: one prepared launch, its torch ops uncounted."""
+    if str(dtype).removeprefix("torch.") not in KERNEL_DTYPES:
+        yield
+        return
+    norm = target_model.RMSNorm
+    forward, add_forward = norm.forward, norm.add_forward
+
+    def one_launch(method):
+        def run(self, *args):
+            with counter.prepared("rms norm"):
+                return method(self, *args)
+        return run
+    norm.forward, norm.add_forward = one_launch(forward), one_launch(add_forward)
+    try:
+        yield
+    finally:
+        norm.forward, norm.add_forward = forward, add_forward
+
+
 def host_decoder(target, drafter, prompts, *, method: str, budget: int, new_tokens: int = 32,
                  counter: OpCounter) -> Decoder:
     """A Decoder of this step shape on the host backend, its step the GPU's (HostLaunches), reset with `prompts`."""
@@ -295,7 +320,7 @@ def step_counts(target, drafter, prompts, *, method: str, budget: int = 1, warmu
     for _ in range(warmup):
         decoder.step()
     counter.prepared_calls.clear()
-    with labels.hooks(), counter:
+    with labels.hooks(), norms_as_kernels(counter, target.embed_tokens.weight.dtype), counter:
         decoder.step(labels.timer)
     shape = "ar" if method == "ar" else "chain" if method == "chain" else f"ddtree-{budget}"
     return StepCounts(shape, counter.counts, counter.by_op, counter.host_reads, counter.prepared_calls)

@@ -36,7 +36,7 @@ from .checks import check_positive_int
 from .contracts import CAPACITY_ROUND, cache_capacity as _cache_capacity
 from .dflash import DEFAULT_DRAFTER_PLACEMENT, DRAFTER_PLACEMENTS, DFlashDrafter
 from .model.config import ModelConfig
-from .model.model import Experts, Transformer
+from .model.model import Experts, Router, Transformer
 from .model.tp import TensorParallel
 from .paths import BF16_BYTES, FP32_BYTES
 
@@ -174,6 +174,7 @@ def target_weight_bytes(config: ModelConfig, tp: int) -> dict[str, int]:
     with torch.device("meta"):
         model = Transformer(config, TensorParallel(rank=0, size=tp))
     experts = {name for name, module in model.named_modules() if isinstance(module, Experts)}
+    routers = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Router)}
     expert_weights = bf16 = fp32 = 0
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.rsplit(".", 1)[0] in experts:
@@ -182,7 +183,7 @@ def target_weight_bytes(config: ModelConfig, tp: int) -> dict[str, int]:
             fp32 += tensor.numel() * FP32_BYTES
         else:
             bf16 += tensor.numel() * BF16_BYTES
-            if name.endswith("gate.weight"):  # the Router's weight: its kept fp32 copy too
+            if name in routers:  # Router.weight_fp32 keeps an fp32 copy beside it
                 fp32 += tensor.numel() * FP32_BYTES
     quant = config.quantization
     int4 = expert_weights * (quant.num_bits + 16 / quant.group_size) / 8 if quant else 0

@@ -152,7 +152,7 @@ class Attention(nn.Module):
         batch, n = x.shape[:2]
         table, index = rope
         q = self.q_norm(self.q_proj(x).view(batch, n, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim))
+        k, own_v = self.unrotated_key_value(x)                                 # (B, Q, G, d), (B, G, Q, d)
         # queries and the block's own keys rotated together (one gather, product and sum for both), stored
         # head-major outside training (out= has no gradient): the GQA reshape below is then a view
         both = torch.cat([q, k], dim=2)                                        # (B, Q, H + G, d)
@@ -160,7 +160,6 @@ class Attention(nn.Module):
                                                                      self.head_dim).transpose(1, 2)
         rotated = rotate(both, table[:, :, None], index, out=head_major).transpose(1, 2)
         q, own_k = rotated.split([self.heads, self.kv_heads], dim=1)           # (B, H, Q, d), (B, G, Q, d)
-        own_v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim).transpose(1, 2)
         # GQA: the H / G query heads of one key/value head become rows of its query block, so each
         # key is read once (enable_gqa with a mask falls back to a path that repeats the keys)
         group = self.heads // self.kv_heads

@@ -312,7 +312,10 @@ def test_the_slots_combine_in_slot_order_whatever_the_row_order(dtype):
         order = torch.randperm(tokens * k, generator=torch.Generator().manual_seed(seed))
         results.append(combine_slots(rows[order], order, weights, dtype))  # row i of y is assignment order[i]
     assert all(torch.equal(results[0], r) for r in results[1:])
-    exact = (rows.double().view(tokens, k, hidden) * weights.double()[..., None]).sum(1)
-    bound = rounding_bound(torch.float32, terms=k, magnitude=float(exact.abs().max())) + \
-        torch.finfo(dtype).eps * exact.abs()  # fp32 sum, then one rounding to dtype
+    products = rows.double().view(tokens, k, hidden) * weights.double()[..., None]
+    exact = products.sum(1)
+    # k fp32 products and k - 1 fp32 additions, each operand at most the sum of the products' sizes
+    # (per output), then one rounding to dtype
+    bound = rounding_bound(torch.float32, terms=k, magnitude=1.0) * products.abs().sum(1) + \
+        torch.finfo(dtype).eps * exact.abs()
     assert ((results[0].double() - exact).abs() <= bound).all()
